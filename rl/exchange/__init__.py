@@ -1,0 +1,265 @@
+"""The run-directory protocol: how every producer hands data to every consumer.
+
+All hand-offs (rollout batches, weight shards, checkpoints) go through the shared filesystem as
+step-versioned directories, `RUN_DIR/<kind>/step_000042/`. A producer writes into a private
+`step_000042.tmp-<random>/`, fsyncs every file, writes `manifest.json` (files, sizes, sha256, producer,
+policy version, time) last, fsyncs the directory and renames it into place. rename(2) of a directory is
+atomic on POSIX filesystems and on Lustre, so a directory named `step_N` is complete by construction and
+readers never look at `*.tmp-*`. Readers still verify sizes (cheap) and, where the data is about to be
+trained on or loaded into a server, checksums: a corrupted or truncated file raises `CorruptStep` and is
+never consumed.
+
+Consumers record what they consumed in `<kind>/consumed.jsonl` so retention never deletes a step a
+consumer still needs and a resumed consumer never takes a step twice.
+
+Nothing here imports torch: the launcher and the tests use it freely.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CorruptStep(RuntimeError):
+    """A published step whose files do not match its manifest."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def step_dir(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
+    return Path(run_dir) / kind / step_name(step)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    """Write one JSON file atomically (tmp + fsync + rename): for small state files outside steps."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+@dataclass
+class Published:
+    path: Path
+    step: int
+    manifest: dict
+
+
+def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[Path], None], *,
+            producer: str, policy_version: int | None = None, meta: dict | None = None,
+            checksum: bool = True, overwrite: bool = False) -> Published:
+    """Publish `RUN_DIR/kind/step_N` atomically. `write(tmp_dir)` fills the directory.
+
+    If step_N already exists it is left alone (another incarnation of this producer published it
+    before a crash) unless `overwrite`, in which case the old one is moved aside then removed after the
+    new one is in place.
+    """
+    base = Path(run_dir) / kind
+    base.mkdir(parents=True, exist_ok=True)
+    final = base / step_name(step)
+    if final.exists() and not overwrite:
+        return Published(final, step, read_manifest(final))
+    tmp = base / f"{step_name(step)}.tmp-{uuid.uuid4().hex[:10]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(tmp).as_posix()
+                if rel == MANIFEST:
+                    raise ValueError(f"{kind}/{step_name(step)}: producer wrote {MANIFEST} itself")
+                _fsync_path(p)
+                files[rel] = {"size": p.stat().st_size, **({"sha256": sha256_file(p)} if checksum else {})}
+        manifest = {
+            "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
+            "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
+            "meta": meta or {},
+        }
+        _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _fsync_path(tmp)
+        if final.exists():
+            trash = base / f"{step_name(step)}.tmp-old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_path(base)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Published(final, step, manifest)
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CorruptStep(f"{path}: no {MANIFEST}") from None
+    except json.JSONDecodeError as e:
+        raise CorruptStep(f"{path}/{MANIFEST}: not valid JSON ({e})") from None
+
+
+def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
+    """Check every file of a published step against its manifest; return the manifest or raise CorruptStep."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for rel, info in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise CorruptStep(f"{f}: listed in the manifest but missing")
+        size = f.stat().st_size
+        if size != info["size"]:
+            raise CorruptStep(f"{f}: {size} bytes, manifest says {info['size']} (truncated?)")
+        if checksums and "sha256" in info and sha256_file(f) != info["sha256"]:
+            raise CorruptStep(f"{f}: sha256 does not match the manifest")
+    return manifest
+
+
+def list_steps(run_dir: str | os.PathLike, kind: str) -> list[int]:
+    """Steps of `kind` whose directory is in place (complete by construction), ascending."""
+    base = Path(run_dir) / kind
+    if not base.is_dir():
+        return []
+    steps = []
+    for entry in os.scandir(base):
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_complete(run_dir: str | os.PathLike, kind: str, checksums: bool = False) -> int | None:
+    """Newest step of `kind` that verifies; corrupted ones are skipped (and reported once)."""
+    for step in reversed(list_steps(run_dir, kind)):
+        try:
+            verify(step_dir(run_dir, kind, step), checksums=checksums)
+            return step
+        except CorruptStep as e:
+            print(f"[exchange] skipping {kind}/{step_name(step)}: {e}", flush=True)
+    return None
+
+
+def wait_for(run_dir: str | os.PathLike, kind: str, step: int, *, timeout: float | None = None,
+             poll: float = 0.2, should_stop: Callable[[], bool] | None = None) -> Path | None:
+    """Block until `kind/step_N` exists. Returns None on timeout or when should_stop() says so."""
+    path = step_dir(run_dir, kind, step)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not path.is_dir():
+        if should_stop is not None and should_stop():
+            return None
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(poll)
+    return path
+
+
+def clean_tmp(run_dir: str | os.PathLike, kinds: Iterable[str]) -> int:
+    """Remove `*.tmp-*` leftovers of crashed producers. Call only when no producer of `kinds` is running."""
+    n = 0
+    for kind in kinds:
+        base = Path(run_dir) / kind
+        if not base.is_dir():
+            continue
+        for p in base.iterdir():
+            if ".tmp-" in p.name:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                n += 1
+    return n
+
+
+def discard_after(run_dir: str | os.PathLike, kind: str, step: int) -> list[int]:
+    """Remove steps of `kind` newer than `step` (a resume that restarts from an older checkpoint)."""
+    gone = [s for s in list_steps(run_dir, kind) if s > step]
+    for s in gone:
+        p = step_dir(run_dir, kind, s)
+        trash = p.with_name(p.name + f".tmp-discard-{uuid.uuid4().hex[:6]}")
+        os.rename(p, trash)  # atomic: a reader sees either the whole step or nothing
+        shutil.rmtree(trash, ignore_errors=True)
+    return gone
+
+
+class ConsumedLog:
+    """Append-only record of consumed steps, `<kind>/consumed.jsonl`, one JSON line per consumption."""
+
+    def __init__(self, run_dir: str | os.PathLike, kind: str, consumer: str):
+        self.path = Path(run_dir) / kind / "consumed.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.consumer = consumer
+
+    def record(self, step: int, **extra) -> None:
+        line = json.dumps({"step": step, "consumer": self.consumer, "time": time.time(), **extra})
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def entries(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line after a crash: that record never completed
+        return [e for e in out if e.get("consumer") == self.consumer]
+
+    def steps(self) -> list[int]:
+        return [e["step"] for e in self.entries()]
+
+
+def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    """Retention: delete all but the newest `keep_last` steps, never one in `protect`."""
+    steps = list_steps(run_dir, kind)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    keep |= set(protect)
+    gone = []
+    for s in steps:
+        if s not in keep:
+            p = step_dir(run_dir, kind, s)
+            trash = p.with_name(p.name + f".tmp-prune-{uuid.uuid4().hex[:6]}")
+            os.rename(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append(s)
+    return gone

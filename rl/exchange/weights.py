@@ -1,0 +1,106 @@
+"""Policy weights on the wire: FP8 block-scaled safetensors shards in HF layout.
+
+A `weights/step_N/` directory holds `model-0000i-of-0000k.safetensors` shards, the HF index
+`model.safetensors.index.json` and `fp8.json` (block size, which tensors are quantized). Linear weights
+of attention and experts are stored as e4m3 + `<name>_scale_inv` (see rl.fp8); embeddings, the LM head,
+norms and the MoE router gate stay in `wire_dtype` (bf16 by default), as in DeepSeek-V3's own checkpoints,
+because they are small and precision-sensitive.
+
+Readers that cannot compute in FP8 (vLLM on most CPUs) dequantize with `iter_tensors(dequantize=True)`;
+on a GPU the shards load as they are.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rl import fp8
+
+INDEX = "model.safetensors.index.json"
+FP8_META = "fp8.json"
+SCALE_SUFFIX = "_scale_inv"
+
+# DeepSeek-V3's choice: every projection inside attention and the MLP/experts is FP8, the rest is not.
+_KEEP_HIGH = re.compile(r"(embed_tokens|lm_head|norm|mlp\.gate\.weight$|\.bias$)")
+
+
+def default_quantize(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and not _KEEP_HIGH.search(name)
+
+
+def write_shards(out_dir: Path, tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool = True,
+                 wire_dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30,
+                 quantize: Callable[[str, torch.Tensor], bool] = default_quantize,
+                 block: int = fp8.BLOCK) -> dict:
+    """Write `tensors` (HF names) as shards into `out_dir`. Returns the index dict."""
+    out_dir = Path(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    quantized = []
+    for name, t in tensors.items():
+        t = t.detach()
+        if fp8_enabled and quantize(name, t):
+            q, s = fp8.quantize_block(t, block)
+            entries = {name: q, name + SCALE_SUFFIX: s}
+            quantized.append(name)
+        else:
+            entries = {name: t.to(wire_dtype).contiguous()}
+        nbytes = sum(v.numel() * v.element_size() for v in entries.values())
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1].update(entries)
+        size += nbytes
+    weight_map = {}
+    total = 0
+    k = len(shards)
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{k:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        for n, v in shard.items():
+            weight_map[n] = fname
+            total += v.numel() * v.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
+    (out_dir / FP8_META).write_text(json.dumps(
+        {"enabled": fp8_enabled, "block": block, "fmt": "e4m3", "scale_dtype": "float32",
+         "wire_dtype": str(wire_dtype).removeprefix("torch."), "quantized": sorted(quantized)}, indent=1))
+    return index
+
+
+def iter_tensors(weights_dir: Path, *, dequantize: bool = True, dtype: torch.dtype | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from a weights directory, shard by shard, in the writer's order.
+
+    With `dequantize`, FP8 tensors come back as `dtype` (default float32) and their scales are not
+    yielded; otherwise both are yielded as stored.
+    """
+    weights_dir = Path(weights_dir)
+    meta = json.loads((weights_dir / FP8_META).read_text())
+    block = meta["block"]
+    quantized = set(meta["quantized"])
+    index = json.loads((weights_dir / INDEX).read_text())
+    files = list(dict.fromkeys(index["weight_map"].values()))
+    for fname in files:
+        with safe_open(str(weights_dir / fname), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in quantized:
+                    if not dequantize:
+                        yield name, f.get_tensor(name)
+                    continue
+                t = f.get_tensor(name)
+                if name in quantized and dequantize:
+                    t = fp8.dequantize_block(t, f.get_tensor(name + SCALE_SUFFIX), dtype or torch.float32, block)
+                elif dtype is not None and dequantize:
+                    t = t.to(dtype)
+                yield name, t
+
+
+def load_state_dict(weights_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(weights_dir, dequantize=True, dtype=dtype))
