@@ -156,7 +156,6 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    hydra: Any = None
 
 
 def register() -> None:
@@ -235,4 +234,5 @@ def validate(cfg: DictConfig) -> None:
 def to_container(cfg: DictConfig) -> dict:
     c = OmegaConf.to_container(cfg, resolve=True)
     c.pop("hydra", None)
+    c.pop("_overrides", None)
     return c

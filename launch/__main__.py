@@ -1,0 +1,191 @@
+"""`python -m launch {run,plan,status,resume,cancel,logs}`: the user's entry point.
+
+  run [-m] [OVERRIDES...]   compose, validate, plan, then run locally (cluster=local, the default) or
+                            submit one heterogeneous Slurm job per point (cluster=slurm) and return
+  plan [OVERRIDES...]       print the allocation plan and the batch script, submit nothing
+  status RUN_DIR            job state and progress read from the run directory
+  resume RUN_DIR            start or resubmit a run from its frozen config; it resumes from the newest
+                            complete checkpoint
+  cancel RUN_DIR            stop the run (Slurm: scancel; local: SIGTERM to the roles)
+  logs RUN_DIR ROLE         print a role's log (-f to follow)
+
+Only light dependencies here (hydra, omegaconf, jinja2, rich): no torch, vLLM or torchtitan, so planning
+and submitting stay fast on a login node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launch.config import ConfigError
+
+
+def _plan(cfg: dict) -> dict:
+    from launch.plan import make_plan
+    return make_plan(cfg)
+
+
+def _launch(cfg: dict) -> tuple[int, str | None]:
+    """Run or submit one composed config. Returns (exit status, slurm job id or None)."""
+    plan = _plan(cfg)
+    if cfg["cluster"]["backend"] == "slurm":
+        from launch.slurm import launch_slurm
+        job_id = launch_slurm(cfg, cfg["run_dir"], plan)
+        print(f"submitted job {job_id}: {cfg['run_dir']}", flush=True)
+        return 0, job_id
+    from launch.local import run_local
+    return run_local(cfg, plan), None
+
+
+def cmd_run(ns) -> int:
+    from launch.compose import compose_points
+    points = compose_points(ns.overrides, ns.multirun)
+    if len(points) == 1:
+        return _launch(points[0])[0]
+    rows = []
+    for c in points:
+        rc, job = _launch(c)
+        rows.append((" ".join(c["_overrides"]), job or ("ok" if rc == 0 else f"exit {rc}"), c["run_dir"]))
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"sweep: {len(points)} points")
+    for col in ("overrides", "job" if points[0]["cluster"]["backend"] == "slurm" else "result", "run dir"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+    return 0 if all(not r[1].startswith("exit") for r in rows) else 1
+
+
+def cmd_plan(ns) -> int:
+    from launch.compose import compose_points
+    for c in compose_points(ns.overrides, ns.multirun):
+        plan = _plan(c)
+        from launch.plan import render_plan
+        print(render_plan(plan))
+        if c["cluster"]["backend"] == "slurm":
+            from launch.slurm import render_script
+            print(render_script(c, c["run_dir"], plan))
+    return 0
+
+
+def _frozen(run_dir: str) -> dict:
+    import yaml
+    p = Path(run_dir) / "config.yaml"
+    if not p.is_file():
+        raise ConfigError(f"{p}: not found (is {run_dir} a run directory?)")
+    return yaml.safe_load(p.read_text())
+
+
+def cmd_resume(ns) -> int:
+    cfg = _frozen(ns.run_dir)
+    cfg["run_dir"] = str(Path(ns.run_dir).absolute())
+    if ns.overrides:
+        from launch.compose import compose_points
+        over = compose_points(list(ns.overrides) + [f"run_dir={cfg['run_dir']}"], False)[0]
+        over.pop("_overrides", None)
+        cfg = over
+    from omegaconf import OmegaConf
+    from launch.config import validate
+    validate(OmegaConf.create(cfg))
+    return _launch(cfg)[0]
+
+
+def cmd_status(ns) -> int:
+    cfg = _frozen(ns.run_dir)
+    if cfg["cluster"]["backend"] == "slurm":
+        from launch.slurm import render_status, status
+        print(render_status(status(ns.run_dir)))
+        return 0
+    from rl import exchange
+    from rl.metrics import read_metrics
+    rd = Path(ns.run_dir)
+    info = {k: (exchange.list_steps(rd, k) or [None])[-1] for k in ("rollouts", "weights", "checkpoints")}
+    roles = {}
+    for p in sorted((rd / "roles").glob("*.json")):
+        r = json.loads(p.read_text())
+        try:
+            os.kill(r["pid"], 0)
+            alive = "running"
+        except OSError:
+            alive = "exited"
+        roles[r["role"]] = f"{alive} (pid {r['pid']} on {r['host']})"
+    ms = read_metrics(rd)
+    print(f"run {rd}: {'DONE' if (rd / 'DONE').exists() else 'not done'}; max_steps {cfg['trainer']['max_steps']}")
+    print("latest: " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    for r, s in roles.items():
+        print(f"  {r}: {s}")
+    if ms:
+        print("last metrics: " + json.dumps({k: ms[-1][k] for k in list(ms[-1])[:10]}))
+    return 0
+
+
+def cmd_cancel(ns) -> int:
+    cfg = _frozen(ns.run_dir)
+    if cfg["cluster"]["backend"] == "slurm":
+        from launch.slurm import cancel_run
+        cancel_run(ns.run_dir)
+        return 0
+    n = 0
+    for p in (Path(ns.run_dir) / "roles").glob("*.json"):
+        r = json.loads(p.read_text())
+        try:
+            os.kill(r["pid"], signal.SIGTERM)
+            n += 1
+        except OSError:
+            pass
+    print(f"sent SIGTERM to {n} role(s) of {ns.run_dir}")
+    return 0
+
+
+def cmd_logs(ns) -> int:
+    p = Path(ns.run_dir) / "logs" / f"{ns.role}.log"
+    if not p.exists():
+        have = sorted(x.stem for x in (Path(ns.run_dir) / "logs").glob("*.log"))
+        raise ConfigError(f"role {ns.role!r}: no log in {p.parent} (have: {', '.join(have) or 'none'})")
+    with open(p, errors="replace") as f:
+        sys.stdout.write(f.read())
+        while ns.follow:
+            line = f.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            else:
+                time.sleep(0.5)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "plan"):
+        s = sub.add_parser(name)
+        s.add_argument("-m", "--multirun", action="store_true", help="sweep: one job per point")
+        s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=debug trainer.max_steps=10")
+    s = sub.add_parser("resume")
+    s.add_argument("run_dir")
+    s.add_argument("overrides", nargs="*", help="resumable overrides (trainer.max_steps, cluster.*)")
+    for name in ("status", "cancel"):
+        sub.add_parser(name).add_argument("run_dir")
+    s = sub.add_parser("logs")
+    s.add_argument("run_dir")
+    s.add_argument("role")
+    s.add_argument("-f", "--follow", action="store_true")
+    ns = p.parse_args(argv)
+    try:
+        return {"run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
+                "cancel": cmd_cancel, "logs": cmd_logs}[ns.cmd](ns)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The embedded backend: every role as a local process on this machine, no Slurm.
+
+The same roles, the same run directory, the same `rl.prepare` step as the batch script, so what works
+here works on the cluster. The launcher stays in the foreground, shows a live progress line read from
+`metrics.jsonl`, and supervises: a role that crashes takes the others down (with its log's tail on the
+terminal), Ctrl-C or SIGTERM asks every role to stop at a step boundary and checkpoint, and running the
+same command again on the same run_dir resumes.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.rundir import freeze_run_dir
+
+REPO = Path(__file__).resolve().parent.parent
+EXIT_PREEMPTED = 3  # rl.runtime.EXIT_PREEMPTED, duplicated to keep torch-free imports minimal
+
+
+def role_commands(cfg: dict, run_dir: Path, python: str) -> dict[str, list[str]]:
+    cmds = {}
+    for i in range(int(cfg["inference"].get("replicas", 1))):
+        cmds[f"inference_{i}"] = [python, "-m", "rl.inference", "--run-dir", str(run_dir), "--index", str(i)]
+    cmds["trainer"] = [python, "-m", "rl.trainer", "--run-dir", str(run_dir)]
+    cmds["orchestrator"] = [python, "-m", "rl.orchestrator", "--run-dir", str(run_dir)]
+    return cmds
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 4096))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:100] if lines else ""
+    except FileNotFoundError:
+        return ""
+
+
+class _Progress:
+    """One live line: step, reward, tokens/s, lag (rich on a terminal, plain lines otherwise)."""
+
+    def __init__(self, run_dir: Path, max_steps: int):
+        from rl.metrics import read_metrics  # torch-free
+        self._read = read_metrics
+        self.run_dir = run_dir
+        self.max_steps = max_steps
+        self.seen = 0
+        self.tty = sys.stdout.isatty()
+        self.live = None
+        if self.tty:
+            from rich.live import Live
+            self.live = Live("", refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def update(self, phase: str) -> None:
+        ms = self._read(self.run_dir)
+        for m in ms[self.seen:]:
+            line = (f"step {m['step'] + 1:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
+                    f"kl {m.get('mismatch_kl', float('nan')):.2e}  lag {m.get('lag', float('nan')):.2f}  "
+                    f"{m.get('tokens_per_s', 0):.0f} tok/s  step {m.get('step_time_s', 0):.1f}s")
+            if self.live is not None:
+                self.live.console.print(line)
+            else:
+                print(line, flush=True)
+        self.seen = len(ms)
+        if self.live is not None:
+            last = ms[-1] if ms else {}
+            bar_n = int(20 * self.seen / max(self.max_steps, 1))
+            self.live.update(f"[bold][{'#' * bar_n}{'.' * (20 - bar_n)}][/bold] {self.seen}/{self.max_steps} "
+                             f"reward {last.get('reward_mean', 0):.3f}  {phase}")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def run_local(cfg: dict, plan: dict) -> int:
+    run_dir = Path(cfg["run_dir"])
+    resuming = freeze_run_dir(cfg, run_dir, plan, backend="local")
+    python = cfg["cluster"].get("python") or sys.executable
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("WANDB_MODE", cfg["wandb"]["mode"])
+    env["PYTHONUNBUFFERED"] = "1"
+    print(f"{'resuming' if resuming else 'starting'} run in {run_dir}", flush=True)
+    subprocess.run([python, "-m", "rl.prepare", "--run-dir", str(run_dir)], env=env, check=True, cwd=REPO)
+
+    logs = run_dir / "logs"
+    procs: dict[str, subprocess.Popen] = {}
+    for role, cmd in role_commands(cfg, run_dir, python).items():
+        log = open(logs / f"{role}.log", "ab")
+        procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                       start_new_session=True)
+        log.close()
+    print("roles: " + ", ".join(f"{r} (pid {p.pid})" for r, p in procs.items()) + f"; logs in {logs}", flush=True)
+
+    stopping = {"reason": None}
+
+    def _on_signal(signum, frame):
+        if stopping["reason"] is None:
+            stopping["reason"] = signal.Signals(signum).name
+            print(f"\n{stopping['reason']}: asking roles to checkpoint and stop (again to kill)", flush=True)
+            for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+        else:
+            for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = _Progress(run_dir, int(cfg["trainer"]["max_steps"]))
+    failed = None
+    try:
+        trainer_done_at = None
+        while any(p.poll() is None for p in procs.values()):
+            phase = " | ".join(f"{r}: {_last_line(logs / f'{r}.log')[:60]}" for r in ("trainer",))
+            progress.update(phase)
+            for role, p in procs.items():
+                rc = p.poll()
+                if rc not in (None, 0) and not (rc == EXIT_PREEMPTED and stopping["reason"]) and failed is None:
+                    failed = (role, rc)
+                    for q in procs.values():
+                        if q.poll() is None:
+                            os.killpg(q.pid, signal.SIGTERM)
+            if procs["trainer"].poll() == 0 and trainer_done_at is None:
+                trainer_done_at = time.monotonic()
+            if trainer_done_at and time.monotonic() - trainer_done_at > 120:
+                for q in procs.values():  # a role that ignores DONE must not hold the launcher forever
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGTERM)
+            time.sleep(0.5)
+        progress.update("finished")
+    finally:
+        progress.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    if failed:
+        role, rc = failed
+        print(f"error: role {role} exited with status {rc}; last lines of {logs / (role + '.log')}:\n"
+              f"{_tail(logs / f'{role}.log')}", file=sys.stderr, flush=True)
+        return 1
+    if stopping["reason"]:
+        print(f"stopped ({stopping['reason']}); resume with: python -m launch resume {run_dir}", flush=True)
+        return EXIT_PREEMPTED
+    if not (run_dir / "DONE").exists():
+        print(f"error: roles exited but {run_dir}/DONE is missing; see {logs}", file=sys.stderr)
+        return 1
+    print(f"done: {cfg['trainer']['max_steps']} steps in {run_dir}", flush=True)
+    return 0

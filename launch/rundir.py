@@ -1,0 +1,87 @@
+"""Creating and reopening run directories.
+
+A run directory is frozen at its first submission: `config.yaml` (the composed, resolved config),
+`plan.json`, `job.sbatch` (Slurm only) and `submissions.jsonl` (one line per submission). Submitting
+again into the same directory is a resume: the new config must equal the frozen one except for keys
+that may change between incarnations (more steps, other cluster settings); anything else is an error
+that names the first differing key, so a resume never silently trains a different run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+import yaml
+
+from launch.config import ConfigError
+from rl.exchange import atomic_write_json
+
+# Keys a resume may change. Everything else must match the frozen config.
+RESUMABLE_PREFIXES = ("trainer.max_steps", "cluster.", "wandb.", "inference.startup_timeout_s",
+                      "inference.port", "hydra")
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    fo, fn = _flatten(old), _flatten(new)
+    keys = sorted(set(fo) | set(fn))
+    return [k for k in keys if fo.get(k, "<unset>") != fn.get(k, "<unset>")
+            and not k.startswith(RESUMABLE_PREFIXES)]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_frozen(run_dir: Path) -> dict | None:
+    p = Path(run_dir) / "config.yaml"
+    return yaml.safe_load(p.read_text()) if p.exists() else None
+
+
+def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: str | None = None,
+                   backend: str = "local") -> bool:
+    """Write (or check) the frozen files. Returns True if this is a resume of an existing run."""
+    run_dir = Path(run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    old = load_frozen(run_dir)
+    resuming = old is not None
+    if resuming:
+        diff = config_diff(old, cfg)
+        if diff:
+            k = diff[0]
+            raise ConfigError(f"{k}: differs from the frozen config of {run_dir} "
+                              f"({_flatten(old).get(k, '<unset>')!r} -> {_flatten(cfg).get(k, '<unset>')!r}); "
+                              f"a resume cannot change it (use a new run_dir)")
+    for sub in ("logs", "roles", "rollouts", "weights", "checkpoints", "inference"):
+        (run_dir / sub).mkdir(exist_ok=True)
+    # The resumable keys may change, so the frozen files always hold the newest submission's values.
+    _atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    atomic_write_json(run_dir / "plan.json", plan)
+    if script is not None:
+        _atomic_write_text(run_dir / "job.sbatch", script)
+    secret = run_dir / "secret"
+    if not secret.exists():
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16))
+    with open(run_dir / "submissions.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "backend": backend, "resume": resuming}) + "\n")
+    return resuming

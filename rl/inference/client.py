@@ -1,0 +1,222 @@
+"""Async HTTP client of one policy server, for the orchestrator: tokens in, tokens + logprobs out.
+
+Light on purpose (httpx + asyncio, no torch, no vllm): the orchestrator is a CPU process. Prompts go in
+as token ids and completions come back as token ids with the sampled token's logprob, so nothing is
+re-tokenized between inference and training.
+
+Per-token policy versions come from two independent sources, and `Completion.versions` uses the
+first available:
+1. vLLM 0.32's own spans. The engine core stamps every output with its weight-version label
+   (`POST /update_weight_version`, which `update_weights` sets while the engine is paused), and the
+   token-in/token-out endpoint `/inference/v1/generate` (server flag `--enable-scale-out`, which
+   rl.inference.server passes) returns `weight_versions: [{version, start, end}]` over the completion
+   tokens. Exact, and free of races: the label travels with the tokens.
+2. The in-flight counts `update_weights` returns (taken by the worker extension while paused):
+   `{request key: completion tokens generated before the new weights}`. `/v1/completions` does not
+   return spans, so `versions_from_updates` rebuilds them from those counts. Caveat: a request that
+   finished just before the pause but whose response had not yet arrived is not in the counts; that is
+   why (1) is the default path.
+
+Request keys: the engine-side id of a completion request is `cmpl-<request_id>-0`, of a chat request
+`chatcmpl-<request_id>`, of a generate request `<request_id>`; `Completion.request_id` holds that key,
+which is what `update_weights()["in_flight"]` is keyed by.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+MODEL_NAME = "policy"
+
+
+class InferenceError(RuntimeError):
+    """A policy server answered with an error."""
+
+
+def completion_key(request_id: str) -> str:
+    return f"cmpl-{request_id}-0"
+
+
+def chat_key(request_id: str) -> str:
+    return f"chatcmpl-{request_id}"
+
+
+def versions_from_spans(spans: list[dict], n: int) -> list[int]:
+    """Per-token versions from vLLM's [{version, start, end}] spans (version labels are ints as text)."""
+    out = [-1] * n
+    for s in spans:
+        v = int(s["version"]) if str(s["version"]).lstrip("-").isdigit() else -1
+        for i in range(int(s["start"]), min(int(s["end"]), n)):
+            out[i] = v
+    if -1 in out:
+        raise InferenceError(f"weight version spans {spans} do not label all {n} tokens")
+    return out
+
+
+def versions_from_updates(n: int, start_version: int, updates: list[tuple[int, int]]) -> list[int]:
+    """Per-token versions of an n-token completion from in-flight counts.
+
+    `start_version` was loaded when the request was submitted; `updates` lists, in order,
+    (new version, tokens the request had when it was loaded) for every reload during the request.
+    """
+    out, v, pos = [], start_version, 0
+    for new_version, count in updates:
+        count = min(max(count, pos), n)
+        out += [v] * (count - pos)
+        pos, v = count, new_version
+    return out + [v] * (n - pos)
+
+
+def decode_routed_experts(b64: str | None):
+    """vLLM's base64 `.npy` of routed experts, [tokens - 1, layers, top_k], as a numpy array."""
+    if b64 is None:
+        return None
+    import numpy as np
+    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+
+
+@dataclass
+class Completion:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    request_id: str                      # engine-side key, as in update_weights()["in_flight"]
+    versions: list[int] | None = None    # per token, when the server reported spans
+    prompt_ids: list[int] | None = None
+    routed_experts: object | None = None  # numpy [prompt+completion-1, layers, top_k] when enabled
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+class InferenceClient:
+    """One server. `url` like http://host:port; `secret` is sent as a Bearer token when set."""
+
+    def __init__(self, url: str, secret: str | None = None, timeout: float = 300.0,
+                 max_connections: int = 256):
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def _post(self, path: str, json: dict | None = None, params: dict | None = None,
+                    headers: dict | None = None) -> dict:
+        r = await self._http.post(path, json=json, params=params, headers=headers)
+        if r.status_code >= 400:
+            raise InferenceError(f"POST {self.url}{path} -> {r.status_code}: {r.text[:1000]}")
+        return r.json() if r.content else {}
+
+    async def health(self) -> bool:
+        try:
+            r = await self._http.get("/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def weight_version(self) -> str:
+        r = await self._http.get("/weight_info")
+        r.raise_for_status()
+        return r.json()["weight_version"]
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, seed: int | None = None, request_id: str | None = None,
+                       *, ignore_eos: bool = False, endpoint: str = "generate",
+                       extra: dict | None = None) -> Completion:
+        """Sample one completion. endpoint="generate" (token-in/token-out, per-token versions) or
+        "completions" (OpenAI /v1/completions, versions from update_weights counts)."""
+        request_id = request_id or uuid.uuid4().hex
+        sp = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0,
+              "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {}), **(extra or {})}
+        if endpoint == "generate":
+            body = {"request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": sp,
+                    "model": MODEL_NAME}
+            data = await self._post("/inference/v1/generate", body)
+            ch = data["choices"][0]
+            ids = ch["token_ids"] or []
+            lps = [c["logprob"] for c in (ch.get("logprobs") or {}).get("content") or []]
+            spans = ch.get("weight_versions")
+            versions = versions_from_spans(spans, len(ids)) if spans is not None else None
+            key = request_id
+        elif endpoint == "completions":
+            body = {"model": MODEL_NAME, "prompt": list(prompt_ids), "return_token_ids": True,
+                    "request_id": request_id, **sp}
+            data = await self._post("/v1/completions", body)
+            ch = data["choices"][0]
+            ids = ch["token_ids"] or []
+            lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
+            versions = None
+            key = completion_key(request_id)
+        else:
+            raise ValueError(f"endpoint must be 'generate' or 'completions', got {endpoint!r}")
+        if len(lps) != len(ids):
+            raise InferenceError(f"{key}: {len(ids)} tokens but {len(lps)} logprobs")
+        return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason"),
+                          request_id=key, versions=versions, prompt_ids=ch.get("prompt_token_ids"),
+                          routed_experts=decode_routed_experts(ch.get("routed_experts")), raw=data)
+
+    async def chat(self, messages: list[dict], max_tokens: int, temperature: float = 1.0,
+                   top_p: float = 1.0, seed: int | None = None, request_id: str | None = None,
+                   extra: dict | None = None) -> Completion:
+        """Multi-turn: /v1/chat/completions with the server's chat template; token ids come back."""
+        request_id = request_id or uuid.uuid4().hex
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "logprobs": True, "top_logprobs": 0,
+                "return_token_ids": True, "request_id": request_id,
+                **({"seed": seed} if seed is not None else {}), **(extra or {})}
+        data = await self._post("/v1/chat/completions", body)
+        ch = data["choices"][0]
+        ids = ch.get("token_ids") or []
+        lps = [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
+        return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason"),
+                          request_id=chat_key(request_id), prompt_ids=data.get("prompt_token_ids"),
+                          raw=data)
+
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+        """Logprob of every prompt token after the first under the loaded policy (for checks)."""
+        body = {"model": MODEL_NAME, "prompt": list(prompt_ids), "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0, "return_token_ids": True}
+        data = await self._post("/v1/completions", body)
+        plp = data["choices"][0]["prompt_logprobs"]
+        return [float(d[str(t)]["logprob"]) for d, t in zip(plp[1:], prompt_ids[1:])]
+
+    async def update_weights(self, weights_dir: str, version: int, *, recompute_kv: bool = False,
+                             timeout: float | None = None) -> dict:
+        """Load a published weights/step_N in flight: pause (keep), load_policy, reset caches, resume.
+
+        Returns the worker's {"version", "previous_version", "in_flight", "seconds", ...} (first worker)
+        plus "prefix_cache_reset" and "wall_seconds". With `recompute_kv` the in-flight requests are
+        preempted so their KV cache is recomputed with the new weights; otherwise they keep the KV of
+        the tokens they already have (made by the old weights) and only the prefix cache of finished
+        requests is dropped (which fails, harmlessly reported, while requests hold blocks).
+        """
+        t0 = asyncio.get_running_loop().time()
+        await self._post("/pause", params={"mode": "keep"})
+        try:
+            rpc = {"method": "load_policy", "kwargs": {"weights_dir": str(weights_dir), "version": int(version)}}
+            if timeout is not None:
+                rpc["timeout"] = timeout
+            results = (await self._post("/collective_rpc", rpc))["results"]
+            if not results or not isinstance(results[0], dict):
+                raise InferenceError(f"load_policy returned {results!r}")
+            await self._post("/update_weight_version", {"new_version": str(int(version))})
+            reset = await self._post("/reset_prefix_cache",
+                                     params={"reset_running_requests": str(recompute_kv).lower()})
+        finally:
+            await self._post("/resume")
+        out = dict(results[0])
+        out["prefix_cache_reset"] = bool(reset.get("success"))
+        out["wall_seconds"] = asyncio.get_running_loop().time() - t0
+        return out

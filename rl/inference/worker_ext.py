@@ -1,0 +1,119 @@
+"""The vLLM worker extension: hot reload of a published policy version, and who was in flight.
+
+vLLM mixes `--worker-extension-cls rl.inference.worker_ext.WeightSyncExtension` into its worker class,
+so the methods below run inside every worker process with `self` being the worker (`self.model_runner`,
+`self.model_config`, `self.reload_weights`). The OpenAI server reaches them through
+`POST /collective_rpc {"method": "load_policy", "kwargs": {...}}` (VLLM_SERVER_DEV_MODE=1); the
+orchestrator calls that between `POST /pause?mode=keep` and `POST /resume` (rl.inference.client).
+
+Loading. The shards of `weights/step_N` are verified against their manifest first (a corrupt shard
+raises and nothing is loaded), then streamed through vLLM's own layerwise reloader
+(`Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`), which runs each layer's
+`process_weights_after_loading` again, so repacked kernels (CPU oneDNN linear, CPU MoE) get the new
+values in their runtime layout. One defect needs working around (shared/notes/vllm-cpu.md): the CPU
+MoE experts (`CPUUnquantizedExperts`) repack w13/w2 only on the cold-start branch of
+`UnquantizedFusedMoEMethod._setup_kernel`, taken when `moe_kernel is None`; on a reload the raw
+checkpoint layout would be copied into the packed buffers. So for the duration of the reload those
+layers get `moe_kernel = None` (cold-start branch: repack, build a kernel) and the original kernel and
+quant config come back in a `finally`. This touches vLLM internals: pinned to vllm-cpu 0.32.0, and
+tests/integration/test_inference_server.py compares a reloaded engine with a fresh one.
+
+Where the engine computes in FP8 (a GPU with FP8 support, server started with the FP8 checkpoint) the
+shards are passed through as stored (e4m3 + `_scale_inv`, the DeepSeek-V3 checkpoint layout vLLM's
+block FP8 loader expects); everywhere else they are dequantized to the model dtype. The FP8 path cannot
+run on this CPU (vLLM's block FP8 kernel needs AMX) and is untested here.
+
+Per-token policy versions. While the engine is paused with mode=keep no step runs, and the model
+runner's `requests` dict holds every unfinished request the scheduler has handed it, each with
+`output_token_ids`: the completion tokens sampled so far, all by the version loaded before this call.
+The CPU platform forces synchronous scheduling, so that list is exact (no placeholder for a step in
+flight). `load_policy` returns those counts keyed by the id the client sees: vLLM 0.32 turns the
+client's request id (`cmpl-<X-Request-Id or request_id>-<prompt index>` for completions,
+`chatcmpl-<...>` for chat) into the internal id by appending `-` and 8 hex characters
+(`InputProcessor.assign_request_id`); we strip that suffix. Requests still waiting for their first
+step are absent (0 tokens so far); a request that finished in the step just before the pause may still
+be listed, with its full count, which is also correct. With async scheduling (GPU default) the runner
+may hold placeholder tokens for a step whose output is not yet processed: counts there are untested.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+# vLLM appends f"-{random_uuid():.8}" to every client-supplied request id (input_processor.py).
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+VERSION_ENV = "HETRL_POLICY_VERSION"
+
+
+def external_request_id(internal_id: str) -> str:
+    """The id the OpenAI client sees for an engine-internal request id."""
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0"):
+        return internal_id
+    return _INTERNAL_SUFFIX.sub("", internal_id)
+
+
+def _cpu_moe_layers(model: torch.nn.Module) -> list:
+    """Quant methods of MoE layers whose CPU experts repack their weights at cold start only."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    out = []
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        if isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None \
+                and isinstance(getattr(qm.moe_kernel, "fused_experts", None), CPUUnquantizedExperts):
+            out.append(qm)
+    return out
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker: `load_policy`, `policy_version`, `in_flight_tokens`."""
+
+    def policy_version(self) -> int:
+        if not hasattr(self, "_hetrl_version"):
+            self._hetrl_version = int(os.environ.get(VERSION_ENV, "-1"))
+        return self._hetrl_version
+
+    def in_flight_tokens(self) -> dict[str, int]:
+        """{client request id: completion tokens generated so far} for every request the runner holds."""
+        return {external_request_id(rid): len(state.output_token_ids)
+                for rid, state in self.model_runner.requests.items()}
+
+    def _loads_fp8(self) -> bool:
+        return (getattr(self.model_config, "quantization", None) or "") == "fp8"
+
+    def load_policy(self, weights_dir: str, version: int) -> dict:
+        """Verify and load `weights_dir` (a published weights/step_N) as policy `version`.
+
+        Call only while the engine is paused (mode=keep). Returns {"version", "in_flight", "seconds",
+        "previous_version"}; in_flight maps client request ids to the number of completion tokens
+        they had when the weights changed (all made by the previous version).
+        """
+        from rl.exchange import verify
+        from rl.exchange.weights import iter_tensors
+
+        t0 = time.perf_counter()
+        version = int(version)
+        verify(weights_dir, checksums=True)  # raises CorruptStep before anything is touched
+        in_flight = self.in_flight_tokens()
+        previous = self.policy_version()
+        if self._loads_fp8():
+            weights = iter_tensors(Path(weights_dir), dequantize=False)
+        else:
+            weights = iter_tensors(Path(weights_dir), dequantize=True, dtype=self.model_config.dtype)
+        moe = _cpu_moe_layers(self.model_runner.get_model())
+        saved = [(qm, qm.moe_kernel, qm.moe_quant_config) for qm in moe]
+        try:
+            for qm in moe:
+                qm.moe_kernel = None  # take the cold-start branch: repack + fresh kernel
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        finally:
+            for qm, kernel, quant_config in saved:
+                qm.moe_kernel, qm.moe_quant_config = kernel, quant_config
+        self._hetrl_version = version
+        return {"version": version, "previous_version": previous, "in_flight": in_flight,
+                "seconds": time.perf_counter() - t0, "moe_layers_repacked": len(moe)}

@@ -1,0 +1,86 @@
+"""Step metrics: one JSON line per trainer step in `RUN_DIR/metrics.jsonl`, mirrored to wandb.
+
+The JSONL file is the source of truth (the launcher's progress line, `launch status` and the tests read
+it); wandb is a view. The wandb run id is created once and kept in `RUN_DIR/wandb_id`, so a resumed or
+requeued job continues the same run; offline, wandb starts a new folder per process with its own step
+counter, so every log call passes `step=` explicitly to keep the axis continuous (the folders merge at
+`wandb sync`). The trainer logs the orchestrator's numbers too (they travel in each rollout batch's
+metadata), which makes one wandb run for both roles.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    p = Path(run_dir) / METRICS_FILE
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # torn last line of a killed trainer
+    return out
+
+
+def truncate_metrics(run_dir: str | os.PathLike, first_dropped_step: int) -> None:
+    """Keep only lines of steps before `first_dropped_step` (a resume replays the later ones)."""
+    p = Path(run_dir) / METRICS_FILE
+    if not p.exists():
+        return
+    keep = [m for m in read_metrics(run_dir) if m.get("step", -1) < first_dropped_step]
+    tmp = p.with_name(p.name + ".tmp-" + secrets.token_hex(4))
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
+    os.replace(tmp, p)
+
+
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    p = Path(run_dir) / "wandb_id"
+    if not p.exists():
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(4))
+        except FileExistsError:
+            pass
+    return p.read_text().strip()
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | os.PathLike, cfg: Any, role: str = "trainer"):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.wandb = None
+        mode = cfg.wandb.mode
+        if mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+            from omegaconf import OmegaConf
+            self.wandb = wandb.init(
+                id=wandb_run_id(self.run_dir), resume="allow", mode=mode, project=cfg.wandb.project,
+                entity=cfg.wandb.get("entity"), dir=str(self.run_dir), name=self.run_dir.name,
+                config=OmegaConf.to_container(cfg, resolve=True), job_type=role,
+                settings=wandb.Settings(console="off", x_disable_stats=True),
+            )
+
+    def log(self, step: int, metrics: dict) -> None:
+        line = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
