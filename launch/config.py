@@ -73,6 +73,7 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     nodes: int = 1
     gpus_per_node: int = 0
+    master_port: int = 29500           # torch.distributed rendezvous port on the first trainer node
 
 
 @dataclass
@@ -97,6 +98,12 @@ class InferenceConfig:
     decode_nodes: int = 0
     kv_offload: Optional[str] = None   # None | cpu | cpu+disk
     router: bool = False
+    # Added for the Slurm plan (launch/plan.py):
+    router_port: int = 8100            # the router's port on the first inference node
+    dp_rpc_port: int = 13345           # base of vLLM's data-parallel RPC ports (one per multi-node replica)
+    all2all_backend: str = "auto"      # vLLM --all2all-backend with EP; auto: DeepEP (HT prefill, LL decode)
+    kv_offload_cpu_gb: float = 0.0     # CPU tier of the KV offload, per server (needs kv_offload)
+    kv_offload_disk_gb: float = 0.0    # disk tier (kv_offload=cpu+disk), under cluster.node_local_dir
 
 
 @dataclass
@@ -135,6 +142,10 @@ class ClusterConfig:
     extra_sbatch: list = field(default_factory=list)
     python: Optional[str] = None       # interpreter the roles run with (default: the launcher's)
     node_local_dir: str = "/tmp/hetrl"
+    # Added for the Slurm plan (launch/plan.py):
+    exclusive: bool = True             # whole nodes per het component (#SBATCH --exclusive)
+    job_name: Optional[str] = None     # default: hetrl-<experiment>
+    setup: list = field(default_factory=list)  # shell lines the batch script runs first (module load ...)
 
 
 @dataclass

@@ -34,44 +34,59 @@ def default_quantize(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not _KEEP_HIGH.search(name)
 
 
-def write_shards(out_dir: Path, tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool = True,
-                 wire_dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30,
-                 quantize: Callable[[str, torch.Tensor], bool] = default_quantize,
-                 block: int = fp8.BLOCK) -> dict:
-    """Write `tensors` (HF names) as shards into `out_dir`. Returns the index dict."""
-    out_dir = Path(out_dir)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    quantized = []
+def quantize_state_dict(tensors: Mapping[str, torch.Tensor], fp8_enabled: bool = True,
+                        wire_dtype: torch.dtype = torch.bfloat16,
+                        quantize: Callable[[str, torch.Tensor], bool] = default_quantize,
+                        block: int = fp8.BLOCK) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The wire form of `tensors`: e4m3 + scales for quantized weights, `wire_dtype` copies otherwise."""
+    out, quantized = {}, []
     for name, t in tensors.items():
         t = t.detach()
         if fp8_enabled and quantize(name, t):
             q, s = fp8.quantize_block(t, block)
-            entries = {name: q, name + SCALE_SUFFIX: s}
+            out[name], out[name + SCALE_SUFFIX] = q, s
             quantized.append(name)
         else:
-            entries = {name: t.to(wire_dtype).contiguous()}
-        nbytes = sum(v.numel() * v.element_size() for v in entries.values())
-        if size and size + nbytes > max_shard_bytes:
+            out[name] = t.to(wire_dtype).clone().contiguous()
+    return out, quantized
+
+
+def write_quantized(out_dir: Path, wire: Mapping[str, torch.Tensor], quantized: list[str], *,
+                    max_shard_bytes: int = 2 << 30, wire_dtype: torch.dtype = torch.bfloat16,
+                    block: int = fp8.BLOCK) -> dict:
+    """Shards + index + fp8.json for an already-quantized dict. A weight and its scale share a shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in wire.items():
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > max_shard_bytes and not name.endswith(SCALE_SUFFIX):
             shards.append({})
             size = 0
-        shards[-1].update(entries)
+        shards[-1][name] = t
         size += nbytes
-    weight_map = {}
-    total = 0
-    k = len(shards)
+    weight_map, total, k = {}, 0, len(shards)
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{k:05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        save_file(shard, str(Path(out_dir) / fname), metadata={"format": "pt"})
         for n, v in shard.items():
             weight_map[n] = fname
             total += v.numel() * v.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
-    (out_dir / FP8_META).write_text(json.dumps(
-        {"enabled": fp8_enabled, "block": block, "fmt": "e4m3", "scale_dtype": "float32",
+    (Path(out_dir) / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
+    (Path(out_dir) / FP8_META).write_text(json.dumps(
+        {"enabled": bool(quantized), "block": block, "fmt": "e4m3", "scale_dtype": "float32",
          "wire_dtype": str(wire_dtype).removeprefix("torch."), "quantized": sorted(quantized)}, indent=1))
     return index
+
+
+def write_shards(out_dir: Path, tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool = True,
+                 wire_dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30,
+                 quantize: Callable[[str, torch.Tensor], bool] = default_quantize,
+                 block: int = fp8.BLOCK) -> dict:
+    """Quantize and write `tensors` (HF names) as shards into `out_dir`. Returns the index dict."""
+    wire, quantized = quantize_state_dict(tensors, fp8_enabled, wire_dtype, quantize, block)
+    return write_quantized(out_dir, wire, quantized, max_shard_bytes=max_shard_bytes,
+                           wire_dtype=wire_dtype, block=block)
 
 
 def iter_tensors(weights_dir: Path, *, dequantize: bool = True, dtype: torch.dtype | None = None

@@ -42,7 +42,7 @@ import re
 import time
 from pathlib import Path
 
-import torch
+
 
 # vLLM appends f"-{random_uuid():.8}" to every client-supplied request id (input_processor.py).
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")

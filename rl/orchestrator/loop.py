@@ -112,7 +112,9 @@ class Orchestrator:
         except BaseException:
             self.tracker.forget(rid)
             raise
-        versions = self.tracker.finish(rid, len(c.ids))
+        tracked = self.tracker.finish(rid, len(c.ids))
+        # The engine's own per-token version spans are exact; the tracker is the fallback.
+        versions = list(c.versions) if c.versions is not None else tracked
         return c, versions
 
     async def _sample_group(self, sem: asyncio.Semaphore, task: dict, group: int, step: int, attempt: int):
@@ -223,5 +225,5 @@ class Orchestrator:
             except (asyncio.CancelledError, Exception):
                 pass
             for c in self.clients:
-                await c.close()
+                await c.aclose()
         return 0

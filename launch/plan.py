@@ -1,0 +1,303 @@
+"""The allocation plan: a pure function from the composed config to who runs where, with which command.
+
+One heterogeneous Slurm job per run. Het group 0 holds the trainer nodes: one `torchrun` per node (plain
+`python -m rl.trainer` when the trainer is a single process), and FSDP (`dp_shard`) x EP x CP must equal
+the trainer's world size. Het group 1 holds the inference nodes: vLLM replicas of `tp` x `dp` GPUs each
+(expert parallel over the whole replica when `inference.ep` > 1, the "wide EP" of large MoE models),
+optionally split into a prefill pool and a decode pool, the router and the orchestrator (CPU processes) on
+the first inference node. The plan is computed once, written to `RUN_DIR/plan.json` and read by every role
+and by the batch script template, so no role re-derives the topology.
+
+Every role entry carries its node range inside its het group, its command line, its environment and its
+log file; the template only loops over roles. Command arguments may name `${HETRL_TRAINER_ADDR}` or
+`${HETRL_ROLE_ADDR}` (the hostname of the first node of the trainer group, of the role itself), which the
+batch script sets at run time; `rl.inference` expands them in `vllm_command` with os.path.expandvars.
+Impossible plans raise `PlanError`, one line naming the key. No torch, no vLLM here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from launch.config import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+ALL2ALL = ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
+           "pplx", "nixl_ep")
+
+
+class PlanError(ConfigError):
+    """A config whose allocation cannot work; the message names the key."""
+
+
+def _need(cond: bool, key: str, value, msg: str) -> None:
+    if not cond:
+        raise PlanError(f"{key}={value!r}: {msg}")
+
+
+def _plain(cfg) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def run_id(run_dir: str) -> str:
+    """Short, stable name of a run for node-local paths and rendezvous ids."""
+    p = Path(run_dir).absolute()
+    return f"{p.name[:40]}-{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
+
+
+# -- trainer -----------------------------------------------------------------------------------------
+def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
+    t, m = cfg["trainer"], cfg["model"]
+    p = t["parallel"]
+    nodes, gpn = int(t["nodes"]), int(t["gpus_per_node"])
+    _need(nodes >= 1, "trainer.nodes", nodes, "must be at least 1")
+    _need(gpn >= 0, "trainer.gpus_per_node", gpn, "must be >= 0 (0 = CPU ranks)")
+    dims = p["dp_shard"] * p["ep"] * p["cp"]
+    _need(m["num_experts"] % p["ep"] == 0, "trainer.parallel.ep", p["ep"],
+          f"must divide model.num_experts={m['num_experts']}")
+    _need(p["cp"] == 1 or m["max_seq_len"] % (2 * p["cp"]) == 0, "trainer.parallel.cp", p["cp"],
+          f"2*cp must divide model.max_seq_len={m['max_seq_len']}")
+    if gpn > 0:
+        nproc = gpn
+        world = nodes * gpn
+        _need(dims == world, "trainer.parallel", f"{p['dp_shard']}x{p['ep']}x{p['cp']}",
+              f"dp_shard*ep*cp={dims} must equal the trainer GPUs trainer.nodes*trainer.gpus_per_node={world}")
+    else:
+        # CPU ranks (gloo): the parallel dims choose the world size; it must spread evenly over the nodes.
+        _need(dims % nodes == 0, "trainer.nodes", nodes,
+              f"must divide the CPU world size dp_shard*ep*cp={dims}")
+        nproc, world = dims // nodes, dims
+    port = int(t.get("master_port", 29500))
+    _need(1024 <= port <= 65535, "trainer.master_port", port, "must be a TCP port in [1024, 65535]")
+    role_cmd = ["-m", "rl.trainer", "--run-dir", run_dir]
+    if world == 1:
+        command = [python, *role_cmd]
+    elif nodes == 1:
+        command = [python, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", *role_cmd]
+    else:
+        command = [python, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}",
+                   f"--rdzv-id={run_id(run_dir)}", *role_cmd]
+    return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,
+            "dp_shard": p["dp_shard"], "ep": p["ep"], "cp": p["cp"], "master_port": port,
+            "command": command}
+
+
+# -- inference ---------------------------------------------------------------------------------------
+def _kv_transfer(cfg: dict, pd: bool, disk_dir: str) -> tuple[dict | None, dict]:
+    """vLLM --kv-transfer-config for P/D (NIXL) and/or KV offload, plus the env LMCache reads."""
+    i = cfg["inference"]
+    off = i.get("kv_offload")
+    connectors, env = [], {}
+    if pd:
+        connectors.append({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    if off == "cpu":
+        _need(i["kv_offload_cpu_gb"] > 0, "inference.kv_offload_cpu_gb", i["kv_offload_cpu_gb"],
+              "must be positive with inference.kv_offload=cpu")
+        connectors.append({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": int(i["kv_offload_cpu_gb"] * 2**30)}})
+    elif off == "cpu+disk":
+        _need(i["kv_offload_cpu_gb"] > 0, "inference.kv_offload_cpu_gb", i["kv_offload_cpu_gb"],
+              "must be positive with inference.kv_offload=cpu+disk")
+        _need(i["kv_offload_disk_gb"] > 0, "inference.kv_offload_disk_gb", i["kv_offload_disk_gb"],
+              "must be positive with inference.kv_offload=cpu+disk")
+        connectors.append({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+        env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(i["kv_offload_cpu_gb"]),
+               "LMCACHE_LOCAL_DISK": f"file://{disk_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": str(i["kv_offload_disk_gb"])}
+    if not connectors:
+        return None, env
+    if len(connectors) == 1:
+        return connectors[0], env
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": connectors}}, env
+
+
+def _inference(cfg: dict, run_dir: str, python: str, local_dir: str) -> dict:
+    i, m = cfg["inference"], cfg["model"]
+    nodes, gpn = int(i["nodes"]), int(i["gpus_per_node"])
+    tp, dp, ep, replicas = int(i["tp"]), int(i["dp"]), int(i["ep"]), int(i["replicas"])
+    _need(nodes >= 1, "inference.nodes", nodes, "must be at least 1 (the orchestrator runs there)")
+    _need(gpn >= 0, "inference.gpus_per_node", gpn, "must be >= 0 (0 = CPU servers)")
+    for k, v in (("tp", tp), ("dp", dp), ("ep", ep), ("replicas", replicas)):
+        _need(v >= 1, f"inference.{k}", v, "must be at least 1")
+    size = tp * dp
+    _need(ep in (1, size), "inference.ep", ep,
+          f"vLLM's expert parallel spans the whole replica: ep must be 1 or tp*dp={size}")
+    _need(m["num_experts"] % ep == 0, "inference.ep", ep, f"must divide model.num_experts={m['num_experts']}")
+    _need(m["n_kv_heads"] % tp == 0 or tp % m["n_kv_heads"] == 0, "inference.tp", tp,
+          f"must divide or be a multiple of model.n_kv_heads={m['n_kv_heads']}")
+    a2a = i.get("all2all_backend", "auto")
+    _need(a2a in ALL2ALL, "inference.all2all_backend", a2a, f"must be one of {', '.join(ALL2ALL)}")
+    pn, dn = int(i["prefill_nodes"]), int(i["decode_nodes"])
+    pd = pn > 0 or dn > 0
+    if pd:
+        _need(pn > 0 and dn > 0, "inference.prefill_nodes" if pn <= 0 else "inference.decode_nodes",
+              pn if pn <= 0 else dn, "prefill/decode disaggregation needs both pools (or neither)")
+        _need(pn + dn <= nodes, "inference.prefill_nodes", pn,
+              f"prefill_nodes+decode_nodes={pn + dn} exceeds inference.nodes={nodes}")
+        _need(pn + dn == nodes, "inference.decode_nodes", dn,
+              f"prefill_nodes+decode_nodes={pn + dn} must use all inference.nodes={nodes}")
+        _need(gpn > 0, "inference.gpus_per_node", gpn, "prefill/decode disaggregation needs GPU servers")
+    if gpn > 0:
+        _need(size <= gpn or size % gpn == 0, "inference.dp", dp,
+              f"a replica of tp*dp={size} GPUs must fill whole nodes of inference.gpus_per_node={gpn} or fit in one")
+        _need(size >= gpn or gpn % size == 0, "inference.tp", tp,
+              f"tp*dp={size} must divide inference.gpus_per_node={gpn} to pack replicas on a node")
+        _need(tp <= gpn, "inference.tp", tp, f"tensor parallel cannot span nodes (gpus_per_node={gpn})")
+        pools = [("prefill", pn), ("decode", dn)] if pd else [("mixed", nodes)]
+        layout = []
+        for pool, pool_nodes in pools:
+            gpus = pool_nodes * gpn
+            key = f"inference.{pool}_nodes" if pd else "inference.replicas"
+            _need(gpus % size == 0, key, pool_nodes if pd else replicas,
+                  f"the {pool} pool's {gpus} GPUs do not split into replicas of tp*dp={size}")
+            layout.append((pool, gpus // size, pool_nodes))
+        want = sum(n for _, n, _ in layout)
+        if not pd:
+            _need(replicas * size <= nodes * gpn, "inference.replicas", replicas,
+                  f"{replicas} replicas x tp*dp={size} GPUs exceed inference.nodes*gpus_per_node={nodes * gpn}")
+        _need(replicas == want, "inference.replicas", replicas,
+              f"inference.nodes={nodes} x {gpn} GPUs hold exactly {want} replicas of tp*dp={size}")
+    else:
+        _need(size == 1, "inference.tp", tp, "CPU servers (gpus_per_node=0) run tp=dp=1")
+        layout = [("mixed", replicas, nodes)]
+
+    out, first_node, port = [], 0, int(i["port"])
+    model_dir = f"{local_dir}/model"
+    for pool, count, pool_nodes in layout:
+        node_span = max(1, size // gpn) if gpn else 1
+        per_node = max(1, gpn // size) if gpn else -(-count // pool_nodes)
+        for k in range(count):
+            idx = len(out)
+            node = first_node + (k // per_node) * node_span if gpn else first_node + k % pool_nodes
+            kv, kv_env = _kv_transfer(cfg, pd, f"{local_dir}/kv")
+            args = ["--host", "0.0.0.0", "--port", str(port + idx), "--served-model-name", m["name"],
+                    "--dtype", i["dtype"], "--max-model-len", str(i["max_model_len"]),
+                    "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp),
+                    "--seed", str(cfg.get("seed", 0)),
+                    "--worker-extension-cls", "rl.inference.worker_ext.WeightSyncExtension"]
+            if ep > 1:
+                backend = a2a if a2a != "auto" else (
+                    "deepep_low_latency" if pool == "decode" else "deepep_high_throughput") if gpn else "naive"
+                args += ["--enable-expert-parallel", "--all2all-backend", backend]
+            if i.get("enforce_eager"):
+                args.append("--enforce-eager")
+            if kv is not None:
+                args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+            args += [str(a) for a in i.get("extra_args", [])]
+            node_args = [[]]
+            if gpn and size > gpn:  # one replica over several nodes: vLLM's multi-node data parallel
+                local = gpn // tp
+                rpc = int(i.get("dp_rpc_port", 13345)) + idx
+                args += ["--data-parallel-size-local", str(local), "--data-parallel-address",
+                         "${HETRL_ROLE_ADDR}", "--data-parallel-rpc-port", str(rpc)]
+                node_args = [["--data-parallel-start-rank", str(n * local)] + (["--headless"] if n else [])
+                             for n in range(node_span)]
+            out.append({
+                "index": idx, "name": f"inference_{idx}", "pool": pool, "node": node, "nodes": node_span,
+                "gpus_per_node": min(size, gpn) if gpn else 0, "tp": tp, "dp": dp, "ep": ep,
+                "port": port + idx, "dp_rpc_port": int(i.get("dp_rpc_port", 13345)) + idx if len(node_args) > 1 else None,
+                "vllm_command": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *args],
+                "node_args": node_args, "env": kv_env,
+                "command": [python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],
+            })
+        first_node += pool_nodes
+    router = None
+    if i.get("router"):
+        router = {"port": int(i.get("router_port", 8100)), "node": 0,
+                  "command": [python, "-m", "rl.inference.router", "--run-dir", run_dir]}
+    return {"nodes": nodes, "gpus_per_node": gpn, "tp": tp, "dp": dp, "ep": ep, "replica_gpus": size,
+            "disaggregated": pd, "prefill_nodes": pn, "decode_nodes": dn, "kv_offload": i.get("kv_offload"),
+            "model_dir": model_dir, "replicas": out, "router": router}
+
+
+def _check_ports(trainer: dict, inf: dict, cfg: dict) -> None:
+    """Ports of processes that share a node must differ; a taken port names the key that set it."""
+    used: dict[int, str] = {}
+    for r in inf["replicas"]:
+        used[r["port"]] = "inference.port"
+    extra = []
+    if inf["router"]:
+        extra.append((inf["router"]["port"], "inference.router_port"))
+    extra += [(r["dp_rpc_port"], "inference.dp_rpc_port") for r in inf["replicas"] if r["dp_rpc_port"]]
+    for port, key in extra:
+        _need(port not in used, key, cfg["inference"].get(key.split(".")[1]),
+              f"port {port} collides with {used.get(port)} (ports {min(used)}..{max(used)} are taken)")
+        used[port] = key
+    _need(all(1 <= p <= 65535 for p in used), "inference.port", cfg["inference"]["port"],
+          "the plan's ports run past 65535")
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+def _env(role: str, group: int, run_dir: str, **extra) -> dict:
+    return {"HETRL_ROLE": role, "HETRL_HET_GROUP": str(group), "HETRL_RUN_DIR": run_dir,
+            "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in extra.items()}}
+
+
+def make_plan(cfg) -> dict:
+    """The allocation plan of `cfg` (a composed config, dict or DictConfig) as a JSON-able dict."""
+    cfg = _plain(cfg)
+    run_dir = str(Path(cfg.get("run_dir") or ".").absolute())
+    cl = cfg.get("cluster", {})
+    python = cl.get("python") or sys.executable
+    rid = run_id(run_dir)
+    local_dir = f"{cl.get('node_local_dir', '/tmp/hetrl')}/{rid}"
+    grace = int(cl.get("signal_grace_s", 120))
+    _need(grace >= 10, "cluster.signal_grace_s", grace, "leave at least 10 s to checkpoint")
+    trainer = _trainer(cfg, run_dir, python)
+    inf = _inference(cfg, run_dir, python, local_dir)
+    _check_ports(trainer, inf, cfg)
+
+    roles = [{"name": "trainer", "het_group": 0, "node": 0, "nodes": trainer["nodes"],
+              "gpus_per_node": trainer["gpus_per_node"], "command": trainer["command"],
+              "env": _env("trainer", 0, run_dir, HETRL_WORLD_SIZE=trainer["world_size"])}]
+    for r in inf["replicas"]:
+        roles.append({"name": r["name"], "het_group": 1, "node": r["node"], "nodes": r["nodes"],
+                      "gpus_per_node": r["gpus_per_node"], "command": r["command"],
+                      "env": _env("inference", 1, run_dir, HETRL_INFERENCE_INDEX=r["index"], **r["env"])})
+    if inf["router"]:
+        roles.append({"name": "router", "het_group": 1, "node": 0, "nodes": 1, "gpus_per_node": 0,
+                      "command": inf["router"]["command"], "env": _env("router", 1, run_dir)})
+    roles.append({"name": "orchestrator", "het_group": 1, "node": 0, "nodes": 1, "gpus_per_node": 0,
+                  "command": [python, "-m", "rl.orchestrator", "--run-dir", run_dir],
+                  "env": _env("orchestrator", 1, run_dir)})
+    for r in roles:
+        r["log"] = f"logs/{r['name']}.log"
+
+    groups = [{"het_group": 0, "name": "trainer", "nodes": trainer["nodes"],
+               "gpus_per_node": trainer["gpus_per_node"]},
+              {"het_group": 1, "name": "inference", "nodes": inf["nodes"], "gpus_per_node": inf["gpus_per_node"]}]
+    return {
+        "version": 1, "experiment": cfg.get("experiment"), "run_dir": run_dir, "run_id": rid,
+        "python": python, "workdir": str(REPO), "node_local_dir": local_dir,
+        "signal_grace_s": grace, "exit_preempted": 3,
+        "groups": groups, "trainer": trainer, "inference": inf, "orchestrator": {"het_group": 1, "node": 0},
+        "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
+        "roles": roles,
+    }
+
+
+def summary_rows(plan: dict) -> list[tuple[str, str, str, str]]:
+    """(role, het group, nodes, what) rows for `launch plan`'s table."""
+    rows = []
+    t = plan["trainer"]
+    for r in plan["roles"]:
+        span = f"{r['node']}" if r["nodes"] == 1 else f"{r['node']}-{r['node'] + r['nodes'] - 1}"
+        if r["name"] == "trainer":
+            what = (f"{t['world_size']} ranks ({t['nproc_per_node']}/node): "
+                    f"fsdp {t['dp_shard']} x ep {t['ep']} x cp {t['cp']}")
+        elif r["name"].startswith("inference_"):
+            rep = plan["inference"]["replicas"][int(r["name"].split("_")[1])]
+            what = f"vLLM {rep['pool']} tp {rep['tp']} dp {rep['dp']} ep {rep['ep']} :{rep['port']}"
+        elif r["name"] == "router":
+            what = f"router :{plan['inference']['router']['port']}"
+        else:
+            what = "rollouts, advantages, weight updates"
+        rows.append((r["name"], str(r["het_group"]), span, what))
+    return rows

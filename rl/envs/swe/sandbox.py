@@ -1,0 +1,244 @@
+"""Run commands of one episode in its own sandbox: a private copy of the task tree, no network, CPU /
+memory / file-size / process limits, a wall-clock limit, and nothing outside the tree writable.
+
+There are no cgroups, containers or seccomp helpers to lean on here, so the sandbox is made of kernel
+namespaces (`unshare` from util-linux), `setpriv` and rlimits. Three modes, strongest first; the
+strongest one that works on this machine is chosen once per process (`Sandbox.capabilities()` says
+which, and what is missing):
+
+- "root" (the caller is root, as on our Debian 12 hosts): new mount, network, pid, ipc and uts
+  namespaces; the command runs as a fresh unprivileged host uid (random, unique per sandbox), with no
+  capabilities, no_new_privs, RLIMIT_NPROC counted for that uid alone. A uid of its own is stronger than
+  a user namespace here: even a write that escaped the read-only mounts would be checked as "nobody".
+- "userns" (an unprivileged caller, user namespaces allowed): the same namespaces inside a new user
+  namespace; the command keeps the caller's uid on the host but loses every capability. RLIMIT_NPROC is
+  not set (it would count all of the caller's processes).
+- "none": only rlimits, a process group and the wall-clock kill. No network or filesystem isolation;
+  the tests of those properties skip there, saying so.
+
+Inside a namespaced sandbox (see `_sandbox_init.py` for the steps): every mount is read-only except the
+tree (bound at its own path) and private tmpfs on /tmp, /var/tmp and /dev/shm; the host's $HOME and the
+hetrl checkout (which holds the hidden tests and reference patches) are masked by empty tmpfs, except the
+Python installations that commands need; the network namespace has only a loopback that is down, so
+every connect fails (ENETUNREACH), to 127.0.0.1 of the host as much as to the internet; /proc shows only
+the sandbox's processes. The wall-clock limit SIGKILLs the launcher's process group; the kernel then
+kills the sandbox's pid 1 and with it every descendant, including daemonized ones.
+
+Output is written to unnamed host files (bounded by RLIMIT_FSIZE, so no pipe deadlocks and no unbounded
+memory) and truncated to `Limits.output_chars` when read back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_INIT = Path(__file__).with_name("_sandbox_init.py")
+_REPO_ROOT = Path(__file__).resolve().parents[3]
+_NAMESPACES = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+               "--propagation", "private"]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (setup, launcher), as opposed to the command failing inside it."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-command limits. cpu_s is CPU seconds (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later);
+    memory_bytes is address space (RLIMIT_AS, so allocations beyond it fail with ENOMEM/MemoryError);
+    nproc counts processes of the sandbox uid; fsize_bytes caps any file written, stdout included."""
+    cpu_s: int = 60
+    memory_bytes: int = 2 << 30
+    nproc: int = 64
+    fsize_bytes: int = 64 << 20
+    nofile: int = 256
+    tmp_bytes: int = 64 << 20
+    output_chars: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int  # negative: killed by that signal (as subprocess does)
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+
+def _launcher(mode: str) -> list[str]:
+    if mode == "root":
+        return ["unshare", *_NAMESPACES]
+    if mode == "userns":
+        return ["unshare", "--user", "--map-root-user", *_NAMESPACES]
+    return []
+
+
+def _setpriv(mode: str, uid: int) -> list[str]:
+    exe = shutil.which("setpriv")
+    if exe is None:
+        raise SandboxError("setpriv (util-linux) not found: it is needed to drop privileges")
+    if mode == "root":
+        return [exe, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs"]
+    if mode == "userns":
+        return [exe, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    return [exe, "--no-new-privs"]
+
+
+_CAPS: dict | None = None
+
+
+class Sandbox:
+    """One episode's sandbox. `Sandbox(tree, limits)` copies `tree` into a fresh private directory
+    (`.tree`; the source is never touched); `.run(argv, timeout_s)` runs one command there; `close()`
+    (or leaving the `with` block) deletes the copy. `mask` / `expose` override the hidden paths and the
+    paths bound back into them (defaults: $HOME and the hetrl checkout / this Python's prefixes)."""
+
+    def __init__(self, tree: Path | None, limits: Limits = Limits(), *, mask=None, expose=None,
+                 base_dir: Path | None = None, mode: str | None = None):
+        self.limits = limits
+        self.mode = mode or self.capabilities()["mode"]
+        self._root = Path(tempfile.mkdtemp(prefix="hetrl-sbx-", dir=base_dir))
+        os.chmod(self._root, 0o711)  # the sandbox uid must be able to traverse to its tree
+        self.tree = self._root / "tree"
+        if tree is None:
+            self.tree.mkdir()
+        else:
+            shutil.copytree(tree, self.tree, symlinks=True)
+        self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
+        self.mask = [str(p) for p in (mask if mask is not None else [Path.home(), _REPO_ROOT])]
+        self.expose = [str(p) for p in (expose if expose is not None else
+                                        sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}))]
+
+    @classmethod
+    def from_files(cls, files: dict[str, str], limits: Limits = Limits(), **kw) -> "Sandbox":
+        """A sandbox whose tree holds `files` ({relative path: text})."""
+        sb = cls(None, limits, **kw)
+        for rel, text in files.items():
+            p = sb.tree / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        return sb
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def _own_tree(self):
+        """Hand the tree to the sandbox uid (root mode): files the host wrote are then editable inside."""
+        if self.mode != "root":
+            return
+        os.lchown(self.tree, self.uid, self.uid)
+        for d, dirs, files in os.walk(self.tree):
+            for name in dirs + files:
+                os.lchown(os.path.join(d, name), self.uid, self.uid)
+
+    def run(self, argv: list[str], timeout_s: float, input: str | bytes | None = None,
+            env: dict[str, str] | None = None) -> Result:
+        """Run argv (PATH-resolved inside) in the tree. Raises SandboxError if the sandbox could not be
+        set up; the command's own failures are in the Result."""
+        if not argv:
+            raise ValueError("empty argv")
+        self._own_tree()
+        cmd_env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+                   "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONUNBUFFERED": "1", **(env or {})}
+        spec = {"mode": self.mode, "tree": str(self.tree), "argv": list(map(str, argv)), "env": cmd_env,
+                "mask": self.mask, "expose": self.expose, "tmp_bytes": self.limits.tmp_bytes,
+                "limits": asdict(self.limits), "nproc": self.mode == "root",
+                "setpriv": _setpriv(self.mode, self.uid)}
+        data = input.encode() if isinstance(input, str) else (input or b"")
+        with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
+                tempfile.TemporaryFile() as ferr:
+            fin.write(data)
+            fin.seek(0)
+            rfd, wfd = os.pipe()  # the init writes the command's status here: see _sandbox_init.py
+            spec["status_fd"] = wfd
+            cmd = _launcher(self.mode) + [sys.executable, "-I", "-S", str(_INIT), json.dumps(spec)]
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
+                                        pass_fds=(wfd,), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+            finally:
+                os.close(wfd)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # unshare --kill-child takes the pid namespace down
+                proc.wait()
+            seconds = time.monotonic() - t0
+            with os.fdopen(rfd) as f:
+                status = f.read().split()
+            out, err = (self._read(f) for f in (fout, ferr))
+        if timed_out:
+            return Result(-signal.SIGKILL, out, err, True, seconds)
+        if len(status) != 2:
+            raise SandboxError(f"sandbox setup failed (launcher exit {proc.returncode}): {err.strip()[-2000:]}")
+        code = int(status[1])
+        return Result(-code if status[0] == "signal" else code, out, err, False, seconds)
+
+    def _read(self, f) -> str:
+        f.seek(0)
+        return f.read(self.limits.output_chars * 4).decode("utf-8", "replace")[: self.limits.output_chars]
+
+    @staticmethod
+    def capabilities() -> dict:
+        """Which isolation works on this machine (probed once per process by running `true` in each
+        mode, strongest first) and what each property amounts to."""
+        global _CAPS
+        if _CAPS is not None:
+            return _CAPS
+        tried = {}
+        modes = (["root"] if os.geteuid() == 0 else []) + ["userns"]
+        mode = "none"
+        for m in modes:
+            if shutil.which("unshare") is None:
+                tried[m] = "unshare (util-linux) not found"
+                continue
+            try:
+                with Sandbox(None, Limits(), mode=m) as sb:
+                    r = sb.run(["true"], timeout_s=30)
+                if r.returncode == 0:
+                    mode = m
+                    break
+                tried[m] = f"probe exited {r.returncode}: {r.stderr.strip()[-300:]}"
+            except SandboxError as e:
+                tried[m] = str(e)
+        ns = mode != "none"
+        _CAPS = {
+            "mode": mode,
+            "network": "network namespace, loopback down: no connection possible" if ns else "host network",
+            "filesystem": ("read-only view of the host; only the tree and private tmpfs /tmp, /var/tmp, "
+                           "/dev/shm writable; $HOME and the hetrl checkout masked") if ns else
+                          "host filesystem with the caller's permissions",
+            "user": {"root": "unique unprivileged host uid, no capabilities, no_new_privs",
+                     "userns": "caller's uid via a user namespace, no capabilities, no_new_privs",
+                     "none": "caller's uid, no_new_privs"}[mode],
+            "processes": ("pid namespace: every descendant dies with the command or at the wall-clock "
+                          "limit") if ns else "process group killed at the wall-clock limit (a setsid "
+                                              "escapes it)",
+            "rlimits": ["cpu", "address space", "file size", "open files", "core"]
+                       + (["processes"] if mode == "root" else []),
+            "missing": ([] if mode == "root" else ["per-sandbox process count limit"])
+                       + ([] if ns else ["network isolation", "filesystem isolation", "pid isolation"])
+                       + ["cgroup memory/CPU accounting (RLIMIT_AS bounds address space, not RSS)",
+                          "seccomp syscall filtering"],
+            "unavailable_modes": tried,
+        }
+        return _CAPS

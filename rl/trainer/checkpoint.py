@@ -1,0 +1,113 @@
+"""Trainer checkpoints: `checkpoints/step_N/`, the state after N optimizer steps (policy version N).
+
+A checkpoint is published like any other step (`rl.exchange.publish`: written into a tmp dir, manifest
+with checksums, atomic rename), so `rl.prepare` can verify it and a half-written one never exists under
+its final name. Contents:
+
+- `dcp/`: model and optimizer through torch.distributed.checkpoint, using torchtitan's `ModelWrapper`
+  and `OptimizersContainer` state dicts (FQN-keyed; the generic `get_state_dict` helper trips on the
+  fused QKV projection). DCP writes one file per rank and reshards on load, which is what FSDP/EP runs
+  need later; on one process it runs without a process group.
+- `rng.safetensors` + the `rng` entry of `trainer_state.json`: torch, numpy and Python RNG states (no
+  pickle: tensors in safetensors, the rest in JSON);
+- `trainer_state.json`: `next_step` (the data position: the rollout step this state consumes next; equal
+  to N), and `consumed`, the rollout steps this lineage trained on, in order.
+
+Caveat: DCP's own `.metadata` file is a pickle written by torch; it is produced and read only by the
+trainer, never by another role.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rl import exchange
+
+KIND = "checkpoints"
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+DCP_DIR = "dcp"
+
+
+@dataclass
+class TrainerProgress:
+    """What besides weights and optimizer a resumed trainer needs."""
+    next_step: int = 0
+    consumed: list[int] = field(default_factory=list)
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    tensors = {"torch": torch.get_rng_state(),
+               "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).view(np.int32).copy())}
+    meta = {"numpy": {"kind": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                      "cached_gaussian": float(np_state[4])},
+            "python": [py_state[0], list(py_state[1]), py_state[2]]}
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    n = meta["numpy"]
+    keys = tensors["numpy_keys"].numpy().view(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    v, st, gauss = meta["python"]
+    random.setstate((v, tuple(st), gauss))
+
+
+def _stateful(model, optimizer) -> dict:
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    return {"model": ModelWrapper(model), **({"optimizer": optimizer} if optimizer is not None else {})}
+
+
+def _has_state(optimizer) -> bool:
+    # A fresh optimizer has no state yet; torchtitan's state_dict() would materialise it with a zero-lr
+    # step, which counts as an Adam step (bias correction) and so changes the training that follows.
+    # Such an optimizer is not saved, and on load it stays fresh.
+    return any(len(o.state) for o in optimizer.optimizers)
+
+
+def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str = "trainer"
+         ) -> exchange.Published:
+    """Publish `checkpoints/step_<step>`; `overwrite` so a re-run step replaces a stale one."""
+    import torch.distributed.checkpoint as dcp
+
+    with_opt = _has_state(optimizer)
+
+    def write(tmp: Path) -> None:
+        dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
+        tensors, rng_meta = _rng_state()
+        save_file(tensors, str(tmp / RNG_FILE))
+        (tmp / STATE_FILE).write_text(json.dumps(
+            {"step": step, "next_step": progress.next_step, "consumed": list(progress.consumed),
+             "optimizer_state": with_opt, "rng": rng_meta}, indent=1))
+
+    return exchange.publish(run_dir, KIND, step, write, producer=producer, policy_version=step,
+                            overwrite=True)
+
+
+def load(run_dir, step: int, model, optimizer) -> TrainerProgress:
+    """Restore model, optimizer and RNG from `checkpoints/step_<step>` (verified); return the progress."""
+    import torch.distributed.checkpoint as dcp
+
+    path = exchange.step_dir(run_dir, KIND, step)
+    exchange.verify(path, checksums=True)
+    state = json.loads((path / STATE_FILE).read_text())
+    dcp.load(_stateful(model, optimizer if state["optimizer_state"] else None), checkpoint_id=str(path / DCP_DIR))
+    _set_rng_state(load_file(str(path / RNG_FILE)), state["rng"])
+    return TrainerProgress(next_step=int(state["next_step"]), consumed=[int(s) for s in state["consumed"]])
+
+
+def resume_step(run_dir) -> int | None:
+    """The checkpoint this incarnation resumes from: resume.json's decision, else the newest complete one."""
+    from rl.runtime import resume_state
+    if (Path(run_dir) / "resume.json").exists():
+        return resume_state(run_dir)["checkpoint_step"]
+    return exchange.latest_complete(run_dir, KIND, checksums=True)

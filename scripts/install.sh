@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install hetrl on a fresh CPU machine (Debian 12, Python 3.11): a venv in .venv with the pinned stack.
+#   scripts/install.sh            the product (vLLM CPU, torchtitan, torch 2.13.0 CPU build)
+#   scripts/install.sh --test     also pytest and a local Slurm (slurmctld, slurmd, munge) for the tests
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WITH_TEST=0
+for a in "$@"; do
+  case "$a" in
+    --test) WITH_TEST=1 ;;
+    *) echo "install.sh: unknown option $a (known: --test)" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || { echo "install.sh: $PY not found (hetrl needs Python 3.11)" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import vllm, torchtitan, hydra, submitit" 2>/dev/null; then
+  .venv/bin/pip install -q -U pip
+  # torch must be exactly 2.13.0: the CPU build. A range pulls a multi-GB CUDA build.
+  .venv/bin/pip install -q -e ".[cpu,envs,test]"
+  # PyPI's torchvision is a CUDA build that breaks transformers' model imports beside CPU torch.
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/pip install -q -e . --no-deps
+if [ "$WITH_TEST" = 1 ]; then
+  bash .ci/install_slurm.sh
+fi
+echo "hetrl installed in $(pwd)/.venv"

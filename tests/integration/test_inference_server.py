@@ -1,0 +1,247 @@
+"""One real vLLM CPU server started by `python -m rl.inference`, hot-reloaded A -> B -> A.
+
+The reference is transformers in fp32 on the same dequantized weights; the first check shows the
+freshly started engine matches it, so "reloaded engine == reference" means "reloaded == fresh".
+Also: a request in flight across a reload, its per-token versions; a corrupted shard is refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from launch.config import ClusterConfig, InferenceConfig  # noqa: E402
+from rl import exchange  # noqa: E402
+from rl.exchange.weights import write_shards  # noqa: E402
+from rl.inference.client import InferenceClient, InferenceError, versions_from_updates  # noqa: E402
+from rl.inference.server import materialize  # noqa: E402
+from rl.model.tiny import write_hf_assets  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = OmegaConf.load(REPO / "conf" / "model" / "tiny_moe.yaml")
+PROMPTS = [[int(x) for x in torch.randint(10, 500, (24,), generator=torch.Generator().manual_seed(s))]
+           for s in range(3)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def random_hf_state_dict(config_dir: Path, seed: int) -> dict:
+    """Random weights in HF checkpoint names (per-expert, as vLLM and real checkpoints name them)."""
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    shapes = {k: v.shape for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            e, two_i, h = shape
+            for j in range(e):
+                out[f"{prefix}{j}.gate_proj.weight"] = torch.randn(two_i // 2, h, generator=g) * 0.15
+                out[f"{prefix}{j}.up_proj.weight"] = torch.randn(two_i // 2, h, generator=g) * 0.15
+        elif name.endswith("experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            e, h, i = shape
+            for j in range(e):
+                out[f"{prefix}{j}.down_proj.weight"] = torch.randn(h, i, generator=g) * 0.15
+        elif "norm" in name:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            out[name] = torch.randn(shape, generator=g) * 0.15
+    return out
+
+
+def reference_logprobs(model_dir: Path, prompts: list[list[int]]) -> list[list[float]]:
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            out.append([float(lp[i, p[i + 1]]) for i in range(len(p) - 1)])
+    return out
+
+
+def _publish_weights(run_dir: Path, step: int, sd: dict) -> Path:
+    return exchange.publish(run_dir, "weights", step, lambda d: write_shards(d, sd), producer="test",
+                            policy_version=step).path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference")
+    run_dir = root / "run"
+    run_dir.mkdir()
+    icfg = OmegaConf.structured(InferenceConfig(port=_free_port(), dtype="float32", startup_timeout_s=400))
+    ccfg = OmegaConf.structured(ClusterConfig(node_local_dir=str(root / "node_local")))
+    OmegaConf.save(OmegaConf.create({"run_dir": str(run_dir), "model": MODEL, "inference": icfg,
+                                     "cluster": ccfg}), run_dir / "config.yaml")
+    assets = exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, MODEL), producer="test").path
+    sds = {"A": random_hf_state_dict(assets, 1), "B": random_hf_state_dict(assets, 2)}
+    steps = {0: "A", 1: "B", 2: "A", 3: "B"}
+    dirs = {v: _publish_weights(run_dir, v, sds[k]) for v, k in steps.items() if v == 0}
+    # reference: transformers fp32 on the dequantized wire weights (materialised like the server does)
+    refs = {}
+    for k, v in (("A", 0), ("B", 1)):
+        if v not in dirs:
+            dirs[v] = _publish_weights(run_dir, v, sds[k])
+        ref_dir = materialize(assets, dirs[v], root / f"ref_{k}", dtype=torch.float32, fp8=False)
+        refs[k] = reference_logprobs(ref_dir, PROMPTS)
+    # version 1 must not exist when the server starts (it would load the newest): publish it after.
+    shutil.rmtree(dirs.pop(1))
+    log = open(root / "inference.out", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+    info_path = run_dir / "inference" / "server_0.json"
+    try:
+        while not info_path.exists():
+            assert proc.poll() is None, (root / "inference.out").read_text()[-3000:]
+            assert time.monotonic() - t0 < 450, "server did not come up"
+            time.sleep(1)
+        print(f"server up in {time.monotonic() - t0:.0f} s")
+        for v in (1, 2, 3):
+            dirs[v] = _publish_weights(run_dir, v, sds[steps[v]])
+        yield {"run_dir": run_dir, "info": json.loads(info_path.read_text()), "refs": refs, "dirs": dirs,
+               "proc": proc, "root": root, "start_s": time.monotonic() - t0}
+    finally:
+        if proc.poll() is None:
+            exchange.atomic_write_json(run_dir / "DONE", {})
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        log.close()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _prompt_lps(url):
+    async with InferenceClient(url) as c:
+        return [await c.prompt_logprobs(p) for p in PROMPTS]
+
+
+def _close(a, b, atol):
+    ta, tb = torch.tensor(a), torch.tensor(b)
+    return torch.allclose(ta, tb, atol=atol, rtol=0), float((ta - tb).abs().max())
+
+
+@pytest.mark.slow
+def test_reload_a_b_a_matches_fresh_engine(setup):
+    url, refs, dirs = setup["info"]["url"], setup["refs"], setup["dirs"]
+    assert setup["info"]["version"] == 0
+    fresh = _run(_prompt_lps(url))
+    for got, ref in zip(fresh, refs["A"]):
+        ok, err = _close(got, ref, 2e-3)
+        assert ok, f"fresh engine vs transformers fp32: max |diff| {err}"
+
+    async def reload_and_measure(v):
+        async with InferenceClient(url) as c:
+            r = await c.update_weights(str(dirs[v]), v)
+            assert await c.weight_version() == str(v)
+            return r, [await c.prompt_logprobs(p) for p in PROMPTS]
+
+    r, got_b = _run(reload_and_measure(1))
+    assert r["version"] == 1 and r["previous_version"] == 0 and r["moe_layers_repacked"] == MODEL.n_layers
+    for got, ref in zip(got_b, refs["B"]):
+        ok, err = _close(got, ref, 2e-3)
+        assert ok, f"after reload to B: max |diff| {err}"
+    r, got_a = _run(reload_and_measure(2))
+    assert r["version"] == 2
+    for got, f in zip(got_a, fresh):
+        ok, err = _close(got, f, 1e-5)
+        assert ok, f"A after A->B->A differs from the fresh engine on A: {err}"
+
+
+@pytest.mark.slow
+def test_request_in_flight_across_reload(setup):
+    url, dirs = setup["info"]["url"], setup["dirs"]
+    n_tok = 300
+
+    async def go():
+        async with InferenceClient(url) as c:
+            if (await c.weight_version()) != "2":  # run alone: bring the server to version 2 (A)
+                await c.update_weights(str(dirs[2]), 2)
+            base = await c.generate(PROMPTS[0], n_tok, temperature=0.0, ignore_eos=True)
+            assert base.versions == [2] * n_tok
+            task = asyncio.create_task(c.generate(PROMPTS[0], n_tok, temperature=0.0, ignore_eos=True,
+                                                  request_id="inflight-1"))
+            await asyncio.sleep(1.0)
+            upd = await c.update_weights(str(dirs[3]), 3)
+            return base, await task, upd
+
+    base, comp, upd = _run(go())
+    assert comp.request_id == "inflight-1" and len(comp.ids) == n_tok and comp.finish_reason == "length"
+    n = upd["in_flight"]["inflight-1"]
+    assert 0 < n < n_tok, upd
+    # vLLM's own spans and the worker's count agree on the boundary
+    assert comp.versions == [2] * n + [3] * (n_tok - n)
+    assert versions_from_updates(n_tok, 2, [(3, n)]) == comp.versions
+    # tokens before the boundary are exactly the ones the old weights make, the next one is not
+    assert comp.ids[:n] == base.ids[:n]
+    ok, err = _close(comp.logprobs[:n], base.logprobs[:n], 1e-4)
+    assert ok, err
+    assert abs(comp.logprobs[n] - base.logprobs[n]) > 1e-3 or comp.ids[n] != base.ids[n]
+
+
+@pytest.mark.slow
+def test_corrupted_shard_is_refused(setup):
+    url, run_dir, dirs = setup["info"]["url"], setup["run_dir"], setup["dirs"]
+    bad = exchange.step_dir(run_dir, "weights", 9)
+    shutil.copytree(dirs[1], bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    async def go():
+        async with InferenceClient(url) as c:
+            before_v = await c.weight_version()
+            before = [await c.prompt_logprobs(p) for p in PROMPTS]
+            with pytest.raises(InferenceError, match="sha256"):
+                await c.update_weights(str(bad), 9)
+            r = await c._http.get("/is_paused")
+            assert r.json()["is_paused"] is False
+            assert await c.weight_version() == before_v
+            after = [await c.prompt_logprobs(p) for p in PROMPTS]
+            return before, after
+
+    before, after = _run(go())
+    assert before == after
+
+
+@pytest.mark.slow
+def test_server_stops_on_done(setup):
+    run_dir, proc = setup["run_dir"], setup["proc"]
+    info = setup["info"]
+    assert set(info) >= {"url", "version", "host", "pid", "index"}
+    assert (run_dir / "roles" / "inference_0.json").exists()
+    exchange.atomic_write_json(run_dir / "DONE", {})
+    assert proc.wait(90) == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(info["pid"], 0)
+    assert (run_dir / "logs" / "inference_0.vllm.log").stat().st_size > 0

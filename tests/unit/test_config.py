@@ -1,0 +1,63 @@
+"""Config validation: every bad value is a one-line error naming the key, before anything runs."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.compose import compose_points
+from launch.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+BAD = [
+    (["trainer.foo=1"], "trainer.foo"),
+    (["trainer.max_steps=abc"], "trainer.max_steps"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),
+    (["trainer.lr=-1"], "trainer.lr"),
+    (["orchestrator.max_off_policy=-1"], "orchestrator.max_off_policy"),
+    (["orchestrator.group_size=1"], "orchestrator.group_size"),
+    (["orchestrator.temperature=0"], "orchestrator.temperature"),
+    (["orchestrator.max_tokens=4096"], "orchestrator.max_tokens"),
+    (["model.top_k=9"], "model.top_k"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["trainer.parallel.ep=3"], "trainer.parallel.ep"),
+    (["trainer.mismatch=clip"], "trainer.mismatch"),
+    (["cluster=nope"], "cluster/nope"),
+    (["+experiment=nope"], "experiment/nope"),
+    (["inference.max_model_len=100000"], "inference.max_model_len"),
+    (["trainer.keep_weights=1"], "trainer.keep_weights"),
+    (["wandb.mode=sometimes"], "wandb.mode"),
+    (["seed=1,2"], "-m"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_config_is_one_line_error_naming_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        compose_points(overrides, False)
+    msg = str(e.value)
+    assert key in msg
+    assert "\n" not in msg
+
+
+def test_default_config_is_the_debug_experiment(tmp_path):
+    (c,) = compose_points([f"run_dir={tmp_path}"], False)
+    (d,) = compose_points([f"run_dir={tmp_path}", "+experiment=debug"], False)
+    c.pop("_overrides"), d.pop("_overrides")
+    assert c == d
+    assert c["cluster"]["backend"] == "local" and c["orchestrator"]["max_off_policy"] == 1
+    assert c["run_dir"] == str(tmp_path)
+
+
+def test_sweep_points_get_their_own_run_dirs():
+    pts = compose_points(["seed=1,2,3"], True)
+    assert [p["seed"] for p in pts] == [1, 2, 3]
+    assert len({p["run_dir"] for p in pts}) == 3
+
+
+def test_cli_prints_one_line_and_exits_2():
+    out = subprocess.run([sys.executable, "-m", "launch", "run", "model.top_k=9"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "model.top_k" in out.stderr

@@ -1,0 +1,28 @@
+from rl.orchestrator.versions import VersionTracker
+
+
+def test_tokens_split_at_reload():
+    t = VersionTracker(3)
+    t.start("a")
+    t.start("b")
+    t.on_reload(4, {"a": 5, "b": 0})
+    t.start("c")
+    t.on_reload(5, {"a": 7, "c": 2})
+    assert t.finish("a", 9) == [3] * 5 + [4] * 2 + [5] * 2
+    assert t.finish("b", 3) == [4, 4, 4]  # b never got a token from version 3; absent at the 2nd reload
+    assert t.finish("c", 4) == [4, 4, 5, 5]
+    assert t.ambiguous == 1
+
+
+def test_absent_request_keeps_older_version():
+    t = VersionTracker(0)
+    t.start("x")
+    t.on_reload(1, {})
+    assert t.finish("x", 3) == [0, 0, 0]
+
+
+def test_counts_beyond_length_are_clamped():
+    t = VersionTracker(0)
+    t.start("x")
+    t.on_reload(1, {"x": 10})
+    assert t.finish("x", 4) == [0, 0, 0, 0]
