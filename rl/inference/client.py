@@ -18,7 +18,7 @@ first available:
    why (1) is the default path.
 
 Request keys: the engine-side id of a completion request is `cmpl-<request_id>-0`, of a chat request
-`chatcmpl-<request_id>`, of a generate request `<request_id>`; `Completion.request_id` holds that key,
+`chatcmpl-<request_id>`, of a generate request `generate-tokens-<request_id>`; `Completion.request_id` holds that key,
 which is what `update_weights()["in_flight"]` is keyed by.
 """
 from __future__ import annotations
@@ -44,6 +44,10 @@ def completion_key(request_id: str) -> str:
 
 def chat_key(request_id: str) -> str:
     return f"chatcmpl-{request_id}"
+
+
+def generate_key(request_id: str) -> str:
+    return f"generate-tokens-{request_id}"
 
 
 def versions_from_spans(spans: list[dict], n: int) -> list[int]:
@@ -149,7 +153,7 @@ class InferenceClient:
             lps = [c["logprob"] for c in (ch.get("logprobs") or {}).get("content") or []]
             spans = ch.get("weight_versions")
             versions = versions_from_spans(spans, len(ids)) if spans is not None else None
-            key = request_id
+            key = generate_key(request_id)
         elif endpoint == "completions":
             body = {"model": MODEL_NAME, "prompt": list(prompt_ids), "return_token_ids": True,
                     "request_id": request_id, **sp}
@@ -209,8 +213,10 @@ class InferenceClient:
             if timeout is not None:
                 rpc["timeout"] = timeout
             results = (await self._post("/collective_rpc", rpc))["results"]
-            if not results or not isinstance(results[0], dict):
+            if not results or not all(isinstance(r, dict) for r in results):
                 raise InferenceError(f"load_policy returned {results!r}")
+            if errors := [r["error"] for r in results if r.get("error")]:
+                raise InferenceError(f"{self.url}: {errors[0]}")
             await self._post("/update_weight_version", {"new_version": str(int(version))})
             reset = await self._post("/reset_prefix_cache",
                                      params={"reset_running_requests": str(recompute_kv).lower()})

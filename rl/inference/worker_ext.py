@@ -89,18 +89,27 @@ class WeightSyncExtension:
     def load_policy(self, weights_dir: str, version: int) -> dict:
         """Verify and load `weights_dir` (a published weights/step_N) as policy `version`.
 
-        Call only while the engine is paused (mode=keep). Returns {"version", "in_flight", "seconds",
-        "previous_version"}; in_flight maps client request ids to the number of completion tokens
-        they had when the weights changed (all made by the previous version).
+        Call only while the engine is paused (mode=keep). Returns {"version", "previous_version",
+        "in_flight", "seconds", "loaded", "moe_layers_repacked"}; in_flight maps client request ids to
+        the number of completion tokens they had when the weights changed (all made by the previous
+        version). A step that fails verification is not loaded: {"loaded": False, "error": ...}.
+        An error while loading (after verification) propagates and vLLM stops the server: the weights
+        would be half-updated.
         """
-        from rl.exchange import verify
+        from rl.exchange import CorruptStep, verify
         from rl.exchange.weights import iter_tensors
 
         t0 = time.perf_counter()
         version = int(version)
-        verify(weights_dir, checksums=True)  # raises CorruptStep before anything is touched
-        in_flight = self.in_flight_tokens()
         previous = self.policy_version()
+        try:
+            verify(weights_dir, checksums=True)
+        except CorruptStep as e:
+            # Refused before anything is touched. Returned, not raised: vLLM treats an exception in a
+            # worker RPC as fatal and shuts the whole server down; the client raises on "error".
+            return {"error": f"refused {weights_dir}: {e}", "version": previous, "previous_version": previous,
+                    "in_flight": {}, "seconds": time.perf_counter() - t0, "loaded": False}
+        in_flight = self.in_flight_tokens()
         if self._loads_fp8():
             weights = iter_tensors(Path(weights_dir), dequantize=False)
         else:
@@ -116,4 +125,4 @@ class WeightSyncExtension:
                 qm.moe_kernel, qm.moe_quant_config = kernel, quant_config
         self._hetrl_version = version
         return {"version": version, "previous_version": previous, "in_flight": in_flight,
-                "seconds": time.perf_counter() - t0, "moe_layers_repacked": len(moe)}
+                "seconds": time.perf_counter() - t0, "moe_layers_repacked": len(moe), "loaded": True}

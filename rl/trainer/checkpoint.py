@@ -18,8 +18,10 @@ trainer, never by another role.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +64,14 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((v, tuple(st), gauss))
 
 
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every call that it runs without a process group; on one process that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _stateful(model, optimizer) -> dict:
     from torchtitan.components.checkpointer.base import ModelWrapper
     return {"model": ModelWrapper(model), **({"optimizer": optimizer} if optimizer is not None else {})}
@@ -82,7 +92,8 @@ def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, pro
     with_opt = _has_state(optimizer)
 
     def write(tmp: Path) -> None:
-        dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
+        with _quiet():
+            dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
         tensors, rng_meta = _rng_state()
         save_file(tensors, str(tmp / RNG_FILE))
         (tmp / STATE_FILE).write_text(json.dumps(
@@ -100,7 +111,9 @@ def load(run_dir, step: int, model, optimizer) -> TrainerProgress:
     path = exchange.step_dir(run_dir, KIND, step)
     exchange.verify(path, checksums=True)
     state = json.loads((path / STATE_FILE).read_text())
-    dcp.load(_stateful(model, optimizer if state["optimizer_state"] else None), checkpoint_id=str(path / DCP_DIR))
+    with _quiet():
+        dcp.load(_stateful(model, optimizer if state["optimizer_state"] else None),
+                 checkpoint_id=str(path / DCP_DIR))
     _set_rng_state(load_file(str(path / RNG_FILE)), state["rng"])
     return TrainerProgress(next_step=int(state["next_step"]), consumed=[int(s) for s in state["consumed"]])
 

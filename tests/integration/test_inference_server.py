@@ -27,7 +27,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from launch.config import ClusterConfig, InferenceConfig  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.exchange.weights import write_shards  # noqa: E402
-from rl.inference.client import InferenceClient, InferenceError, versions_from_updates  # noqa: E402
+from rl.inference.client import (InferenceClient, InferenceError, generate_key,
+                                 versions_from_spans, versions_from_updates)  # noqa: E402
 from rl.inference.server import materialize  # noqa: E402
 from rl.model.tiny import write_hf_assets  # noqa: E402
 
@@ -177,10 +178,30 @@ def test_reload_a_b_a_matches_fresh_engine(setup):
         assert ok, f"A after A->B->A differs from the fresh engine on A: {err}"
 
 
+async def _stream_generate(c: InferenceClient, prompt, n_tok, request_id, on_first_tokens):
+    """Stream a greedy generate request; call `on_first_tokens()` once the first tokens arrived."""
+    body = {"request_id": request_id, "token_ids": prompt, "model": "policy", "stream": True,
+            "sampling_params": {"max_tokens": n_tok, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}}
+    ids, lps, spans, fired = [], [], None, False
+    async with c._http.stream("POST", "/inference/v1/generate", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"][0]
+            ids += ch.get("token_ids") or []
+            lps += [x["logprob"] for x in ((ch.get("logprobs") or {}).get("content") or [])]
+            spans = ch.get("weight_versions") or spans
+            if ids and not fired:
+                fired = True
+                await on_first_tokens()
+    return ids, lps, spans
+
+
 @pytest.mark.slow
 def test_request_in_flight_across_reload(setup):
     url, dirs = setup["info"]["url"], setup["dirs"]
-    n_tok = 300
+    n_tok = 450
 
     async def go():
         async with InferenceClient(url) as c:
@@ -188,24 +209,32 @@ def test_request_in_flight_across_reload(setup):
                 await c.update_weights(str(dirs[2]), 2)
             base = await c.generate(PROMPTS[0], n_tok, temperature=0.0, ignore_eos=True)
             assert base.versions == [2] * n_tok
-            task = asyncio.create_task(c.generate(PROMPTS[0], n_tok, temperature=0.0, ignore_eos=True,
-                                                  request_id="inflight-1"))
-            await asyncio.sleep(1.0)
-            upd = await c.update_weights(str(dirs[3]), 3)
-            return base, await task, upd
+            upd = {}
 
-    base, comp, upd = _run(go())
-    assert comp.request_id == "inflight-1" and len(comp.ids) == n_tok and comp.finish_reason == "length"
-    n = upd["in_flight"]["inflight-1"]
+            async def reload_now():
+                # freeze the request where it is (the tiny model is too fast to race a sleep), then the
+                # real update (its own pause is a no-op), which resumes
+                await c._post("/pause", params={"mode": "keep"})
+                upd.update(await c.update_weights(str(dirs[3]), 3))
+
+            ids, lps, spans = await _stream_generate(c, PROMPTS[0], n_tok, "inflight-1", reload_now)
+            return base, ids, lps, spans, upd
+
+    base, ids, lps, spans, upd = _run(go())
+    key = generate_key("inflight-1")
+    assert len(ids) == len(lps) == n_tok
+    assert key in upd["in_flight"], upd
+    n = upd["in_flight"][key]
     assert 0 < n < n_tok, upd
     # vLLM's own spans and the worker's count agree on the boundary
-    assert comp.versions == [2] * n + [3] * (n_tok - n)
-    assert versions_from_updates(n_tok, 2, [(3, n)]) == comp.versions
+    versions = versions_from_spans(spans, n_tok)
+    assert versions == [2] * n + [3] * (n_tok - n)
+    assert versions_from_updates(n_tok, 2, [(3, n)]) == versions
     # tokens before the boundary are exactly the ones the old weights make, the next one is not
-    assert comp.ids[:n] == base.ids[:n]
-    ok, err = _close(comp.logprobs[:n], base.logprobs[:n], 1e-4)
+    assert ids[:n] == base.ids[:n]
+    ok, err = _close(lps[:n], base.logprobs[:n], 1e-4)
     assert ok, err
-    assert abs(comp.logprobs[n] - base.logprobs[n]) > 1e-3 or comp.ids[n] != base.ids[n]
+    assert abs(lps[n] - base.logprobs[n]) > 1e-3 or ids[n] != base.ids[n]
 
 
 @pytest.mark.slow

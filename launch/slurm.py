@@ -1,0 +1,245 @@
+"""The Slurm backend: the only module that calls sbatch, squeue, scontrol and scancel.
+
+`launch_slurm(cfg, run_dir)` plans the run (`launch.plan`), renders the heterogeneous batch script from
+`sbatch/job.sbatch.j2`, freezes the run directory (`launch.rundir.freeze_run_dir`: config.yaml,
+plan.json, job.sbatch, submissions.jsonl; a resume whose config differs in a frozen key is refused) and
+submits with `sbatch --parsable`, returning at once with the job id. `status(run_dir)` reads the job
+state from squeue / `scontrol show job` (never sacct: without accounting it fails) and the progress from
+the run directory. The job id of a run is the last line of `RUN_DIR/slurm_jobs.jsonl`.
+
+submitit is not used for the run itself: it cannot express heterogeneous jobs (no `hetjob` separator,
+one srun line), so the batch script is our own template.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from launch.config import ConfigError
+from launch.plan import REPO, make_plan
+
+TEMPLATE_DIR = REPO / "sbatch"
+JOBS_FILE = "slurm_jobs.jsonl"
+_VAR = re.compile(r"(\$\{HETRL_[A-Z0-9_]+\})")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message carries its stderr (one line)."""
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+def shell_word(arg) -> str:
+    """Quote one argument for bash, leaving `${HETRL_...}` references for the batch shell to expand."""
+    parts = _VAR.split(str(arg))
+    out = "".join(f'"{p}"' if _VAR.fullmatch(p) else shlex.quote(p) for p in parts if p)
+    return out or "''"
+
+
+def render_script(plan: dict, cfg: dict, template: str = "job.sbatch.j2") -> str:
+    """The batch script of `plan` with the cluster settings of `cfg` (no submission)."""
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+                             comment_start_string="<#", comment_end_string="#>")  # bash uses ${#x}
+    env.filters["q"] = lambda s: shlex.quote(str(s))
+    env.filters["shjoin"] = lambda args: " ".join(shell_word(a) for a in args)
+    env.filters["envjoin"] = lambda d: " ".join(f"{k}={shlex.quote(str(v))}" for k, v in d.items())
+    cluster = dict(cfg.get("cluster", {}))
+    for k, v in (("account", None), ("partition", None), ("qos", None), ("constraint", None), ("gres", None),
+                 ("time", "04:00:00"), ("requeue", True), ("exclusive", True), ("extra_sbatch", []),
+                 ("setup", [])):
+        cluster.setdefault(k, v)
+    job_name = cluster.get("job_name") or f"hetrl-{plan.get('experiment') or 'run'}"
+    return env.get_template(template).render(plan=plan, cluster=cluster, job_name=job_name)
+
+
+# -- Slurm commands ----------------------------------------------------------------------------------
+def _run(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"{args[0]}: not found (is this a Slurm login node?)") from None
+    if check and r.returncode != 0:
+        msg = " ".join((r.stderr or r.stdout).split()) or f"exit status {r.returncode}"
+        raise SlurmError(f"{' '.join(args[:2])}: {msg}")
+    return r
+
+
+def submit(run_dir: str | os.PathLike, script: str | os.PathLike) -> str:
+    """sbatch SCRIPT from RUN_DIR; returns the job id and appends it to RUN_DIR/slurm_jobs.jsonl."""
+    run_dir = Path(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    r = _run("sbatch", "--parsable", f"--chdir={run_dir}", str(script))
+    job_id = r.stdout.strip().split(";")[0].split("+")[0]
+    with open(run_dir / JOBS_FILE, "a") as f:
+        f.write(json.dumps({"job_id": job_id, "time": time.time()}) + "\n")
+    return job_id
+
+
+def job_state(job_id: str) -> dict:
+    """{'state', 'reason', 'restarts', 'nodes'} from `scontrol show job` (squeue as a fallback).
+
+    A job Slurm has forgotten (MinJobAge passed) reads as state 'GONE'."""
+    r = _run("scontrol", "-o", "show", "job", str(job_id), check=False)
+    if r.returncode == 0 and r.stdout.strip():
+        comps = []
+        for line in r.stdout.strip().splitlines():
+            comps.append(dict(kv.split("=", 1) for kv in line.split() if "=" in kv))
+        lead = comps[0]
+        return {"state": lead.get("JobState", "UNKNOWN"), "reason": lead.get("Reason", ""),
+                "restarts": int(lead.get("Restarts", "0") or 0),
+                "nodes": [c.get("NodeList", "") for c in comps], "exit_code": lead.get("ExitCode", "")}
+    r = _run("squeue", "-h", "-j", str(job_id), "-o", "%T|%r", check=False)
+    if r.returncode == 0 and r.stdout.strip():
+        state, _, reason = r.stdout.strip().splitlines()[0].partition("|")
+        return {"state": state, "reason": reason, "restarts": None, "nodes": [], "exit_code": ""}
+    return {"state": "GONE", "reason": "", "restarts": None, "nodes": [], "exit_code": ""}
+
+
+def cancel(job_id: str, signal: str | None = None, batch: bool = False) -> None:
+    """scancel the job, or only send it SIGNAL (to the batch script too with batch=True)."""
+    args = ["scancel"]
+    if signal:
+        args.append(f"--signal={signal}")
+        if batch:
+            args.append("--batch")
+    _run(*args, str(job_id))
+
+
+def requeue(job_id: str) -> None:
+    _run("scontrol", "requeue", str(job_id))
+
+
+# -- what the CLI calls ------------------------------------------------------------------------------
+def prepare_run(cfg: dict, run_dir: str | os.PathLike) -> tuple[dict, str]:
+    """(plan, script) for cfg with its run_dir set; raises PlanError/ConfigError naming the key."""
+    cfg = dict(cfg, run_dir=str(Path(run_dir).absolute()))
+    plan = make_plan(cfg)
+    return plan, render_script(plan, cfg)
+
+
+def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
+    """Freeze the run dir (config, plan, script; a resume is checked) and submit. Returns the job id."""
+    from launch.rundir import freeze_run_dir
+    run_dir = Path(run_dir).absolute()
+    cfg = dict(cfg, run_dir=str(run_dir))
+    cfg.pop("_overrides", None)
+    old = current_job(run_dir)
+    if old and job_state(old)["state"] in ACTIVE:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: job {old} of this run is still active "
+                          f"(python -m launch cancel {run_dir})")
+    plan, script = prepare_run(cfg, run_dir)
+    freeze_run_dir(cfg, run_dir, plan, script, backend="slurm")
+    return submit(run_dir, run_dir / "job.sbatch")
+
+
+def resume_slurm(run_dir: str | os.PathLike, max_steps: int | None = None) -> str:
+    """Resubmit a run whose job ended, from its frozen config (optionally with more steps)."""
+    import yaml
+    run_dir = Path(run_dir).absolute()
+    p = run_dir / "config.yaml"
+    if not p.exists():
+        raise ConfigError(f"run_dir={str(run_dir)!r}: no config.yaml, not a run directory")
+    cfg = yaml.safe_load(p.read_text())
+    if max_steps is not None:
+        cfg["trainer"]["max_steps"] = int(max_steps)
+    return launch_slurm(cfg, run_dir)
+
+
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+          "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED")
+
+
+def current_job(run_dir: str | os.PathLike) -> str | None:
+    p = Path(run_dir) / JOBS_FILE
+    if not p.exists():
+        return None
+    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    return json.loads(lines[-1])["job_id"] if lines else None
+
+
+def cancel_run(run_dir: str | os.PathLike, signal: str | None = None) -> str:
+    """Cancel (or signal, e.g. USR1 = checkpoint and requeue) the run's current job; returns its id."""
+    job = current_job(run_dir)
+    if job is None:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: no Slurm job recorded ({JOBS_FILE} missing)")
+    cancel(job, signal=signal, batch=bool(signal))
+    return job
+
+
+def _last_line(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def status(run_dir: str | os.PathLike) -> dict:
+    """Job state (scontrol/squeue) and progress read from the run dir, as a JSON-able dict."""
+    from rl.exchange import list_steps
+    run_dir = Path(run_dir).absolute()
+    job = current_job(run_dir)
+    out = {"run_dir": str(run_dir), "job_id": job, "job": job_state(job) if job else None,
+           "done": (run_dir / "DONE").exists()}
+    for kind in ("rollouts", "weights", "checkpoints"):
+        steps = list_steps(run_dir, kind)
+        out[f"latest_{kind}"] = steps[-1] if steps else None
+    hist = run_dir / "roles" / "history.jsonl"
+    restarts = set()
+    if hist.exists():
+        for ln in hist.read_text().splitlines():
+            try:
+                restarts.add(json.loads(ln).get("slurm_restart_count") or 0)
+            except ValueError:
+                pass
+    out["restarts"] = max(restarts) if restarts else 0
+    out["incarnations"] = len(restarts)
+    out["last_metrics"] = _last_line(run_dir / "metrics.jsonl")
+    try:
+        cfg = json.loads((run_dir / "plan.json").read_text())
+        out["experiment"] = cfg.get("experiment")
+    except (OSError, ValueError):
+        out["experiment"] = None
+    return out
+
+
+def render_status(st: dict, console=None) -> None:
+    """Print `status()` as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    t = Table(title=f"hetrl run {st['run_dir']}", show_header=False)
+    job = st.get("job") or {}
+    t.add_row("experiment", str(st.get("experiment")))
+    t.add_row("job", f"{st.get('job_id')}  {job.get('state', '-')}"
+              + (f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else ""))
+    if job.get("nodes"):
+        t.add_row("nodes", "  |  ".join(f"group {i}: {n}" for i, n in enumerate(job["nodes"])))
+    t.add_row("restarts", str(st.get("restarts")))
+    for kind in ("rollouts", "weights", "checkpoints"):
+        t.add_row(f"latest {kind}", str(st.get(f"latest_{kind}")))
+    m = st.get("last_metrics")
+    if m:
+        t.add_row("last metrics", "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in list(m.items())[:8]))
+    t.add_row("done", "yes" if st.get("done") else "no")
+    console.print(t)
+
+
+def log_path(run_dir: str | os.PathLike, role: str) -> Path:
+    """RUN_DIR/logs/<role>.log (role names as in plan.json: trainer, inference_0, orchestrator, router,
+    prepare, or 'job' for the batch script's own log of the current job)."""
+    run_dir = Path(run_dir)
+    if role == "job":
+        job = current_job(run_dir)
+        return run_dir / "logs" / f"slurm-{job}.out"
+    return run_dir / "logs" / f"{role}.log"

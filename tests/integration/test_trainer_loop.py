@@ -1,0 +1,116 @@
+"""The trainer role run in-process on synthetic rollout batches: resume, corruption, FP8 publishing."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
+from rl import exchange, fp8
+from rl.exchange import weights as wire
+from rl.metrics import read_metrics
+from rl.runtime import EXIT_PREEMPTED, StopFlag, is_done
+from rl.trainer.train import Trainer, run
+from rl.trainer.model import hf_state_dict
+
+
+def _final_state(run_dir, cfg, step):
+    tr = Trainer(cfg)
+    tr.load(run_dir, step)
+    return tr
+
+
+def test_interrupted_and_resumed_run_ends_bit_identical(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        publish_batches(d, range(4))
+    cfg_a, cfg_b = tiny_cfg(a), tiny_cfg(b)
+    assert run(a, cfg_a, examples=examples, poll=0.01) == 0
+    assert is_done(a)
+
+    stop = StopFlag(install=False)
+    rc = run(b, cfg_b, stop=stop, examples=examples, poll=0.01,
+             after_step=lambda n, m: stop.set("test") if n == 1 else None)
+    assert rc == EXIT_PREEMPTED and not is_done(b)
+    assert exchange.list_steps(b, "checkpoints") == [0, 2]
+    assert run(b, cfg_b, examples=examples, poll=0.01) == 0  # no resume.json: newest complete checkpoint
+    assert is_done(b)
+
+    ta, tb = _final_state(a, cfg_a, 4), _final_state(b, cfg_b, 4)
+    for k, v in ta.model.state_dict().items():
+        assert torch.equal(v, tb.model.state_dict()[k]), k
+    oa, ob = ta.optimizer.state_dict(), tb.optimizer.state_dict()
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert torch.equal(oa[k], ob[k]) if torch.is_tensor(oa[k]) else oa[k] == ob[k], k
+    assert ta.progress.consumed == tb.progress.consumed == [0, 1, 2, 3]
+    # published weights agree byte for byte, and every step was logged once per lineage
+    for v in range(5):
+        fa = exchange.read_manifest(exchange.step_dir(a, "weights", v))["files"] if v >= 2 else None
+        if fa is not None:
+            fb = exchange.read_manifest(exchange.step_dir(b, "weights", v))["files"]
+            assert {k: x["sha256"] for k, x in fa.items()} == {k: x["sha256"] for k, x in fb.items()}
+    m = read_metrics(a)
+    assert [x["step"] for x in m] == [0, 1, 2, 3]
+    for key in ("loss", "reward_mean", "mismatch_kl", "entropy", "lag", "lag_max", "tokens_per_s",
+                "step_time_s", "publish_s", "wait_s"):
+        assert key in m[0], key
+    assert exchange.list_steps(a, "weights") == [2, 3, 4]  # keep_weights=3
+    assert exchange.list_steps(a, "assets") == [0]
+
+
+class _RepublishWhenMissing(StopFlag):
+    """A stop flag that, polled while the step is missing, plays the orchestrator republishing it."""
+
+    def __init__(self, run_dir):
+        super().__init__(install=False)
+        self.run_dir, self.republished = run_dir, 0
+
+    def is_set(self):
+        if not exchange.step_dir(self.run_dir, "rollouts", 0).exists():
+            publish_batches(self.run_dir, [0])
+            self.republished += 1
+        return super().is_set()
+
+
+def _corrupt_and_run(run_dir, damage):
+    publish_batches(run_dir, [0])
+    damage(exchange.step_dir(run_dir, "rollouts", 0) / "batch.safetensors")
+    stop = _RepublishWhenMissing(run_dir)
+    assert run(run_dir, tiny_cfg(run_dir, max_steps=1, warm_start={"steps": 0}), stop=stop, poll=0.01) == 0
+    assert stop.republished == 1
+    quarantined = list((run_dir / "rollouts" / "corrupt").iterdir())
+    assert len(quarantined) == 1
+    good = exchange.read_manifest(exchange.step_dir(run_dir, "rollouts", 0))["files"]["batch.safetensors"]["sha256"]
+    consumed = [json.loads(x) for x in (run_dir / "rollouts" / "consumed.jsonl").read_text().splitlines()]
+    assert [(c["step"], c["sha256"]) for c in consumed] == [(0, good)]
+
+
+def test_truncated_rollout_batch_is_never_consumed(tmp_path):
+    def truncate(f):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    _corrupt_and_run(tmp_path, truncate)
+
+
+def test_checksum_failing_rollout_batch_is_never_consumed(tmp_path):
+    def flip(f):
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    _corrupt_and_run(tmp_path, flip)
+
+
+def test_published_fp8_shards_dequantize_to_fake_quantized_trainer_weights(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    tr = Trainer(cfg)
+    tr.train_step(synthetic_batch(0), 0)
+    tr.publish_weights(tmp_path, 1)
+    ours = hf_state_dict(tr.built)
+    got = dict(wire.iter_tensors(exchange.step_dir(tmp_path, "weights", 1), dequantize=True))
+    assert got.keys() == ours.keys()
+    quantized = json.loads((exchange.step_dir(tmp_path, "weights", 1) / wire.FP8_META).read_text())["quantized"]
+    assert any(".mlp.experts." in q for q in quantized) and any("q_proj" in q for q in quantized)
+    for name, w in ours.items():
+        expected = fp8.fake_quantize_block(w) if name in quantized else w
+        assert torch.equal(got[name], expected), name
