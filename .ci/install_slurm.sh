@@ -4,7 +4,7 @@
 set -eu
 if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
    && command -v munged >/dev/null; then
-  echo "slurm and munge already installed: $(sbatch --version)"
+  echo "slurm and munge already installed: $(slurmd -V 2>/dev/null || true)"
   exit 0
 fi
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -12,4 +12,4 @@ $SUDO apt-get update -q
 # The packages try to start their services; a policy-rc.d refusal there is harmless.
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
   slurmctld slurmd slurm-client munge
-sbatch --version
+slurmd -V

@@ -147,7 +147,7 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str) -> dict:
     if gpn > 0:
         _need(size <= gpn or size % gpn == 0, "inference.dp", dp,
               f"a replica of tp*dp={size} GPUs must fill whole nodes of inference.gpus_per_node={gpn} or fit in one")
-        _need(size >= gpn or gpn % size == 0, "inference.tp", tp,
+        _need(size >= gpn or gpn % size == 0, "inference.dp", dp,
               f"tp*dp={size} must divide inference.gpus_per_node={gpn} to pack replicas on a node")
         _need(tp <= gpn, "inference.tp", tp, f"tensor parallel cannot span nodes (gpus_per_node={gpn})")
         pools = [("prefill", pn), ("decode", dn)] if pd else [("mixed", nodes)]

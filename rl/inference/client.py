@@ -17,8 +17,8 @@ first available:
    finished just before the pause but whose response had not yet arrived is not in the counts; that is
    why (1) is the default path.
 
-Request keys: the engine-side id of a completion request is `cmpl-<request_id>-0`, of a chat request
-`chatcmpl-<request_id>`, of a generate request `generate-tokens-<request_id>`; `Completion.request_id` holds that key,
+Request keys: the engine-side id of a completion request is `cmpl-<request_id>-0`, of a chat
+request `chatcmpl-<request_id>`, of a generate request `generate-tokens-<request_id>`; `Completion.request_id` holds that key,
 which is what `update_weights()["in_flight"]` is keyed by.
 """
 from __future__ import annotations
@@ -209,7 +209,8 @@ class InferenceClient:
         t0 = asyncio.get_running_loop().time()
         await self._post("/pause", params={"mode": "keep"})
         try:
-            rpc = {"method": "load_policy", "kwargs": {"weights_dir": str(weights_dir), "version": int(version)}}
+            rpc = {"method": "load_policy",
+                   "kwargs": {"weights_dir": str(weights_dir), "version": int(version)}}
             if timeout is not None:
                 rpc["timeout"] = timeout
             results = (await self._post("/collective_rpc", rpc))["results"]

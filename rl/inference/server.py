@@ -149,7 +149,8 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     (tmp / "hetrl_source.json").write_text(json.dumps(
-        {"weights": str(weights_dir), "fp8": fp8, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
+        {"weights": str(weights_dir), "fp8": fp8,
+         "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.rename(tmp, out_dir)
     return out_dir
@@ -173,7 +174,8 @@ def vllm_command(model_dir: Path, icfg, *, host: str, port: int, python: str = s
 def vllm_env(icfg, *, host: str, version: int, cache_root: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     repo = str(Path(rl.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([repo] + rest)
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_HOST_IP": host,

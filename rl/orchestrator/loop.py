@@ -189,6 +189,13 @@ class Orchestrator:
         return RolloutBatch.from_samples(samples, meta)
 
     # --- main loop -----------------------------------------------------------------------------
+    def _next_missing(self, first: int, max_steps: int) -> int | None:
+        have = set(exchange.list_steps(self.run_dir, "rollouts"))
+        for n in range(first, max_steps):
+            if n not in have:
+                return n
+        return None
+
     async def run(self) -> int:
         cfg = self.cfg
         n_servers = int(cfg.inference.get("replicas", 1))
@@ -201,14 +208,19 @@ class Orchestrator:
         self.tracker = VersionTracker(min(int(s["version"]) for s in servers))
         for c in self.clients:
             await c.health()
-        ckpt = resume_state(self.run_dir).get("checkpoint_step")
-        have = set(exchange.list_steps(self.run_dir, "rollouts"))
-        todo = [n for n in range(ckpt or 0, cfg.trainer.max_steps) if n not in have]
-        log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; "
-                  f"{len(todo)} batch(es) to build from step {todo[0] if todo else '-'}")
+        first = resume_state(self.run_dir).get("checkpoint_step") or 0
+        max_steps = cfg.trainer.max_steps
+        log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; building batches "
+                  f"{first}..{max_steps - 1} (those not yet published)")
         watcher = asyncio.create_task(self._weight_watcher())
         try:
-            for step in todo:
+            while not self.stop.is_set() and not is_done(self.run_dir):
+                step = self._next_missing(first, max_steps)
+                if step is None:
+                    # Everything is published; the trainer may still quarantine a corrupt batch, which
+                    # makes its step missing again, so keep watching until it is done.
+                    await asyncio.sleep(0.5)
+                    continue
                 batch = await self.build_batch(step)
                 if batch is None:
                     break

@@ -172,7 +172,8 @@ class Sandbox:
             t0 = time.monotonic()
             try:
                 proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
-                                        pass_fds=(wfd,), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+                                        pass_fds=(wfd,),
+                                        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
             finally:
                 os.close(wfd)
             timed_out = False
@@ -189,7 +190,8 @@ class Sandbox:
         if timed_out:
             return Result(-signal.SIGKILL, out, err, True, seconds)
         if len(status) != 2:
-            raise SandboxError(f"sandbox setup failed (launcher exit {proc.returncode}): {err.strip()[-2000:]}")
+            raise SandboxError(f"sandbox setup failed (launcher exit {proc.returncode}): "
+                               f"{err.strip()[-2000:]}")
         code = int(status[1])
         return Result(-code if status[0] == "signal" else code, out, err, False, seconds)
 

@@ -10,8 +10,8 @@ Grading follows SWE-bench: copy the agent's tree into a fresh sandbox, reset the
 snapshot (the agent cannot weaken the tests it is graded on), apply test_patch, run pytest on those files,
 reward = passed / (FAIL_TO_PASS + PASS_TO_PASS). pytest runs with `--noconftest` and `-o addopts=` so a
 conftest.py or ini file the agent wrote cannot reshape the run, and with plugin autoloading off
-(which also cuts pytest's start from ~0.8 s to ~0.2 s here, most of the grading time). It still runs in the same process as the
-agent's code, so a deliberately adversarial patch could forge results (as in SWE-bench): the sandbox
+(which also cuts pytest's start from ~0.8 s to ~0.2 s here, most of the grading time). It still runs in
+the same process as the agent's code, so a deliberately adversarial patch could forge results (as in SWE-bench): the sandbox
 limits what such code can touch, not what it can print.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from rl.envs.swe.sandbox import Limits, Sandbox
 BUILTIN = Path(__file__).with_name("data") / "builtin.jsonl"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "--noconftest", "-p", "no:cacheprovider",
           "-o", "addopts=", "--no-header", "-W", "ignore"]
-PATCH = ["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "--reject-file=-"]
+PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL) (\S+)", re.M)
 
 
@@ -119,7 +119,8 @@ def grade(task: Task, tree: Path | None = None, *, extra_patch: str | None = Non
                 p.write_text(task.files[rel])
         r = apply_patch(sb, task.test_patch)
         if r.returncode != 0:
-            raise ValueError(f"{task.instance_id}: test_patch does not apply: {(r.stdout + r.stderr).strip()}")
+            raise ValueError(f"{task.instance_id}: test_patch does not apply: "
+                             f"{(r.stdout + r.stderr).strip()}")
         outcomes, output = run_pytest(sb, [f for f in test_files if (sb.tree / f).is_file()], timeout_s)
     passed = [i for i in task.graded if outcomes.get(i) == "PASSED"]
     failed = [i for i in task.graded if outcomes.get(i) != "PASSED"]

@@ -598,7 +598,8 @@ TASKS = [
             inv.remove("x", 2)
             assert inv.count("x") == 3
         """},
-      [("shop/inventory.py", "class Inventory:", "from shop.errors import OutOfStockError\n\n\nclass Inventory:"),
+      [("shop/inventory.py", "class Inventory:",
+        "from shop.errors import OutOfStockError\n\n\nclass Inventory:"),
        ("shop/inventory.py", "        self._stock[sku] = self._stock.get(sku, 0) - qty",
         """
                 if qty <= 0:
@@ -709,7 +710,8 @@ TASKS = [
         def test_pairwise():
             assert pairwise("abc") == [("a", "b"), ("b", "c")]
         """},
-      [("seqtools.py", "    seq = list(seq)\n    return [seq[i:i + size] for i in range(0, len(seq) - size + 1, size)]",
+      [("seqtools.py",
+        "    seq = list(seq)\n    return [seq[i:i + size] for i in range(0, len(seq) - size + 1, size)]",
         """
             if size < 1:
                 raise ValueError("size must be >= 1")
@@ -992,7 +994,8 @@ TASKS = [
             with pytest.raises(InsufficientFunds):
                 Account("ann", 1).withdraw(2)
         """},
-      [("bank/account.py", "            raise InsufficientFunds(f\"{self.owner}: balance {self.balance} < {amount}\")\n"
+      [("bank/account.py",
+        "            raise InsufficientFunds(f\"{self.owner}: balance {self.balance} < {amount}\")\n"
                            "        self.balance -= amount",
         """
                     raise InsufficientFunds(f"{self.owner}: balance {self.balance} < {amount}")

@@ -1,0 +1,145 @@
+"""The SWE environment: sample tasks, run one episode per task in its own sandbox, reward at the end.
+
+`SWEEnv(tasks, config).start(task)` copies the task's snapshot into a fresh sandbox tree and returns an
+`Episode`. The orchestrator drives it turn by turn: `initial_messages()` opens the conversation (system
+prompt with the tool list, then the issue), each model turn goes to `step(text)`, which runs the one tool
+call in it and returns the observation to send back (`tool_message(obs)` wraps it as a chat message), and
+`reward()` grades the tree on the hidden tests once the episode is done. The hidden tests and the
+reference patch never enter the tree, and the checkout that holds them is masked inside the sandbox.
+
+Limits: `max_turns` model turns and `wall_s` seconds per episode (tool timeouts are clipped to the time
+left). An episode ends at `submit`, or when a limit is reached; `step` then returns done=True. No torch or
+vLLM here: the environment is plain Python plus the sandbox, so it is testable on its own.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+from rl.envs.swe.sandbox import Limits, Sandbox
+from rl.envs.swe.tasks import Task, grade, load_tasks
+from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    max_turns: int = 30
+    wall_s: float = 1800.0
+    tool_timeout_s: float = 60.0
+    output_chars: int = 4000
+    limits: Limits = field(default_factory=lambda: Limits(cpu_s=60, memory_bytes=2 << 30))
+
+
+SYSTEM_PROMPT = """You are a software engineer fixing an issue in a Python repository.
+Work with the tools below. Call exactly one tool per turn, as a JSON object inside tags:
+<tool_call>{{"name": "read_file", "arguments": {{"path": "pkg/module.py"}}}}</tool_call>
+Paths are relative to the repository root. Hidden tests will check your fix after you submit.
+
+Tools:
+{tools}
+
+Explore the code, make the fix, run the tests, then call submit."""
+
+
+class Episode:
+    """One task attempt in its own sandbox. Use as a context manager or call close()."""
+
+    def __init__(self, task: Task, config: EnvConfig):
+        self.task = task
+        self.config = config
+        self.sandbox = Sandbox.from_files(task.files, config.limits)
+        self.tools = Tools(self.sandbox, output_chars=config.output_chars, timeout_s=config.tool_timeout_s)
+        self.turns = 0
+        self.done = False
+        self.end_reason: str | None = None
+        self.t0 = time.monotonic()
+        self._reward: float | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def system_prompt(self) -> str:
+        tools = "\n".join(f"- {s['name']}({', '.join(s['arguments'])}): {s['description']}"
+                          + "".join(f"\n    {k}: {v}" for k, v in s["arguments"].items())
+                          for s in TOOL_SPECS)
+        return SYSTEM_PROMPT.format(tools=tools)
+
+    def initial_messages(self) -> list[dict]:
+        return [{"role": "system", "content": self.system_prompt()},
+                {"role": "user", "content": f"Fix this issue:\n\n{self.task.problem_statement}"}]
+
+    @staticmethod
+    def tool_message(observation: str) -> dict:
+        """The chat message that carries an observation back (Qwen's convention for tool results)."""
+        return {"role": "user", "content": f"<tool_response>\n{observation}\n</tool_response>"}
+
+    def time_left(self) -> float:
+        return self.config.wall_s - (time.monotonic() - self.t0)
+
+    def step(self, assistant_text: str) -> tuple[str | None, bool]:
+        """Run the tool call in one model turn. Returns (observation, done): observation is None after
+        submit; when a turn or time limit ends the episode the last observation is still returned."""
+        if self.done:
+            raise RuntimeError(f"episode of {self.task.instance_id} is over ({self.end_reason})")
+        self.turns += 1
+        call = parse_tool_call(assistant_text)
+        if isinstance(call, str):
+            obs = call
+        else:
+            name, args = call
+            obs = self.tools.call(name, args, timeout_s=max(1.0, min(self.config.tool_timeout_s,
+                                                                     self.time_left())))
+            if self.tools.submitted:
+                self._end("submitted")
+                return None, True
+        if self.turns >= self.config.max_turns:
+            self._end("max_turns")
+        elif self.time_left() <= 0:
+            self._end("wall_time")
+        return obs, self.done
+
+    def _end(self, reason: str):
+        self.done = True
+        self.end_reason = reason
+
+    def reward(self) -> float:
+        """Fraction of the hidden tests (FAIL_TO_PASS + PASS_TO_PASS) the tree passes; graded once."""
+        if self._reward is None:
+            self._reward = grade(self.task, self.sandbox.tree, limits=self.config.limits,
+                                 timeout_s=self.config.tool_timeout_s).reward
+        return self._reward
+
+    def metrics(self) -> dict:
+        return {"turns": self.turns, "end_reason": self.end_reason or "open",
+                "seconds": time.monotonic() - self.t0, "reward": self._reward}
+
+    def close(self):
+        self.sandbox.close()
+
+
+class SWEEnv:
+    """Tasks from SWE-bench-format JSONL (default: the built-in set) and episodes over them."""
+
+    def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig()):
+        self.tasks = load_tasks() if tasks is None else load_tasks(tasks) if isinstance(tasks, str) else tasks
+        if not self.tasks:
+            raise ValueError("SWEEnv needs at least one task")
+        self.config = config
+
+    def sample_tasks(self, n: int, rng: random.Random) -> list[Task]:
+        """n tasks: without replacement while n <= number of tasks, then cycling through reshuffles."""
+        out = []
+        while len(out) < n:
+            out += rng.sample(self.tasks, min(len(self.tasks), n - len(out)))
+        return out
+
+    def start(self, task: Task) -> Episode:
+        return Episode(task, self.config)
+
+    def describe(self) -> str:
+        return json.dumps({"tasks": len(self.tasks), "sandbox": Sandbox.capabilities()["mode"]})

@@ -1,0 +1,77 @@
+"""launch.slurm against the localhost cluster: submit / status / cancel / resume checks, and the test
+cluster itself stopping without leaving a process behind. The RL end to end lives with the roles."""
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import slurm as ls
+from launch.compose import compose_points
+from launch.config import ConfigError
+
+pytestmark = pytest.mark.slurm
+
+
+def _cfg(run_dir: Path, *extra: str) -> dict:
+    (cfg,) = compose_points(["cluster=slurm", f"run_dir={run_dir}", *extra], multirun=False)
+    # held back an hour: the job stays PENDING, so no role starts (this test is about the plumbing)
+    cfg["cluster"]["extra_sbatch"] = ["--begin=now+3600"]
+    return cfg
+
+
+def test_launch_status_cancel_resume(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job = ls.launch_slurm(_cfg(run_dir), run_dir)
+    for f in ("config.yaml", "plan.json", "job.sbatch", "submissions.jsonl", "slurm_jobs.jsonl"):
+        assert (run_dir / f).exists(), f
+    st = ls.status(run_dir)
+    assert st["job_id"] == job and st["job"]["state"] == "PENDING" and st["latest_checkpoints"] is None
+    from rich.console import Console
+    buf = io.StringIO()
+    ls.render_status(st, Console(file=buf, width=120))
+    assert job in buf.getvalue() and "PENDING" in buf.getvalue()
+    with pytest.raises(ConfigError, match="still active"):
+        ls.launch_slurm(_cfg(run_dir), run_dir)
+    ls.cancel_run(run_dir)
+    deadline = time.monotonic() + 20
+    while ls.job_state(job)["state"] != "CANCELLED":
+        assert time.monotonic() < deadline, ls.job_state(job)
+        time.sleep(0.3)
+    with pytest.raises(ConfigError, match="^trainer.lr: differs from the frozen config"):
+        ls.launch_slurm(_cfg(run_dir, "trainer.lr=0.1"), run_dir)
+    job2 = ls.resume_slurm(run_dir, max_steps=40)
+    assert job2 != job and ls.current_job(run_dir) == job2
+    assert ls.log_path(run_dir, "job").name == f"slurm-{job2}.out"
+
+
+def test_cluster_stop_leaves_no_process(tmp_path):
+    from slurm_cluster import SlurmCluster, missing_binaries
+    if missing_binaries() and not os.environ.get("CI"):
+        pytest.skip("Slurm not installed")
+    c = SlurmCluster(nodes=2)
+    try:
+        c.start()
+        c.run("sbatch", "-N2", f"--output={tmp_path}/o", "--wrap", "srun sleep 300")
+        deadline = time.monotonic() + 20
+        while "R" not in c.run("squeue", "-h", "-o", "%t").stdout:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        marker = str(c.dir).encode()
+    finally:
+        c.stop()
+    left = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if (p / "stat").read_text().split(")")[-1].split()[0] == "Z":
+                continue  # exited; this container's init does not reap orphans
+            if marker in (p / "cmdline").read_bytes() or marker in (p / "environ").read_bytes():
+                left.append((p.name, (p / "cmdline").read_bytes()[:80]))
+        except OSError:
+            continue
+    assert not left, left

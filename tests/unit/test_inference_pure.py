@@ -1,0 +1,187 @@
+"""Pure parts of rl.inference: request keys, version spans, the update protocol, server plumbing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+from omegaconf import OmegaConf
+
+from launch.config import InferenceConfig
+from rl.inference import client as C
+from rl.inference.worker_ext import external_request_id
+
+
+def test_external_request_id_strips_vllm_suffix(monkeypatch):
+    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    assert external_request_id("cmpl-abc-0-1a2b3c4d") == C.completion_key("abc")
+    assert external_request_id("chatcmpl-x-y-deadbeef") == C.chat_key("x-y")
+    assert external_request_id("generate-tokens-r1-00ff00ff") == C.generate_key("r1")
+    assert external_request_id("no-suffix") == "no-suffix"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert external_request_id("cmpl-abc-0") == "cmpl-abc-0"
+
+
+def test_versions_from_spans_and_updates():
+    spans = [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 5}]
+    assert C.versions_from_spans(spans, 5) == [2, 2, 2, 3, 3]
+    with pytest.raises(C.InferenceError):
+        C.versions_from_spans(spans[:1], 5)
+    assert C.versions_from_updates(5, 2, [(3, 3)]) == [2, 2, 2, 3, 3]
+    assert C.versions_from_updates(4, 0, []) == [0] * 4
+    assert C.versions_from_updates(4, 0, [(1, 0), (2, 2)]) == [1, 1, 2, 2]
+    assert C.versions_from_updates(3, 0, [(1, 9)]) == [0, 0, 0]  # finished before the reload
+
+
+def _mock_client(handler):
+    c = C.InferenceClient("http://x")
+    c._http = httpx.AsyncClient(base_url="http://x", transport=httpx.MockTransport(handler))
+    return c
+
+
+def test_update_weights_protocol_order_and_result():
+    calls = []
+
+    def handler(req: httpx.Request):
+        calls.append((req.url.path, dict(req.url.params)))
+        if req.url.path == "/collective_rpc":
+            body = json.loads(req.content)
+            assert body["method"] == "load_policy"
+            assert body["kwargs"] == {"weights_dir": "/w/step_000003", "version": 3}
+            return httpx.Response(200, json={"results": [{"version": 3, "in_flight": {"cmpl-a-0": 7}}]})
+        if req.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": False})
+        return httpx.Response(200, json={})
+
+    out = asyncio.run(_mock_client(handler).update_weights("/w/step_000003", 3))
+    assert [p for p, _ in calls] == ["/pause", "/collective_rpc", "/update_weight_version",
+                                     "/reset_prefix_cache", "/resume"]
+    assert calls[0][1] == {"mode": "keep"} and calls[3][1] == {"reset_running_requests": "false"}
+    assert out["in_flight"] == {"cmpl-a-0": 7} and out["prefix_cache_reset"] is False
+
+
+@pytest.mark.parametrize("failure", ["http500", "refused"])
+def test_update_weights_always_resumes(failure):
+    calls = []
+
+    def handler(req):
+        calls.append(req.url.path)
+        if req.url.path == "/collective_rpc":
+            if failure == "http500":
+                return httpx.Response(500, text="boom")
+            return httpx.Response(200, json={"results": [{"error": "refused x: sha256 does not match",
+                                                          "loaded": False}]})
+        return httpx.Response(200, json={})
+
+    with pytest.raises(C.InferenceError, match="boom|sha256"):
+        asyncio.run(_mock_client(handler).update_weights("/w", 1))
+    assert calls[-1] == "/resume" and "/update_weight_version" not in calls
+
+
+def test_generate_parses_token_endpoint():
+    def handler(req):
+        body = json.loads(req.content)
+        assert req.url.path == "/inference/v1/generate" and body["token_ids"] == [5, 6]
+        assert body["sampling_params"]["logprobs"] == 0 and body["request_id"] == "r"
+        return httpx.Response(200, json={"choices": [{
+            "index": 0, "token_ids": [1, 2], "finish_reason": "length",
+            "logprobs": {"content": [{"token_id": 1, "logprob": -0.5}, {"token_id": 2, "logprob": -1.0}]},
+            "weight_versions": [{"version": "4", "start": 0, "end": 2}]}]})
+
+    comp = asyncio.run(_mock_client(handler).generate([5, 6], 2, request_id="r"))
+    assert comp.ids == [1, 2] and comp.logprobs == [-0.5, -1.0] and comp.versions == [4, 4]
+    assert comp.request_id == C.generate_key("r") and comp.finish_reason == "length"
+
+
+def test_generate_parses_completions_endpoint():
+    def handler(req):
+        body = json.loads(req.content)
+        assert req.url.path == "/v1/completions" and body["prompt"] == [5] and body["return_token_ids"]
+        return httpx.Response(200, json={"id": "cmpl-r", "choices": [{
+            "index": 0, "text": "", "token_ids": [9], "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.25], "tokens": ["x"], "top_logprobs": [], "text_offset": []}}]})
+
+    comp = asyncio.run(_mock_client(handler).generate([5], 1, request_id="r", endpoint="completions"))
+    assert comp.ids == [9] and comp.logprobs == [-0.25] and comp.versions is None
+    assert comp.request_id == "cmpl-r-0"
+
+
+def test_client_module_is_light():
+    import subprocess
+    import sys
+    code = "import sys, rl.inference.client; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_resolve_fp8_load():
+    from rl.inference.server import resolve_fp8_load
+    assert resolve_fp8_load("auto", False) is False and resolve_fp8_load("auto", True) is True
+    assert resolve_fp8_load("dequantize", True) is False
+    with pytest.raises(RuntimeError, match="FP8"):
+        resolve_fp8_load("fp8", False)
+    with pytest.raises(ValueError):
+        resolve_fp8_load("int4", True)
+
+
+def test_vllm_command_and_env(tmp_path):
+    from rl.inference.server import VERSION_ENV, WORKER_EXTENSION, vllm_command, vllm_env
+    icfg = OmegaConf.structured(InferenceConfig(extra_args=["--seed", 3]))
+    cmd = vllm_command(tmp_path, icfg, host="127.0.0.1", port=8001, python="py")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag in ("--enforce-eager", "--enable-scale-out"):
+        assert flag in cmd
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert cmd[cmd.index("--served-model-name") + 1] == "policy" and cmd[-2:] == ["--seed", "3"]
+    env = vllm_env(icfg, host="127.0.0.1", version=7, cache_root="/c", base={"PYTHONPATH": "/x"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CACHE_ROOT"] == "/c" and env[VERSION_ENV] == "7"
+    assert env["PYTHONPATH"].endswith(os.pathsep + "/x")
+
+
+def test_clean_stale_keeps_live_and_current(tmp_path):
+    import socket
+    from rl.exchange import atomic_write_json
+    from rl.inference.server import clean_stale
+    for name, pid in (("cur", 1), ("live", os.getpid()), ("dead", 2 ** 22 + 12345), ("noowner", None)):
+        (tmp_path / name).mkdir()
+        if pid:
+            atomic_write_json(tmp_path / name / "owner.json", {"host": socket.gethostname(), "pid": pid})
+    assert sorted(clean_stale(tmp_path, keep="cur")) == ["dead", "noowner"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cur", "live"]
+
+
+def test_materialize_dequantizes_in_hf_names(tmp_path):
+    torch = pytest.importorskip("torch")
+    from rl import exchange
+    from rl.exchange.weights import load_state_dict, write_shards
+    from rl.inference.server import materialize
+    from safetensors.torch import load_file
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    (assets / "tokenizer.json").write_text("{}")
+    sd = {"model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64),
+          "model.layers.0.input_layernorm.weight": torch.ones(64)}
+    w = exchange.publish(tmp_path, "weights", 0, lambda d: write_shards(d, sd), producer="t").path
+    out = materialize(assets, w, tmp_path / "model", dtype=torch.float32, fp8=False)
+    got = load_file(str(out / "model-00001-of-00001.safetensors"))
+    assert set(got) == set(sd) and all(v.dtype == torch.float32 for v in got.values())
+    ref = load_state_dict(w, torch.float32)
+    assert all(torch.equal(got[k], ref[k]) for k in sd)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert (out / "tokenizer.json").exists() and not (out / exchange.MANIFEST).exists()
+    # FP8 pass-through: the shards as stored and the DeepSeek-style quantization_config
+    out8 = materialize(assets, w, tmp_path / "model8", dtype=torch.bfloat16, fp8=True)
+    cfg = json.loads((out8 / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    shard8 = load_file(str(out8 / "model-00001-of-00001.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in shard8
+    # a corrupted step is refused
+    shard = w / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(exchange.CorruptStep):
+        materialize(assets, w, tmp_path / "model", dtype=torch.float32, fp8=False)

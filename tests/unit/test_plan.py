@@ -1,0 +1,175 @@
+"""Allocation planning and the batch script template: pure logic, no Slurm needed."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.compose import compose_points
+from launch.config import ConfigError
+from launch.plan import PlanError, make_plan
+from launch.slurm import render_script, shell_word
+
+REPO = Path(__file__).resolve().parents[2]
+KIMI = ["+experiment=kimi_swe", "cluster=slurm"]
+GLM = ["+experiment=glm5_swe", "cluster=slurm"]
+GPU = ["cluster=slurm", "trainer.nodes=2", "trainer.gpus_per_node=8", "trainer.parallel.dp_shard=4",
+       "trainer.parallel.ep=4", "inference.nodes=2", "inference.gpus_per_node=8", "inference.tp=2",
+       "inference.dp=4", "inference.ep=8", "inference.replicas=2", "model.num_experts=16"]
+
+
+def plan_of(overrides, tmp="/tmp/hetrl-plan-test"):
+    (cfg,) = compose_points([*overrides, f"run_dir={tmp}"], multirun=False)
+    return cfg, make_plan(cfg)
+
+
+# Impossible plans: each a one-line error naming the key (config-level ones are in test_config.py).
+BAD_PLANS = [
+    (GPU + ["trainer.parallel.dp_shard=2"], "trainer.parallel"),                 # 2x4x1 != 16 GPUs
+    (GPU + ["trainer.parallel.ep=5", "trainer.parallel.dp_shard=1"], "trainer.parallel.ep"),  # 5 !| 16
+    (GPU + ["trainer.parallel.cp=3", "trainer.parallel.dp_shard=1"], "trainer.parallel.cp"),  # 6 !| 512
+    (["cluster=slurm", "trainer.parallel.dp_shard=3", "trainer.nodes=2"], "trainer.nodes"),   # 3 CPU ranks / 2
+    (GPU + ["inference.replicas=3"], "inference.replicas"),                      # 3x8 > 16 GPUs
+    (GPU + ["inference.replicas=1"], "inference.replicas"),                      # leaves 8 GPUs idle
+    (GPU + ["inference.ep=4"], "inference.ep"),                                  # ep must be 1 or tp*dp
+    (GPU + ["inference.tp=16", "inference.dp=1", "inference.ep=1", "inference.replicas=1"], "inference.tp"),
+    (GPU + ["inference.dp=3", "inference.ep=1"], "inference.dp"),                # 6 GPUs: neither fits nor fills
+    (GPU + ["inference.prefill_nodes=2", "inference.decode_nodes=1"], "inference.prefill_nodes"),  # 3 > 2
+    (GPU + ["inference.prefill_nodes=1"], "inference.decode_nodes"),             # decode pool missing
+    (GPU + ["inference.nodes=3", "inference.prefill_nodes=1", "inference.decode_nodes=1"], "inference.decode_nodes"),
+    (["cluster=slurm", "inference.prefill_nodes=1", "inference.decode_nodes=1", "inference.nodes=2"],
+     "inference.gpus_per_node"),                                                 # P/D needs GPUs
+    (GPU + ["inference.router=true", "inference.router_port=8001"], "inference.router_port"),  # taken
+    (GPU + ["inference.tp=1", "inference.dp=16", "inference.ep=16", "inference.replicas=1",
+            "inference.dp_rpc_port=8000"], "inference.dp_rpc_port"),           # collides with a server
+    (GPU + ["inference.kv_offload=cpu"], "inference.kv_offload_cpu_gb"),         # offload without a size
+    (GPU + ["inference.kv_offload=cpu+disk", "inference.kv_offload_cpu_gb=8"], "inference.kv_offload_disk_gb"),
+    (GPU + ["inference.all2all_backend=carrier_pigeon"], "inference.all2all_backend"),
+    (["cluster=slurm", "inference.tp=2"], "inference.tp"),                       # CPU servers are tp=dp=1
+    (GPU + ["trainer.master_port=80"], "trainer.master_port"),
+    (GPU + ["model.num_experts=12"], "inference.ep"),                            # 8 !| 12 experts
+    (["cluster=slurm", "inference.nodes=0"], "inference.nodes"),
+    (KIMI + ["inference.replicas=5"], "inference.replicas"),
+    (KIMI + ["trainer.nodes=8"], "trainer.parallel"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_PLANS, ids=[b[1] + f"-{i}" for i, b in enumerate(BAD_PLANS)])
+def test_impossible_plans_are_one_line_errors_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        plan_of(overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(key), msg
+    assert isinstance(e.value, PlanError) or key.startswith(("trainer.parallel.ep", "trainer.parallel.cp")), msg
+
+
+def test_at_least_15_plan_errors():
+    assert len({k for _, k in BAD_PLANS}) >= 15
+
+
+def test_debug_plan_cpu_single_nodes():
+    cfg, plan = plan_of(["cluster=slurm"])
+    assert [g["nodes"] for g in plan["groups"]] == [1, 1]
+    names = [r["name"] for r in plan["roles"]]
+    assert names == ["trainer", "inference_0", "orchestrator"]
+    t = plan["roles"][0]
+    assert t["command"][1:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
+    assert t["env"]["HETRL_HET_GROUP"] == "0" and plan["roles"][2]["env"]["HETRL_HET_GROUP"] == "1"
+    assert plan["roles"][1]["command"][-2:] == ["--index", "0"]
+    assert plan["prepare"]["command"][1:] == ["-m", "rl.prepare", "--run-dir", "/tmp/hetrl-plan-test"]
+    json.dumps(plan)
+
+
+def test_cpu_trainer_two_ranks_uses_torchrun():
+    _, plan = plan_of(["trainer.parallel.dp_shard=2"])
+    cmd = plan["trainer"]["command"]
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"] and "--nproc-per-node=2" in cmd
+    assert cmd[-4:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
+
+
+def test_gpu_plan_packs_replicas_per_node():
+    _, plan = plan_of(GPU)
+    reps = plan["inference"]["replicas"]
+    assert [(r["node"], r["nodes"], r["port"]) for r in reps] == [(0, 1, 8000), (1, 1, 8001)]
+    # two 4-GPU replicas on each of the 2 nodes would be 4 replicas; here tp*dp=8 fills a node
+    _, plan = plan_of(GPU + ["inference.dp=2", "inference.ep=4", "inference.replicas=4"])
+    assert [(r["node"], r["gpus_per_node"]) for r in plan["inference"]["replicas"]] == [(0, 4), (0, 4), (1, 4), (1, 4)]
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+@pytest.mark.parametrize("overrides", [KIMI, GLM], ids=["kimi_swe", "glm5_swe"])
+def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path):
+    cfg, plan = plan_of(overrides, str(tmp_path / "run"))
+    t, inf = plan["trainer"], plan["inference"]
+    assert t["world_size"] == cfg["trainer"]["nodes"] * cfg["trainer"]["gpus_per_node"] == \
+        t["dp_shard"] * t["ep"] * t["cp"]
+    assert cfg["model"]["num_experts"] % t["ep"] == 0
+    cmd = t["command"]
+    assert f"--nnodes={cfg['trainer']['nodes']}" in cmd and f"--nproc-per-node={cfg['trainer']['gpus_per_node']}" in cmd
+    assert any(a.startswith("--rdzv-endpoint=${HETRL_TRAINER_ADDR}:") for a in cmd)
+    # wide EP over >= 32 GPUs, P/D pools, kv offload, router
+    assert inf["ep"] >= 32 and inf["disaggregated"] and inf["router"] is not None
+    pools = {r["pool"] for r in inf["replicas"]}
+    assert pools == {"prefill", "decode"}
+    nodes_used = sum(r["nodes"] for r in inf["replicas"])
+    assert nodes_used == cfg["inference"]["nodes"] == plan["groups"][1]["nodes"]
+    gpn = cfg["inference"]["gpus_per_node"]
+    for r in inf["replicas"]:
+        v = r["vllm_command"]
+        assert v[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        tp, dp = int(_flag(v, "--tensor-parallel-size")), int(_flag(v, "--data-parallel-size"))
+        assert tp * dp == r["ep"] == inf["ep"] and "--enable-expert-parallel" in v
+        assert tp * dp == r["nodes"] * gpn
+        assert int(_flag(v, "--data-parallel-size-local")) * r["nodes"] == dp
+        assert _flag(v, "--all2all-backend") == ("deepep_low_latency" if r["pool"] == "decode" else "deepep_high_throughput")
+        kv = json.loads(_flag(v, "--kv-transfer-config"))
+        names = [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]]
+        assert names == ["NixlConnector", "LMCacheConnectorV1"]
+        assert [a[1] for a in r["node_args"]] == [str(n * gpn // tp) for n in range(r["nodes"])]
+        assert all("--headless" in a for a in r["node_args"][1:]) and "--headless" not in r["node_args"][0]
+        assert "LMCACHE_LOCAL_DISK" in r["env"]
+    # the script asks Slurm for exactly the plan's nodes and GPUs, and starts every role
+    script = render_script(plan, cfg)
+    comps = script.split("#SBATCH hetjob")
+    assert len(comps) == 2
+    assert f"#SBATCH --nodes={cfg['trainer']['nodes']} " in comps[0]
+    assert f"#SBATCH --nodes={cfg['inference']['nodes']} " in comps[1]
+    assert f"--gpus-per-node={gpn}" in comps[1]
+    for r in plan["roles"]:
+        assert f"--het-group={r['het_group']} --nodes={r['nodes']} --ntasks={r['nodes']} --relative={r['node']}" in script
+    assert '--rdzv-endpoint="${HETRL_TRAINER_ADDR}":29500' in script
+    assert f"#SBATCH --signal=B:USR1@{cfg['cluster']['signal_grace_s']}" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_template_cluster_settings_and_syntax(tmp_path):
+    cfg, plan = plan_of(["cluster=slurm", "cluster.account=acme", "cluster.partition=gpu", "cluster.qos=high",
+                         "cluster.constraint=h200", "cluster.gres=gpu:8", "cluster.time=01:00:00",
+                         "cluster.requeue=false", "cluster.extra_sbatch=['--mem=0']",
+                         "cluster.setup=['module load cuda']"], str(tmp_path / "r"))
+    s = render_script(plan, cfg)
+    for line in ("#SBATCH --account=acme", "#SBATCH --partition=gpu", "#SBATCH --qos=high",
+                 "#SBATCH --constraint=h200", "#SBATCH --gres=gpu:8", "#SBATCH --mem=0"):
+        assert s.count(line) == 2, line  # in both het components
+    assert "#SBATCH --no-requeue" in s
+    assert "--time=01:00:00" in s and "\nmodule load cuda\n" in s and "scontrol requeue" not in s
+    subprocess.run(["bash", "-n"], input=s, text=True, check=True)
+
+
+def test_shell_word_keeps_plan_variables():
+    assert shell_word("a b") == "'a b'"
+    assert shell_word("--x=${HETRL_TRAINER_ADDR}:1") == '--x="${HETRL_TRAINER_ADDR}":1'
+    assert shell_word("$HOME") == "'$HOME'"
+    out = subprocess.run(["bash", "-c", "HETRL_TRAINER_ADDR=n1; echo " + shell_word("${HETRL_TRAINER_ADDR}:2 x")],
+                         capture_output=True, text=True).stdout
+    assert out == "n1:2 x\n"
+
+
+def test_plan_is_light():
+    code = ("import sys, launch.plan, launch.slurm; bad = [m for m in ('torch', 'vllm', 'torchtitan', 'numpy') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
