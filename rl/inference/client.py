@@ -18,8 +18,8 @@ first available:
    why (1) is the default path.
 
 Request keys: the engine-side id of a completion request is `cmpl-<request_id>-0`, of a chat
-request `chatcmpl-<request_id>`, of a generate request `generate-tokens-<request_id>`; `Completion.request_id` holds that key,
-which is what `update_weights()["in_flight"]` is keyed by.
+request `chatcmpl-<request_id>`, of a generate request `generate-tokens-<request_id>`;
+`Completion.request_id` holds that key, which is what `update_weights()["in_flight"]` is keyed by.
 """
 from __future__ import annotations
 

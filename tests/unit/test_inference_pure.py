@@ -101,7 +101,8 @@ def test_generate_parses_completions_endpoint():
         assert req.url.path == "/v1/completions" and body["prompt"] == [5] and body["return_token_ids"]
         return httpx.Response(200, json={"id": "cmpl-r", "choices": [{
             "index": 0, "text": "", "token_ids": [9], "finish_reason": "stop",
-            "logprobs": {"token_logprobs": [-0.25], "tokens": ["x"], "top_logprobs": [], "text_offset": []}}]})
+            "logprobs": {"token_logprobs": [-0.25], "tokens": ["x"], "top_logprobs": [],
+                         "text_offset": []}}]})
 
     comp = asyncio.run(_mock_client(handler).generate([5], 1, request_id="r", endpoint="completions"))
     assert comp.ids == [9] and comp.logprobs == [-0.25] and comp.versions is None

@@ -11,8 +11,8 @@ snapshot (the agent cannot weaken the tests it is graded on), apply test_patch, 
 reward = passed / (FAIL_TO_PASS + PASS_TO_PASS). pytest runs with `--noconftest` and `-o addopts=` so a
 conftest.py or ini file the agent wrote cannot reshape the run, and with plugin autoloading off
 (which also cuts pytest's start from ~0.8 s to ~0.2 s here, most of the grading time). It still runs in
-the same process as the agent's code, so a deliberately adversarial patch could forge results (as in SWE-bench): the sandbox
-limits what such code can touch, not what it can print.
+the same process as the agent's code, so a deliberately adversarial patch could forge results (as in
+SWE-bench): the sandbox limits what such code can touch, not what it can print.
 """
 from __future__ import annotations
 
