@@ -35,7 +35,7 @@ def _launch(cfg: dict) -> tuple[int, str | None]:
     plan = _plan(cfg)
     if cfg["cluster"]["backend"] == "slurm":
         from launch.slurm import launch_slurm
-        job_id = launch_slurm(cfg, cfg["run_dir"], plan)
+        job_id = launch_slurm(cfg, cfg["run_dir"])
         print(f"submitted job {job_id}: {cfg['run_dir']}", flush=True)
         return 0, job_id
     from launch.local import run_local
@@ -64,13 +64,21 @@ def cmd_run(ns) -> int:
 
 def cmd_plan(ns) -> int:
     from launch.compose import compose_points
+    from rich.console import Console
+    from rich.table import Table
+    from launch.plan import summary_rows
+    console = Console()
     for c in compose_points(ns.overrides, ns.multirun):
         plan = _plan(c)
-        from launch.plan import render_plan
-        print(render_plan(plan))
+        t = Table(title=f"plan: {c['experiment']} ({c['cluster']['backend']}) -> {c['run_dir']}")
+        for col in ("role", "het group", "nodes", "what"):
+            t.add_column(col)
+        for row in summary_rows(plan):
+            t.add_row(*map(str, row))
+        console.print(t)
         if c["cluster"]["backend"] == "slurm":
             from launch.slurm import render_script
-            print(render_script(c, c["run_dir"], plan))
+            print(render_script(plan, c))
     return 0
 
 
@@ -100,7 +108,7 @@ def cmd_status(ns) -> int:
     cfg = _frozen(ns.run_dir)
     if cfg["cluster"]["backend"] == "slurm":
         from launch.slurm import render_status, status
-        print(render_status(status(ns.run_dir)))
+        render_status(status(ns.run_dir))
         return 0
     from rl import exchange
     from rl.metrics import read_metrics
