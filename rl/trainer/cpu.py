@@ -13,10 +13,21 @@ trainer needs (see shared/notes/torchtitan-cpu.md for the measurements):
    inference engine. `LoopedExperts` runs the same SwiGLU experts as a loop of fp32 matmuls, one per
    expert over its contiguous slice of the dispatched tokens (the dispatcher already sorts by expert).
 
-The remaining notes (forcing the device type in torchtitan's distributed helpers, gloo's missing
-PREMUL_SUM, the spmd backend) concern multi-rank runs and belong here too when `trainer.parallel`
-lands. `apply(model_config)` rewrites a model config in place before the model is built; the modules
-keep torchtitan's parameter names and shapes, so checkpoints and the HF adapter are unaffected.
+Multi-rank runs on gloo (`trainer.parallel`, see rl.trainer.parallel) need three more:
+
+3. torchtitan resolves its device type once at import, falling back to "cuda" when there is no
+   accelerator; `force_cpu_device()` points every module-level copy of it at the CPU.
+4. FSDP on gloo: gloo has no PREMUL_SUM, so `fsdp_gloo(model)` asks every FSDP module for plain
+   sum reductions (`set_force_sum_reduction_for_comms`).
+5. Context parallelism: torchtitan's `apply_cp_to_forward` knows FlexAttention (K/V all-gathered
+   across the cp ranks with torch's `flex_cp_allgather`, the query rows and the BlockMask sharded
+   head-tail) and SDPA (ring attention, causal only, no document mask). `DenseAttention` is neither;
+   `dense_cp(...)` is the same algorithm as torchtitan's Flex path on the dense mask: K/V
+   all-gathered with the same op (reduce-scatter in backward), the query rows this rank holds and the
+   mask built for exactly those rows against the gathered keys (`cp_document_mask`).
+
+`apply(model_config)` rewrites a model config in place before the model is built; the modules keep
+torchtitan's parameter names and shapes, so checkpoints and the HF adapter are unaffected.
 """
 from __future__ import annotations
 
@@ -30,6 +41,7 @@ from torch.nn.attention.flex_attention import and_masks
 from torchtitan.models.common.attention import FlexAttention, get_causal_mask_mod, get_document_mask_mod
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.module import Module
+from torch.distributed.tensor import DTensor
 
 # torchtitan's router asks for fp32 autocast around the gate; CPU autocast has no fp32 mode and says so
 # on every forward. The gate runs in fp32 anyway on the CPU.
@@ -38,13 +50,22 @@ warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
     """Dense [B, 1, L, L] boolean mask (True = may attend) from per-document positions [B, L]."""
-    b, n = positions.shape
+    n = positions.shape[1]
+    idx = torch.arange(n, device=positions.device)
+    return cp_document_mask(positions, idx, idx)
+
+
+def cp_document_mask(positions: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+    """[B, 1, len(q_index), len(kv_index)] mask of the rows `q_index` against the keys `kv_index`.
+
+    `positions` is the full (unsharded) row; the indices are positions in it, in the order the
+    queries and the (gathered) keys are laid out on this rank. With all of 0..L-1 for both it is the
+    plain document mask.
+    """
+    b = positions.shape[0]
     mod = and_masks(get_causal_mask_mod(), get_document_mask_mod(positions))
-    dev = positions.device
-    bi = torch.arange(b, device=dev)[:, None, None]
-    qi = torch.arange(n, device=dev)[None, :, None]
-    ki = torch.arange(n, device=dev)[None, None, :]
-    return mod(bi, None, qi, ki).unsqueeze(1)
+    bi = torch.arange(b, device=positions.device)[:, None, None]
+    return mod(bi, None, q_index[None, :, None], kv_index[None, None, :]).unsqueeze(1)
 
 
 class DenseAttention(Module):
@@ -75,13 +96,17 @@ class LoopedExperts(GroupedExperts):
         pass
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        # Under expert parallelism the weights are DTensors over the ep mesh; the tokens here were
+        # already sent to this rank's experts, so the local shard is what multiplies them.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         counts = num_tokens_per_expert_E.tolist()
         outs, start = [], 0
         for e, c in enumerate(counts):
             c = int(c)
             x = x_RD[start:start + c]
-            h = F.silu(x @ self.w1_EFD[e].T) * (x @ self.w3_EFD[e].T)
-            outs.append(h @ self.w2_EDF[e].T)
+            h = F.silu(linear(x, w1[e])) * linear(x, w3[e])
+            outs.append(linear(h, w2[e]))
             start += c
         if start < x_RD.shape[0]:  # rows the dispatcher padded beyond the routed tokens
             outs.append(torch.zeros_like(x_RD[start:]))
@@ -105,3 +130,80 @@ def apply(model_config) -> None:
 
 def uses_dense_attention(model) -> bool:
     return any(isinstance(m, DenseAttention) for m in model.modules())
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T; the expert GEMM seam (rl.trainer.fp8 swaps in its block-scaled version)."""
+    return _LINEAR[0](x, w)
+
+
+_LINEAR = [lambda x, w: x @ w.T]
+
+
+# -- multi-rank (gloo) --------------------------------------------------------------------------------
+def force_cpu_device() -> None:
+    """Point torchtitan's import-time device type ("cuda" when no accelerator is found) at the CPU."""
+    import importlib
+    for name in ("torchtitan.tools.utils", "torchtitan.distributed.utils",
+                 "torchtitan.distributed.parallel_dims", "torchtitan.models.common.token_dispatcher",
+                 "torchtitan.components.metrics"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "device_type"):
+            mod.device_type = "cpu"
+        if hasattr(mod, "device_module"):
+            mod.device_module = torch.cpu
+
+
+def fsdp_gloo(model) -> None:
+    """gloo has no PREMUL_SUM: every FSDP module reduces with plain sums."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def dense_cp(attention_modules, cp_mesh) -> None:
+    """Context parallel for DenseAttention: gather K/V over the cp ranks (torchtitan's Flex path).
+
+    The queries stay local (this rank's head-tail chunks); the mask passed in is already the
+    [B, 1, L_local, L] slice of rl.trainer.parallel's CP sharding, keys in gathered order.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
+
+    pg_name = dist._get_process_group_name(cp_mesh.get_group())
+    for mod in attention_modules:
+        if not isinstance(mod, DenseAttention):
+            raise TypeError(f"dense_cp wraps DenseAttention, got {type(mod).__name__}")
+
+        def cp_forward(q, k, v, *, _orig=mod.forward, **kwargs):
+            gk, gv = flex_cp_allgather(k.contiguous(), v.contiguous(), 1, pg_name)
+            return _orig(q, gk, gv, **kwargs)
+
+        mod.forward = cp_forward
+
+
+def patch_cp_for_dense_attention():
+    """A context in which torchtitan's qwen3 parallelize applies `dense_cp` to DenseAttention layers."""
+    import contextlib
+    import torchtitan.models.qwen3.parallelize as qp
+
+    @contextlib.contextmanager
+    def ctx():
+        orig = qp.apply_cp_to_forward
+
+        def apply(mods, mesh):
+            mods = list(mods)
+            if mods and isinstance(mods[0], DenseAttention):
+                return dense_cp(mods, mesh)
+            return orig(mods, mesh)
+
+        qp.apply_cp_to_forward = apply
+        try:
+            yield
+        finally:
+            qp.apply_cp_to_forward = orig
+    return ctx()

@@ -96,9 +96,28 @@ def attention_masks(model, positions: torch.Tensor):
     return model.get_attention_masks(positions)
 
 
-def logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[B, L, V] logits for packed rows; positions restart at 0 where each sample starts."""
-    return model(tokens, positions=positions, attention_masks=attention_masks(model, positions))
+def logits(model, tokens: torch.Tensor, positions: torch.Tensor, masks=None) -> torch.Tensor:
+    """[B, L, V] logits for packed rows; positions restart at 0 where each sample starts.
+
+    `masks` overrides the attention masks built from `positions` (context parallel passes the rows of
+    the mask this rank holds).
+    """
+    if masks is None:
+        masks = attention_masks(model, positions)
+    return model(tokens, positions=positions, attention_masks=masks)
+
+
+def position_logprobs(model, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                      masks=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position j: log p(targets[j]) under the distribution predicted at j, and its entropy.
+
+    The training path's form (targets = the next tokens, shifted before any sequence split), so each
+    rank of a context-parallel group scores the positions it holds without its neighbours' logits.
+    """
+    logp = torch.log_softmax(logits(model, tokens, positions, masks).float(), dim=-1)
+    lp = logp.gather(-1, targets[..., None].long()).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
 
 
 def token_logprobs(model, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
