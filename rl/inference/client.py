@@ -117,8 +117,18 @@ class InferenceClient:
         await self.aclose()
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None,
-                    headers: dict | None = None) -> dict:
-        r = await self._http.post(path, json=json, params=params, headers=headers)
+                    headers: dict | None = None, attempts: int = 4) -> dict:
+        # A pooled keep-alive connection may be closed by the server just as it is reused (uvicorn
+        # closes idle connections after 5 s): the request never reached the engine, so send it again.
+        for attempt in range(attempts):
+            try:
+                r = await self._http.post(path, json=json, params=params, headers=headers)
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError) as e:
+                if attempt == attempts - 1:
+                    raise InferenceError(f"POST {self.url}{path}: {type(e).__name__} after {attempts} attempts "
+                                         f"(is the server up? see its log)") from e
+                await asyncio.sleep(0.2 * 2 ** attempt)
         if r.status_code >= 400:
             raise InferenceError(f"POST {self.url}{path} -> {r.status_code}: {r.text[:1000]}")
         return r.json() if r.content else {}

@@ -205,6 +205,20 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Pat
                        f"(inference.startup_timeout_s); see {log_path}")
 
 
+def _die_with_parent() -> None:
+    """In the vLLM child before exec: SIGTERM it when this role dies, even by SIGKILL, so a killed
+    role never leaves an orphan server holding the port and the node's memory (Linux prctl)."""
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
 def stop_child(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
     if proc.poll() is None:
         proc.terminate()
@@ -269,10 +283,13 @@ def serve(run_dir: Path, index: int = 0) -> int:
     cache_root = tempfile.mkdtemp(prefix="vllm-cache-", dir=work)
     cmd = vllm_command(model_dir, icfg, host=host, port=port, api_key=secret)
     env = vllm_env(icfg, host=host, version=version, cache_root=cache_root)
+    if port_in_use(host, port):
+        raise RuntimeError(f"inference.port: {host}:{port} is already in use (another server, or a leftover "
+                           f"of an earlier run?); pick another inference.port or stop that process")
     log(f"starting vLLM on {url} (log: {log_path})")
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(work),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
     try:
         t0 = time.monotonic()
         wait_healthy(url, proc, float(icfg.startup_timeout_s), log_path, stop)

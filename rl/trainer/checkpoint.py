@@ -6,8 +6,10 @@ its final name. Contents:
 
 - `dcp/`: model and optimizer through torch.distributed.checkpoint, using torchtitan's `ModelWrapper`
   and `OptimizersContainer` state dicts (FQN-keyed; the generic `get_state_dict` helper trips on the
-  fused QKV projection). DCP writes one file per rank and reshards on load, which is what FSDP/EP runs
-  need later; on one process it runs without a process group.
+  fused QKV projection). Under torchrun every rank writes its own shards into the same tmp directory
+  (rank 0 creates it and broadcasts its name, then publishes it once DCP's collective save returned);
+  DCP reshards on load, so a checkpoint resumes under any other (dp_shard, ep, cp) and world size,
+  one process included (which runs without a process group).
 - `rng.safetensors` + the `rng` entry of `trainer_state.json`: torch, numpy and Python RNG states (no
   pickle: tensors in safetensors, the rest in JSON);
 - `trainer_state.json`: `next_step` (the data position: the rollout step this state consumes next; equal
@@ -84,14 +86,26 @@ def _has_state(optimizer) -> bool:
     return any(len(o.state) for o in optimizer.optimizers)
 
 
-def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str = "trainer"
-         ) -> exchange.Published:
-    """Publish `checkpoints/step_<step>`; `overwrite` so a re-run step replaces a stale one."""
+def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str = "trainer",
+         dist=None) -> exchange.Published | None:
+    """Publish `checkpoints/step_<step>`; `overwrite` so a re-run step replaces a stale one.
+
+    `dist` (rl.trainer.parallel.Dist): under torchrun every rank calls this; rank 0 publishes and
+    returns the Published, the others write their DCP shards and return None.
+    """
     import torch.distributed.checkpoint as dcp
 
     with_opt = _has_state(optimizer)
+    distributed = dist is not None and dist.distributed
+    if distributed and not dist.is_main:
+        tmp = Path(dist.broadcast(None))
+        dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
+        dist.barrier()  # rank 0 has published (renamed) the directory
+        return None
 
     def write(tmp: Path) -> None:
+        if distributed:
+            dist.broadcast(str(tmp))
         with _quiet():
             dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
         tensors, rng_meta = _rng_state()
@@ -100,8 +114,11 @@ def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, pro
             {"step": step, "next_step": progress.next_step, "consumed": list(progress.consumed),
              "optimizer_state": with_opt, "rng": rng_meta}, indent=1))
 
-    return exchange.publish(run_dir, KIND, step, write, producer=producer, policy_version=step,
-                            overwrite=True)
+    published = exchange.publish(run_dir, KIND, step, write, producer=producer, policy_version=step,
+                                 overwrite=True)
+    if distributed:
+        dist.barrier()
+    return published
 
 
 def load(run_dir, step: int, model, optimizer) -> TrainerProgress:

@@ -21,9 +21,10 @@ kept for inspection) and waits for the step to be published again: the orchestra
 missing step, and exiting instead would not help, since a restart keeps rollout steps up to the
 checkpoint and would find the same corrupt file.
 
-Single process for now. Multi-rank (`trainer.parallel`: FSDP / EP / CP) goes through
-`built.spec.parallelize_fn` after `build_model` and DCP already reshards; the loss normaliser would then
-be all-reduced across data-parallel ranks.
+Multi-rank (`trainer.parallel`, dp_shard x ep x cp = world size, launched by torchrun): see
+rl.trainer.parallel. Rank 0 alone touches the run directory (waits for and verifies rollouts, then
+broadcasts the path; publishes weights, gathered to full tensors; logs metrics); every rank trains and
+writes its DCP shard of each checkpoint. Rank 0's stop flag decides for all ranks at step boundaries.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ from rl.exchange import weights as wire
 from rl.orchestrator.batch import BATCH_FILE, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
+from rl.trainer import parallel
 from rl.trainer.loss import LossConfig, add_stats, finalize_stats, pg_loss
-from rl.trainer.model import Built, build_model, hf_state_dict, token_logprobs
+from rl.trainer.model import Built, build_model, hf_state_dict, position_logprobs
 
 ROLE = "trainer"
 # (n, rng) -> [(prompt_ids, completion_ids)]: the supervised warm start's data.
@@ -55,18 +57,92 @@ class MicroBatch:
     tokens: torch.Tensor      # [1, L] int64, several samples back to back
     positions: torch.Tensor   # [1, L] restarting at 0 at each sample
     per_token: dict[str, torch.Tensor]  # mask, lp_inf, adv, lag ... each [1, L]
+    routed: torch.Tensor | None = None  # [1, L, moe layers, top_k] int64: recorded expert ids (replay)
+
+
+@dataclass
+class Row:
+    """What one rank runs for one micro-batch: position j predicts `targets[j]` (= token j+1).
+
+    `per_token` is shifted to the predicting position (entry j is about token j+1), so a row can be
+    split along the sequence (context parallel) and every part scored on its own. `masks`: the
+    attention mask rows of this rank under context parallel (None: built from `positions`).
+    """
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    per_token: dict[str, torch.Tensor]
+    routed: torch.Tensor | None = None
+    masks: torch.Tensor | None = None
+
+
+def to_row(mb: MicroBatch) -> Row:
+    tok, pos = mb.tokens, mb.positions
+    targets = torch.nn.functional.pad(tok[:, 1:], (0, 1))
+    # the last position of each sample predicts nothing inside it (the next token starts a new sample)
+    ends = torch.nn.functional.pad(pos[:, 1:] == 0, (0, 1), value=True)
+    per = {k: torch.nn.functional.pad(v[:, 1:], (0, 1)).masked_fill(ends, 0.0) for k, v in mb.per_token.items()}
+    return Row(tok, pos, targets, per, mb.routed)
+
+
+def _empty_row(keys, length: int, routed_like: torch.Tensor | None) -> Row:
+    """A row with no loss token: keeps a rank with fewer micro-batches in its peers' collectives."""
+    z = torch.zeros(1, length, dtype=torch.int64)
+    routed = None
+    if routed_like is not None:
+        k = routed_like.shape[-1]
+        routed = torch.arange(k).expand(1, length, routed_like.shape[2], k).clone()
+    return Row(z, torch.arange(length)[None], z.clone(), {key: torch.zeros(1, length) for key in keys}, routed)
+
+
+def _cp_shard(row: Row, d: parallel.Dist) -> Row:
+    """This cp rank's head-tail part of `row` and its attention mask rows (against gathered keys)."""
+    from rl.trainer import cpu
+    n, m = row.tokens.shape[1], 2 * d.cp
+    pad = -n % m
+    if pad:  # a separate document of padding tokens, outside the loss
+        row = Row(torch.nn.functional.pad(row.tokens, (0, pad)),
+                  torch.cat([row.positions, torch.arange(pad)[None]], 1),
+                  torch.nn.functional.pad(row.targets, (0, pad)),
+                  {k: torch.nn.functional.pad(v, (0, pad)) for k, v in row.per_token.items()},
+                  None if row.routed is None else torch.cat(
+                      [row.routed, torch.arange(row.routed.shape[-1]).expand(1, pad, *row.routed.shape[2:])], 1))
+        n += pad
+    mine = parallel.headtail_index(n, d.cp, d.cp_rank)
+    masks = cpu.cp_document_mask(row.positions, mine, parallel.gathered_index(n, d.cp))
+    return Row(row.tokens[:, mine], row.positions[:, mine], row.targets[:, mine],
+               {k: v[:, mine] for k, v in row.per_token.items()},
+               None if row.routed is None else row.routed[:, mine], masks)
+
+
+def rows_for_rank(mbs: list[MicroBatch], d: parallel.Dist) -> list[Row]:
+    """This rank's rows: micro-batches round robin over the data ranks, each split over the cp ranks.
+
+    Every rank gets the same number of rows (empty ones fill up), so FSDP and EP collectives match.
+    """
+    rows = [to_row(mb) for mb in mbs]
+    if not d.distributed:
+        return rows
+    per_rank = -(-len(rows) // d.dp_size)
+    mine = rows[d.dp_rank::d.dp_size]
+    keys = list(rows[0].per_token) if rows else ["mask"]
+    routed_like = rows[0].routed if rows else None
+    mine += [_empty_row(keys, 2 * d.cp, routed_like) for _ in range(per_rank - len(mine))]
+    return [_cp_shard(r, d) for r in mine] if d.cp > 1 else mine
 
 
 def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndarray,
-         **per_token: np.ndarray) -> list[MicroBatch]:
+         routed: np.ndarray | None = None, **per_token: np.ndarray) -> list[MicroBatch]:
     """Greedy in-order packing of whole samples into rows of at most `max_tokens` tokens.
 
     A sample longer than `max_tokens` gets a row of its own; one longer than the model's context is an
-    error (RoPE has no positions for it).
+    error (RoPE has no positions for it). `routed` ([T, layers, top_k] expert ids) is cut like tokens.
     """
     lengths = np.diff(offsets)
     if len(lengths) and lengths.max() > max_seq_len:
         raise ValueError(f"a sample has {int(lengths.max())} tokens, above model.max_seq_len={max_seq_len}")
+    if routed is not None and len(routed) != len(tokens):
+        raise ValueError(f"routed experts cover {len(routed)} tokens, the batch has {len(tokens)}")
     groups, cur, size = [], [], 0
     for i, n in enumerate(lengths):
         if cur and size + n > max_tokens:
@@ -84,7 +160,8 @@ def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndar
             tokens=torch.from_numpy(tokens[a:b].astype(np.int64))[None],
             positions=torch.from_numpy(pos.astype(np.int64))[None],
             per_token={k: torch.from_numpy(np.ascontiguousarray(v[a:b], dtype=np.float32))[None]
-                       for k, v in per_token.items()}))
+                       for k, v in per_token.items()},
+            routed=None if routed is None else torch.from_numpy(routed[a:b].astype(np.int64))[None]))
     return out
 
 
@@ -99,26 +176,35 @@ def build_optimizer(model, t):
 
 
 class Trainer:
-    """Model + optimizer + progress of one trainer lineage; no run-directory polling in here."""
+    """Model + optimizer + progress of one trainer lineage; no run-directory polling in here.
 
-    def __init__(self, cfg, device: str = "cpu"):
+    Under torchrun every rank builds one (same seed, same initial weights), and `trainer.parallel`
+    shards it (rl.trainer.parallel); on one process `dist` is the trivial one.
+    """
+
+    def __init__(self, cfg, device: str = "cpu", dist: parallel.Dist | None = None):
         if cfg.trainer.fp8:
             raise NotImplementedError("trainer.fp8 (emulated FP8 training) is not implemented yet")
         if cfg.trainer.kl_coef:
             raise NotImplementedError("trainer.kl_coef > 0 (reference-KL penalty) is not implemented yet")
         self.cfg = cfg
+        self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype)
-        self.model = self.built.model
+        self.model = self.built.model = parallel.parallelize(self.built.model, self.built.spec, self.dist,
+                                                              self.built.dtype)
         self.optimizer = build_optimizer(self.model, cfg.trainer)
         self.loss_cfg = LossConfig.from_trainer(cfg.trainer)
         self.progress = ckpt.TrainerProgress()
 
-    def _pack(self, offsets, tokens, **per_token) -> list[MicroBatch]:
+    def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
         return pack(offsets, int(self.cfg.trainer.micro_batch_tokens), int(self.cfg.model.max_seq_len),
-                    tokens, **per_token)
+                    tokens, routed, **per_token)
 
     def _clip(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.trainer.grad_clip)))
+        return parallel.clip_grad_norm(self.model, float(self.cfg.trainer.grad_clip), self.dist)
+
+    def _forward(self, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
+        return position_logprobs(self.model, row.tokens, row.positions, row.targets, row.masks)
 
     def warm_start(self, examples: Examples) -> dict:
         """Supervised steps (cross-entropy on completion tokens) with a private AdamW, discarded after.
@@ -141,20 +227,21 @@ class Trainer:
             mbs = self._pack(np.asarray(offs), np.asarray(toks), mask=np.asarray(mask))
             n = sum(float(mb.per_token["mask"].sum()) for mb in mbs)
             opt.zero_grad()
-            loss_v = 0.0
-            for mb in mbs:
-                lp, _ = token_logprobs(self.model, mb.tokens, mb.positions)
-                loss = -(lp * mb.per_token["mask"]).sum() / n
+            loss_sum = torch.zeros(())
+            for row in rows_for_rank(mbs, self.dist):
+                lp, _ = self._forward(row)
+                loss = -(lp * row.per_token["mask"]).sum() / n
                 loss.backward()
-                loss_v += float(loss.detach())
+                loss_sum += loss.detach()
             self._clip()
             opt.step()
-            if i % 10 == 0 or i == int(ws.steps) - 1:
+            loss_v = float(self.dist.sum(loss_sum))
+            if self.dist.is_main and (i % 10 == 0 or i == int(ws.steps) - 1):
                 log(ROLE, f"warm start {i + 1}/{ws.steps}: nll {loss_v:.3f}")
         return {"warm_start_nll": loss_v}
 
     def train_step(self, batch: RolloutBatch, step: int) -> dict:
-        """One optimizer step on rollout batch `step`; returns its metrics."""
+        """One optimizer step on rollout batch `step`; returns its metrics (the same on every rank)."""
         counts = np.diff(batch.offsets)
         mask = batch.loss_mask.astype(np.float32)
         lag = np.where(batch.loss_mask > 0, step - batch.versions, 0).astype(np.float32)
@@ -162,20 +249,20 @@ class Trainer:
                          adv=np.repeat(batch.advantages, counts), lag=lag)
         n_loss = float(mask.sum())
         self.optimizer.zero_grad()
-        loss_v, stats = 0.0, None
-        for mb in mbs:
-            pt = mb.per_token
-            if n_loss == 0:
-                break  # nothing to learn from: no backward, the optimizer leaves the weights alone
-            lp, ent = token_logprobs(self.model, mb.tokens, mb.positions)
-            loss, st = pg_loss(lp, pt["lp_inf"], pt["adv"], pt["mask"], self.loss_cfg, entropy=ent,
-                               normalizer=n_loss)
-            loss.backward()
-            loss_v += float(loss.detach())
-            stats = add_stats(stats, st)
+        loss_sum, stats = torch.zeros(()), None
+        if n_loss > 0:  # else nothing to learn from: no backward, the optimizer leaves the weights alone
+            for row in rows_for_rank(mbs, self.dist):
+                pt = row.per_token
+                lp, ent = self._forward(row)
+                loss, st = pg_loss(lp, pt["lp_inf"], pt["adv"], pt["mask"], self.loss_cfg, entropy=ent,
+                                   normalizer=n_loss)
+                loss.backward()
+                loss_sum += loss.detach()
+                stats = add_stats(stats, st)
         grad_norm = self._clip() if n_loss else 0.0
         self.optimizer.step()
-        m = finalize_stats(stats) if stats else {}
+        loss_v = float(self.dist.sum(loss_sum))
+        m = finalize_stats(self._reduce_stats(stats)) if stats else {}
         loss_lag = lag[batch.loss_mask > 0]
         return {"loss": loss_v, "grad_norm": grad_norm, **m,
                 "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else math.nan,
@@ -184,22 +271,51 @@ class Trainer:
                 "samples": int(batch.num_samples), "tokens": int(len(batch.tokens)),
                 "micro_batches": len(mbs)}
 
+    def _reduce_stats(self, stats: dict) -> dict:
+        if not self.dist.distributed:
+            return stats
+        keys = [k for k in stats if k != "ratio_max"]
+        summed = self.dist.sum(torch.stack([stats[k].float() for k in keys]))
+        out = dict(zip(keys, summed.unbind()))
+        out["ratio_max"] = self.dist.max(stats["ratio_max"].float().reshape(()))
+        return out
+
     # -- run-directory side ---------------------------------------------------------------------------
-    def publish_weights(self, run_dir, version: int) -> exchange.Published:
-        """`weights/step_<version>`: FP8 block-scaled linears, the rest in the trainer's dtype."""
-        sd = hf_state_dict(self.built)
+    def full_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on rank 0 ({} on the others, which still take part in the gathers)."""
+        if not self.dist.distributed:
+            return hf_state_dict(self.built)
+        full = parallel.full_state_dict(self.model, self.dist)
+        if not self.dist.is_main:
+            return {}
+        adapter = self.built.spec.state_dict_adapter(self.built.spec.model, None)
+        return {k: v.detach() for k, v in adapter.to_hf(full).items()}
+
+    def publish_weights(self, run_dir, version: int) -> exchange.Published | None:
+        """`weights/step_<version>`: FP8 block-scaled linears, the rest in the trainer's dtype (rank 0)."""
+        exists = self.dist.broadcast(exchange.step_dir(run_dir, "weights", version).is_dir()
+                                     if self.dist.is_main else None)
+        if exists:  # republishing is a no-op: skip the gathers too
+            return None
+        sd = self.full_hf_state_dict()
+        if not self.dist.is_main:
+            return None
         return exchange.publish(run_dir, "weights", version,
                                 lambda d: wire.write_shards(d, sd, wire_dtype=self.built.dtype),
                                 producer=ROLE, policy_version=version)
 
     def save(self, run_dir, step: int) -> None:
-        ckpt.save(run_dir, step, self.model, self.optimizer, self.progress)
-        exchange.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints))
+        ckpt.save(run_dir, step, self.model, self.optimizer, self.progress, dist=self.dist)
+        if self.dist.is_main:
+            exchange.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints))
 
     def load(self, run_dir, step: int) -> None:
         self.progress = ckpt.load(run_dir, step, self.model, self.optimizer)
         if self.progress.next_step != step:
             raise RuntimeError(f"checkpoints/step_{step:06d} says next_step={self.progress.next_step}")
+
+    def close(self) -> None:
+        self.dist.close()
 
 
 def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[RolloutBatch, dict] | None:
@@ -235,28 +351,58 @@ def _metrics_logger(run_dir, cfg):
     return MetricsLogger(run_dir, cfg)
 
 
+def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: parallel.Dist
+                          ) -> tuple[RolloutBatch, dict] | None:
+    """Rank 0 waits for and verifies the batch; every rank then loads the same, verified file."""
+    got = next_batch(run_dir, step, stop, poll) if d.is_main else None
+    if not d.distributed:
+        return got
+    info = d.broadcast(None if got is None else (str(exchange.step_dir(run_dir, "rollouts", step)), got[1]))
+    if info is None:
+        return None
+    if d.is_main:
+        return got
+    path, manifest = info
+    return RolloutBatch.load(Path(path)), manifest
+
+
 def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples | None = None,
         after_step: Callable[[int, dict], None] | None = None, poll: float = 0.2,
         device: str = "cpu") -> int:
-    """The trainer role. Returns 0 when all steps are done, EXIT_PREEMPTED when stopped early."""
+    """The trainer role. Returns 0 when all steps are done, EXIT_PREEMPTED when stopped early.
+
+    Under torchrun every rank calls this; the return value is the same on every rank.
+    """
     run_dir = Path(run_dir)
     cfg = load_config(run_dir) if cfg is None else cfg
     stop = StopFlag(install=False) if stop is None else stop
-    record_role(run_dir, ROLE)
     max_steps = int(cfg.trainer.max_steps)
     if cfg.model.get("hf_path"):
         raise NotImplementedError("model.hf_path: starting from an HF checkpoint is not implemented yet")
-    if not exchange.step_dir(run_dir, "assets", 0).is_dir():
-        from rl.model.tiny import write_hf_assets
-        exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, cfg.model), producer=ROLE)
+    d = parallel.init(cfg.trainer.parallel, torch.device(device))
+    try:
+        return _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps)
+    finally:
+        d.close()
 
-    tr = Trainer(cfg, device=device)
-    start = ckpt.resume_step(run_dir)
+
+def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -> int:
+    main = d.is_main
+    if main:
+        record_role(run_dir, ROLE, world_size=d.world)
+        if not exchange.step_dir(run_dir, "assets", 0).is_dir():
+            from rl.model.tiny import write_hf_assets
+            exchange.publish(run_dir, "assets", 0, lambda p: write_hf_assets(p, cfg.model), producer=ROLE)
+    d.barrier()
+
+    tr = Trainer(cfg, device=device, dist=d)
+    start = d.broadcast(ckpt.resume_step(run_dir) if main else None)
     if start is None:
         if int(cfg.trainer.warm_start.steps) > 0:
             t0 = time.monotonic()
             tr.warm_start(examples or _default_examples(run_dir, cfg))
-            log(ROLE, f"warm start: {cfg.trainer.warm_start.steps} steps in {time.monotonic() - t0:.1f} s")
+            if main:
+                log(ROLE, f"warm start: {cfg.trainer.warm_start.steps} steps in {time.monotonic() - t0:.1f} s")
         tr.publish_weights(run_dir, 0)
         tr.save(run_dir, 0)
         last_ckpt = 0
@@ -264,15 +410,16 @@ def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples |
         tr.load(run_dir, start)
         tr.publish_weights(run_dir, start)  # no-op when weights/step_<start> is still there
         last_ckpt = start
-        log(ROLE, f"resumed from checkpoints/step_{start:06d}")
+        if main:
+            log(ROLE, f"resumed from checkpoints/step_{start:06d}" + (f" on {d.world} ranks" if d.distributed else ""))
 
-    metrics = _metrics_logger(run_dir, cfg)
-    consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE)
+    metrics = _metrics_logger(run_dir, cfg) if main else None
+    consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
     restart = resume_state(run_dir).get("restart", 0)
     every = int(cfg.trainer.checkpoint_every)
     for n in range(tr.progress.next_step, max_steps):
         t_wait = time.monotonic()
-        got = next_batch(run_dir, n, stop, poll)
+        got = _next_batch_all_ranks(run_dir, n, stop, poll, d)
         if got is None:
             break
         batch, manifest = got
@@ -281,32 +428,44 @@ def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples |
         step_s = time.monotonic() - t0
         tr.progress.consumed.append(n)
         tr.progress.next_step = n + 1
-        consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"))
+        if main:
+            consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"))
         t1 = time.monotonic()
         tr.publish_weights(run_dir, n + 1)
         publish_s = time.monotonic() - t1
-        exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
+        if main:
+            exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
                  wait_s=t0 - t_wait, policy_version=n + 1)
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        metrics.log(n, m)
-        log(ROLE, f"step {n}: loss {m['loss']:.4f} reward {m['reward_mean']:.3f} kl {m.get('mismatch_kl', 0):.2e} "
-                  f"lag {m['lag']:.2f} {step_s:.2f} s")
+        if main:
+            metrics.log(n, m)
+            log(ROLE, f"step {n}: loss {m['loss']:.4f} reward {m['reward_mean']:.3f} "
+                      f"kl {m.get('mismatch_kl', 0):.2e} lag {m['lag']:.2f} {step_s:.2f} s")
+        stopping = d.broadcast(stop.reason if main else None)  # rank 0's flag decides for every rank
+        if stopping is not None:
+            stop.set(stopping)
         if (n + 1) % every == 0 or n + 1 == max_steps or stop.is_set():
             tr.save(run_dir, n + 1)
             last_ckpt = n + 1
         if after_step is not None:
             after_step(n, m)
+        if d.distributed:
+            stopping = d.broadcast(stop.reason if main else None)
+            if stopping is not None:
+                stop.set(stopping)
         if stop.is_set():
             break
     if tr.progress.next_step >= max_steps:
         if last_ckpt != tr.progress.next_step:
             tr.save(run_dir, tr.progress.next_step)
-        mark_done(run_dir, step=tr.progress.next_step)
-        log(ROLE, f"done: {max_steps} steps")
+        if main:
+            mark_done(run_dir, step=tr.progress.next_step)
+            log(ROLE, f"done: {max_steps} steps")
         return 0
     if last_ckpt != tr.progress.next_step:
         tr.save(run_dir, tr.progress.next_step)
-    log(ROLE, f"stopped ({stop.reason}) at step {tr.progress.next_step}: checkpointed, exiting")
+    if main:
+        log(ROLE, f"stopped ({stop.reason}) at step {tr.progress.next_step}: checkpointed, exiting")
     return EXIT_PREEMPTED
