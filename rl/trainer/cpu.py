@@ -118,7 +118,7 @@ def apply(model_config) -> None:
     for layer in model_config.layers:
         att = getattr(layer, "attention", None)
         if att is not None and isinstance(att.inner_attention, FlexAttention.Config):
-            att.inner_attention = DenseAttention.Config()
+            att.inner_attention = DenseAttention.Config(sharding_config=att.inner_attention.sharding_config)
         moe = getattr(layer, "moe", None)
         if moe is not None:
             ie = moe.routed_experts.inner_experts

@@ -71,13 +71,20 @@ class Built:
 
 
 def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype = "float32") -> Built:
-    """Build and initialise the model of config `m` with torch's RNG seeded by `seed`."""
+                dtype: str | torch.dtype = "float32", parallel: Mapping[str, int] | None = None) -> Built:
+    """Build and initialise the model of config `m` with torch's RNG seeded by `seed`.
+
+    `parallel` ({"ep": ...}, given for multi-rank runs): fill torchtitan's sharding configs first, as its
+    Trainer does through `update_from_config`, so that `parallelize_fn` can shard experts over ep.
+    """
     from torchtitan.tools.utils import set_default_dtype
 
     device = torch.device(device)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     spec = model_spec(m)
+    if parallel is not None:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        set_qwen3_sharding_config(spec.model, enable_sp=False, enable_ep=int(parallel.get("ep", 1)) > 1)
     if device.type == "cpu":
         cpu.apply(spec.model)
     with set_default_dtype(dtype), torch.device("meta"):

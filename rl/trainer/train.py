@@ -189,7 +189,8 @@ class Trainer:
             raise NotImplementedError("trainer.kl_coef > 0 (reference-KL penalty) is not implemented yet")
         self.cfg = cfg
         self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
-        self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype)
+        self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
+                                        parallel={"ep": self.dist.ep} if self.dist.distributed else None)
         self.model = self.built.model = parallel.parallelize(self.built.model, self.built.spec, self.dist,
                                                               self.built.dtype)
         self.optimizer = build_optimizer(self.model, cfg.trainer)
