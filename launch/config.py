@@ -118,6 +118,11 @@ class OrchestratorConfig:
     request_timeout_s: float = 300.0
     advantage: str = "grpo"            # grpo (group mean baseline, std normalised) | drgrpo (no std)
     drop_zero_advantage_groups: bool = False
+    # Multi-turn rollouts (envs with episodes, rl/orchestrator/multiturn.py). max_tokens above is per
+    # model turn there; env.max_turns caps the turns.
+    max_rollout_tokens: Optional[int] = None   # prompt + turns + observations; None = inference.max_model_len
+    rollout_timeout_s: Optional[float] = None  # wall time of one rollout; None = no limit
+    env_concurrency: int = 8                   # environment calls (tool runs, grading) at once
 
 
 @dataclass
@@ -230,6 +235,12 @@ def validate(cfg: DictConfig) -> None:
     need(o.max_tokens < cfg.inference.max_model_len, "orchestrator.max_tokens",
          f"must be below inference.max_model_len={cfg.inference.max_model_len}")
     need(0 < o.top_p <= 1, "orchestrator.top_p", "must be in (0, 1]")
+    need(o.max_rollout_tokens is None or 0 < o.max_rollout_tokens <= cfg.inference.max_model_len,
+         "orchestrator.max_rollout_tokens", f"must be in 1..inference.max_model_len={cfg.inference.max_model_len}")
+    need(o.rollout_timeout_s is None or o.rollout_timeout_s > 0, "orchestrator.rollout_timeout_s",
+         "must be positive (or null for no limit)")
+    need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")
+    need(cfg.env.max_turns >= 1, "env.max_turns", "must be at least 1")
     need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
     i = cfg.inference
     need(1 <= i.port <= 65535 - 16, "inference.port", "must be a free TCP port below 65519")

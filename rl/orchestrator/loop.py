@@ -24,9 +24,11 @@ import numpy as np
 
 from rl import exchange
 from rl.envs import make_env
+from rl.envs.base import is_multi_turn
 from rl.envs.digits import encode_prompt
 from rl.inference.client import InferenceClient
 from rl.orchestrator.advantages import group_advantages
+from rl.orchestrator import multiturn
 from rl.orchestrator.batch import RolloutBatch, Sample
 from rl.orchestrator.versions import VersionTracker
 from rl.runtime import StopFlag, is_done, log, resume_state
@@ -60,6 +62,7 @@ class Orchestrator:
         self.o = cfg.orchestrator
         self.stop = stop or StopFlag(install=False)
         self.env = make_env(cfg)
+        self.multi_turn = is_multi_turn(self.env)  # episodes driven turn by turn (multiturn.py)
         self.clients: list[InferenceClient] = []
         self.tracker: VersionTracker | None = None
         self._gen_gate = asyncio.Event()  # cleared while a reload is in progress
@@ -101,13 +104,15 @@ class Orchestrator:
         return True
 
     # --- sampling ------------------------------------------------------------------------------
-    async def _sample_one(self, client: InferenceClient, prompt_ids: list[int], seed: int):
+    async def _sample_one(self, client: InferenceClient, prompt_ids: list[int], seed: int,
+                          max_tokens: int | None = None):
         await self._gen_gate.wait()
         self._req_counter += 1
         rid = f"hetrl-{self._req_counter}"
         self.tracker.start(rid)
         try:
-            c = await client.generate(prompt_ids, max_tokens=self.o.max_tokens, temperature=self.o.temperature,
+            c = await client.generate(prompt_ids, max_tokens=max_tokens or self.o.max_tokens,
+                                      temperature=self.o.temperature,
                                       top_p=self.o.top_p, seed=seed, request_id=rid)
         except BaseException:
             self.tracker.forget(rid)
@@ -118,6 +123,8 @@ class Orchestrator:
         return c, versions
 
     async def _sample_group(self, sem: asyncio.Semaphore, task: dict, group: int, step: int, attempt: int):
+        if self.multi_turn:  # tool-using episodes: model turns and observations, rl/orchestrator/multiturn.py
+            return await multiturn.sample_group(self, sem, task, group, step, attempt)
         prompt_ids = encode_prompt(self.tokenizer, self.env.prompt(task))
         client = self.clients[group % len(self.clients)]
 
@@ -155,7 +162,8 @@ class Orchestrator:
             groups = await asyncio.gather(*(self._sample_group(sem, t, base + j, step, attempt)
                                             for j, t in enumerate(tasks)))
             for g in groups:
-                oldest = min((v for s in g for v in s.completion_versions), default=self.tracker.version)
+                oldest = min((v for s in g for v in s.completion_versions if v >= 0),  # -1: env tokens
+                             default=self.tracker.version)
                 if oldest < min_version:
                     dropped += 1
                 else:
@@ -171,8 +179,8 @@ class Orchestrator:
         for s, a in zip(samples, adv):
             s.advantage = float(a)
         gen_s = time.monotonic() - t0
-        n_gen = sum(len(s.completion_ids) for s in samples)
-        versions = [v for s in samples for v in s.completion_versions]
+        n_gen = sum(len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask) for s in samples)
+        versions = [v for s in samples for v in s.completion_versions if v >= 0]
         self.stats["dropped_groups"] += dropped
         meta = {
             "step": step, "num_samples": len(samples), "num_groups": len(kept), "dropped_groups": dropped,
@@ -186,6 +194,8 @@ class Orchestrator:
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
         }
+        if self.multi_turn:
+            meta.update(multiturn.batch_metrics(samples))
         return RolloutBatch.from_samples(samples, meta)
 
     # --- main loop -----------------------------------------------------------------------------

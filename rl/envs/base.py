@@ -1,0 +1,98 @@
+"""The environment API, single-turn and multi-turn, and the helpers the orchestrator drives them with.
+
+Single-turn (`digits`): `sample_tasks(n, rng)`, `prompt(task) -> messages`, `score(task, text) -> float`;
+the orchestrator samples one completion per rollout.
+
+Multi-turn (`swe`, `verifiers:*`): `sample_tasks(n, rng)` and `start(task) -> episode`. An episode is a
+conversation the orchestrator drives turn by turn (rl/orchestrator/multiturn.py):
+
+    episode.initial_messages() -> list[dict]        chat messages that open the conversation
+    episode.step(assistant_text) -> (obs, done)     run what the model turn asked for (tool calls);
+                                                    obs: None, a text (wrapped by
+                                                    `episode.tool_message(text)` when it has one, else
+                                                    sent as a user message), one message dict or a list
+    episode.reward() -> float                       graded once, after the last turn
+    episode.metrics() -> dict                       optional: numbers to average into the batch meta
+    episode.turn_info() -> dict                     optional: {"tool_calls": n, "tool_errors": m} of the
+                                                    last step; without it they are read off the text
+    episode.close()                                 release the sandbox / tools
+
+Every method may be a plain function (run in a worker thread, so a slow tool does not stall the other
+rollouts' generation) or a coroutine function (awaited). The orchestrator owns the rollout limits
+(turns, tokens, wall time) and stops calling `step` when one is hit; an environment may end earlier by
+returning done=True. Environments never see token ids: the orchestrator tokenizes observations and keeps
+the model's own tokens as generated (see multiturn.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from typing import Any
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def is_multi_turn(env: Any) -> bool:
+    return callable(getattr(env, "start", None))
+
+
+async def call(fn, *args, **kwargs):
+    """Await a coroutine function; run a plain one in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    out = await asyncio.to_thread(fn, *args, **kwargs)
+    return await out if inspect.isawaitable(out) else out
+
+
+def observation_messages(episode: Any, obs: Any) -> list[dict]:
+    """The chat messages that carry an episode's observation back to the model."""
+    if obs is None:
+        return []
+    if isinstance(obs, dict):
+        return [obs]
+    if isinstance(obs, (list, tuple)):
+        return [m if isinstance(m, dict) else {"role": "user", "content": str(m)} for m in obs]
+    wrap = getattr(episode, "tool_message", None)
+    return [wrap(str(obs))] if callable(wrap) else [{"role": "user", "content": str(obs)}]
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
+    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a model turn (Hermes/Qwen
+    convention; a missing closing tag at the end is accepted): (name, arguments) or an error text."""
+    out: list[tuple[str, dict] | str] = []
+    for m in TOOL_CALL.finditer(text):
+        body = m.group(1).strip()
+        try:
+            call_ = json.loads(body)
+        except json.JSONDecodeError as e:
+            out.append(f"error: the tool call is not valid JSON ({e.msg} at char {e.pos})")
+            continue
+        if not isinstance(call_, dict) or not isinstance(call_.get("name"), str):
+            out.append('error: a tool call is a JSON object with "name" (string) and "arguments" (object)')
+            continue
+        args = call_.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(args, dict):
+            out.append('error: "arguments" must be a JSON object')
+            continue
+        out.append((call_["name"], args))
+    return out
+
+
+def default_turn_info(assistant_text: str, observations: list[dict]) -> dict:
+    """Tool calls and tool errors of one turn when the episode does not report them: a call is a
+    `<tool_call>` block that parses; an error is an observation that starts with "error:" (inside a
+    `<tool_response>` wrap or not), which is the convention of the SWE tools."""
+    calls = sum(1 for c in parse_tool_calls(assistant_text) if not isinstance(c, str))
+    errors = 0
+    for m in observations:
+        text = str(m.get("content", ""))
+        text = text.removeprefix("<tool_response>").lstrip()
+        errors += text.startswith("error:")
+    return {"tool_calls": calls, "tool_errors": errors}

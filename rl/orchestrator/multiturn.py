@@ -1,0 +1,309 @@
+"""Multi-turn rollouts: the orchestrator drives an episode turn by turn, token ids kept exact.
+
+One rollout is one token sequence that grows by two kinds of segments:
+
+    [prompt] [model turn 1] [observation 1] [model turn 2] [observation 2] ... [model turn k]
+
+- the prompt is the chat template of `episode.initial_messages()` with the assistant turn opened;
+- a model turn is exactly the token ids the server returned for a token-in/token-out request whose
+  prompt was the whole sequence so far (`InferenceClient.generate`, `/inference/v1/generate`): they are
+  appended as they came, never decoded and re-encoded, so the trained ids are the generated ids and the
+  context the trainer scores them in is, token for token, the context the server sampled them in;
+- an observation is the environment's reply (tool results), rendered with the tokenizer's own chat
+  template and appended as ids: the text that closes the assistant turn (`<|im_end|>` unless the model
+  already generated it, then `\\n`), the new messages, and the next generation prompt. `ChatBridge`
+  takes that text from the template itself (the difference of two renderings), so it is the template's
+  markup, not a hand-written copy of ChatML.
+
+Model tokens carry their sampling logprob and the policy version that produced them (from the server's
+version spans); observation tokens get loss mask 0, logprob 0 and version -1. The reward comes from the
+episode at the end.
+
+Limits, per turn and per rollout: a turn gets at most `orchestrator.max_tokens` new tokens and never more
+than what is left of the rollout's token budget (`orchestrator.max_rollout_tokens`, default and at most
+`inference.max_model_len`, prompt and observations included); a rollout ends after `env.max_turns` model
+turns, when an observation would not fit in the budget, when `orchestrator.rollout_timeout_s` is spent
+(an unfinished turn is abandoned, not half-kept), or when the environment says done (e.g. submit).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from rl.envs.base import call, default_turn_info, observation_messages
+from rl.orchestrator.batch import Sample
+
+_SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    max_turns: int
+    max_tokens_per_turn: int
+    max_total_tokens: int
+    wall_s: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "RolloutLimits":
+        o = cfg.orchestrator
+        total = o.get("max_rollout_tokens") or cfg.inference.max_model_len
+        wall = o.get("rollout_timeout_s")
+        return cls(max_turns=int(cfg.env.max_turns), max_tokens_per_turn=int(o.max_tokens),
+                   max_total_tokens=int(min(total, cfg.inference.max_model_len)),
+                   wall_s=float(wall) if wall else None)
+
+
+class ChatBridge:
+    """Chat messages -> token ids under the tokenizer's chat template, for a growing sequence."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.eos_text = tokenizer.eos_token or ""
+        self._head = self._render(self._BASE, add_generation_prompt=False)
+        i = self._head.rfind(_SENTINEL)
+        if i < 0:
+            raise ValueError("the chat template drops assistant content; cannot bridge turns")
+        # What the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
+        self.closer = self._head[i + len(_SENTINEL):]
+        self._cache: dict[tuple, list[int]] = {}
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        from rl.envs.digits import encode_prompt
+        return encode_prompt(self.tok, messages)
+
+    def observation_text(self, messages: list[dict], ended_with_eos: bool) -> str:
+        full = self._render(self._BASE + list(messages), add_generation_prompt=True)
+        if not full.startswith(self._head):
+            raise ValueError("the chat template re-renders earlier turns when messages are added; "
+                             "multi-turn rollouts need a prefix-stable template")
+        closer = self.closer
+        if ended_with_eos and self.eos_text and closer.startswith(self.eos_text):
+            closer = closer[len(self.eos_text):]  # the model generated the end-of-turn token itself
+        return closer + full[len(self._head):]
+
+    def observation_ids(self, messages: list[dict], ended_with_eos: bool) -> list[int]:
+        return self.encode(self.observation_text(messages, ended_with_eos))
+
+    def decode(self, ids: list[int]) -> str:
+        """A model turn as the environment sees it: special tokens kept (tool-call tags are special
+        tokens), a trailing end-of-turn token dropped."""
+        if ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+@dataclass
+class Turn:
+    gen_tokens: int
+    obs_tokens: int
+    gen_s: float
+    env_s: float
+    tool_calls: int
+    tool_errors: int
+    finish_reason: str | None
+
+
+@dataclass
+class Rollout:
+    """One finished episode: what the trainer needs plus what the metrics need."""
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)       # everything after the prompt
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    end_reason: str = "open"
+    seconds: float = 0.0
+    env_metrics: dict = field(default_factory=dict)
+
+    def add_model(self, ids, logprobs, versions):
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"a model turn has {len(ids)} ids, {len(logprobs)} logprobs, "
+                             f"{len(versions)} versions")
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(v) for v in versions]
+
+    def add_env(self, ids):
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def sample(self, group: int) -> Sample:
+        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
+                      completion_logprobs=list(self.logprobs), completion_versions=list(self.versions),
+                      completion_mask=list(self.mask), reward=float(self.reward), group=group,
+                      info={"finish_reason": self.turns[-1].finish_reason if self.turns else None,
+                            "multiturn": self})
+
+
+# generate(prompt_ids, max_tokens, turn) -> (Completion, per-token versions)
+Generate = Callable[[list, int, int], Awaitable[tuple[Any, list[int]]]]
+
+
+async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridge, limits: RolloutLimits,
+                      env_sem: asyncio.Semaphore | None = None) -> Rollout:
+    """Drive one episode of `task` to its end; returns the rollout (tokens, mask, logprobs, versions,
+    reward, per-turn stats). The episode is closed whatever happens."""
+    sem = env_sem or asyncio.Semaphore(1 << 30)
+    t0 = time.monotonic()
+    async with sem:
+        episode = await call(env.start, task)
+    try:
+        messages = await call(episode.initial_messages)
+        r = Rollout(prompt_ids=bridge.prompt_ids(messages))
+        n = len(r.prompt_ids)
+        if n >= limits.max_total_tokens:
+            raise ValueError(f"the episode's first prompt has {n} tokens, the rollout budget is "
+                             f"{limits.max_total_tokens} (orchestrator.max_rollout_tokens / "
+                             "inference.max_model_len)")
+        end = None
+        while end is None:
+            if len(r.turns) >= limits.max_turns:
+                end = "max_turns"
+                break
+            room = limits.max_total_tokens - n
+            if room < 1:
+                end = "max_total_tokens"
+                break
+            timeout = None
+            if limits.wall_s is not None:
+                timeout = limits.wall_s - (time.monotonic() - t0)
+                if timeout <= 0:
+                    end = "wall_time"
+                    break
+            tg = time.monotonic()
+            try:
+                c, versions = await asyncio.wait_for(
+                    generate(r.prompt_ids + r.ids, min(limits.max_tokens_per_turn, room), len(r.turns)),
+                    timeout)
+            except asyncio.TimeoutError:
+                end = "wall_time"  # the unfinished turn is abandoned: nothing of it is kept
+                break
+            gen_s = time.monotonic() - tg
+            new = list(c.ids)
+            r.add_model(new, c.logprobs, versions)
+            n += len(new)
+            text = bridge.decode(new)
+            te = time.monotonic()
+            async with sem:
+                obs, done = await call(episode.step, text)
+            env_s = time.monotonic() - te
+            obs_msgs = observation_messages(episode, obs)
+            info_fn = getattr(episode, "turn_info", None)
+            info = info_fn() if callable(info_fn) else default_turn_info(text, obs_msgs)
+            turn = Turn(gen_tokens=len(new), obs_tokens=0, gen_s=gen_s, env_s=env_s,
+                        tool_calls=int(info.get("tool_calls", 0)), tool_errors=int(info.get("tool_errors", 0)),
+                        finish_reason=c.finish_reason)
+            r.turns.append(turn)
+            if done:
+                end = getattr(episode, "end_reason", None) or "env_done"
+                break
+            if len(r.turns) >= limits.max_turns:
+                end = "max_turns"  # no next turn: the observation would never be read
+                break
+            obs_ids = bridge.observation_ids(obs_msgs, ended_with_eos=bool(new) and new[-1] == bridge.eos_id)
+            if n + len(obs_ids) >= limits.max_total_tokens:
+                end = "max_total_tokens"  # no room for the observation and a reply to it
+                break
+            r.add_env(obs_ids)
+            turn.obs_tokens = len(obs_ids)
+            n += len(obs_ids)
+        r.end_reason = end
+        te = time.monotonic()
+        async with sem:
+            r.reward = float(await call(episode.reward))
+        if r.turns:
+            r.turns[-1].env_s += time.monotonic() - te
+        metrics_fn = getattr(episode, "metrics", None)
+        if callable(metrics_fn):
+            m = await call(metrics_fn)
+            r.env_metrics = {k: float(v) for k, v in (m or {}).items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        r.seconds = time.monotonic() - t0
+        return r
+    finally:
+        close = getattr(episode, "close", None)
+        if callable(close):
+            await call(close)
+
+
+async def sample_group(orch: Any, sem: asyncio.Semaphore, task: Any, group: int, step: int,
+                       attempt: int) -> list[Sample]:
+    """`orchestrator.group_size` episodes of one task (the orchestrator's multi-turn branch). All turns
+    of an episode go to the same server, so its prefix cache holds the conversation."""
+    client = orch.clients[group % len(orch.clients)]
+    limits = RolloutLimits.from_config(orch.cfg)
+    if getattr(orch, "_bridge", None) is None:
+        orch._bridge = ChatBridge(orch.tokenizer)
+        orch._env_sem = asyncio.Semaphore(int(orch.o.get("env_concurrency", 8)))
+
+    async def one(i: int) -> Rollout:
+        async def generate(ids, max_tokens, turn):
+            async with sem:
+                seed = hash((orch.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
+                return await orch._sample_one(client, ids, seed, max_tokens=max_tokens)
+        return await run_episode(orch.env, task, generate, orch._bridge, limits, orch._env_sem)
+
+    rollouts = await asyncio.gather(*(one(i) for i in range(orch.o.group_size)))
+    return [r.sample(group) for r in rollouts]
+
+
+def batch_metrics(samples: list[Sample]) -> dict:
+    """Per-turn numbers of a batch's rollouts, flat and numeric (they reach metrics.jsonl as
+    `orchestrator/<key>` through the batch meta)."""
+    rs: list[Rollout] = [s.info["multiturn"] for s in samples if isinstance(s.info.get("multiturn"), Rollout)]
+    for s in samples:
+        s.info.pop("multiturn", None)  # the batch meta is JSON; keep the rollout object out of it
+    if not rs:
+        return {}
+    turns = [t for r in rs for t in r.turns]
+    gen_tokens = sum(t.gen_tokens for t in turns)
+    obs_tokens = sum(t.obs_tokens for t in turns)
+    gen_s = sum(t.gen_s for t in turns)
+    env_s = sum(t.env_s for t in turns)
+    calls = sum(t.tool_calls for t in turns)
+    errors = sum(t.tool_errors for t in turns)
+    n_turns = [len(r.turns) for r in rs]
+    lengths = [len(r.prompt_ids) + len(r.ids) for r in rs]
+    out = {
+        "episodes": len(rs),
+        "turns_per_episode": float(np.mean(n_turns)), "turns_per_episode_max": int(max(n_turns)),
+        "turns_total": len(turns),
+        "tokens_per_turn": gen_tokens / max(len(turns), 1),
+        "obs_tokens_per_turn": obs_tokens / max(len(turns), 1),
+        "obs_tokens": obs_tokens,
+        "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in rs])),
+        "episode_tokens_mean": float(np.mean(lengths)), "episode_tokens_max": int(max(lengths)),
+        "tool_calls": calls, "tool_errors": errors,
+        "tool_calls_per_turn": calls / max(len(turns), 1),
+        "tool_error_rate": errors / max(calls + errors, 1) if calls + errors else 0.0,
+        "turn_gen_s": gen_s, "turn_env_s": env_s,
+        "env_time_fraction": env_s / max(gen_s + env_s, 1e-9),
+        "episode_s_mean": float(np.mean([r.seconds for r in rs])),
+        "turn_truncated_fraction": float(np.mean([t.finish_reason == "length" for t in turns])) if turns else 0.0,
+    }
+    for reason, k in Counter(r.end_reason for r in rs).items():
+        out[f"end/{reason}"] = k
+    keys = sorted({k for r in rs for k in r.env_metrics})
+    for k in keys:
+        vals = [r.env_metrics[k] for r in rs if k in r.env_metrics]
+        out[f"env/{k}"] = float(np.mean(vals))
+    return out
