@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from launch.config import ConfigError
-from rl.exchange import atomic_write_json
+from rl.exchange import atomic_write_json, atomic_write_text
 
 # Keys a resume may change. Everything else must match the frozen config.
 RESUMABLE_PREFIXES = ("trainer.max_steps", "cluster.", "wandb.", "inference.startup_timeout_s",
@@ -42,15 +42,6 @@ def config_diff(old: dict, new: dict) -> list[str]:
             and not k.startswith(RESUMABLE_PREFIXES)]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_frozen(run_dir: Path) -> dict | None:
     p = Path(run_dir) / "config.yaml"
     return yaml.safe_load(p.read_text()) if p.exists() else None
@@ -73,10 +64,10 @@ def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: st
     for sub in ("logs", "roles", "rollouts", "weights", "checkpoints", "inference"):
         (run_dir / sub).mkdir(exist_ok=True)
     # The resumable keys may change, so the frozen files always hold the newest submission's values.
-    _atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
     atomic_write_json(run_dir / "plan.json", plan)
     if script is not None:
-        _atomic_write_text(run_dir / "job.sbatch", script)
+        atomic_write_text(run_dir / "job.sbatch", script)
     secret = run_dir / "secret"
     if not secret.exists():
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -12,6 +12,11 @@ for a in "$@"; do
     *) echo "install.sh: unknown option $a (known: --test)" >&2; exit 2 ;;
   esac
 done
+# GNU patch applies agent patches in the SWE environment's sandbox.
+if ! command -v patch >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends patch
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || { echo "install.sh: $PY not found (hetrl needs Python 3.11)" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -69,6 +69,13 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write one text file atomically (tmp + fsync + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, text.encode())
+
+
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     """Write one JSON file atomically (tmp + fsync + rename): for small state files outside steps."""
     path = Path(path)

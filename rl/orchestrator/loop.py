@@ -41,6 +41,15 @@ def _load_tokenizer(run_dir: Path):
     return AutoTokenizer.from_pretrained(str(exchange.step_dir(run_dir, "assets", 0)))
 
 
+def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int) -> bool:
+    """May this group go into batch `step`? Every policy token must come from a version >= step - k.
+
+    The whole group goes or stays: its advantages are relative to each other."""
+    versions = [v for s in group for v, m in zip(s.completion_versions, s.completion_mask or
+                                                 [1] * len(s.completion_versions)) if m]
+    return not versions or min(versions) >= step - max_off_policy
+
+
 async def wait_for_servers(run_dir: Path, n: int, stop: StopFlag, timeout: float) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:

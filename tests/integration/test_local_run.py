@@ -2,7 +2,7 @@
 
 Two runs, each a few minutes on 2 cores:
 - a short debug run that must learn (reward trend up) and leave a complete, consistent run directory;
-- a run whose every process is SIGKILLed at a random step and then started again with the same command:
+- a run whose every process is SIGKILLed at a random step and then started again (`launch resume`):
   it must finish with every rollout batch trained exactly once in the surviving lineage.
 """
 import json
@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
 
 
-def _launch(run_dir: Path, *overrides: str, **popen) -> subprocess.Popen:
+def _launch(run_dir: Path, *overrides: str, resume: bool = False, **popen) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "launch", "run", f"run_dir={run_dir}", *overrides],
+    args = ["resume", str(run_dir)] if resume else ["run", f"run_dir={run_dir}", *overrides]
+    return subprocess.Popen([sys.executable, "-m", "launch", *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
 
@@ -105,7 +106,8 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
     _kill_everything(p, run_dir)
     killed_at = len(read_metrics(run_dir))
     time.sleep(1)
-    out = _finish(_launch(run_dir, *overrides), timeout=900)
+    # `launch resume RUN_DIR` is the explicit form of running the same command again (same code path)
+    out = _finish(_launch(run_dir, resume=True), timeout=900)
     assert "resuming" in out
     resume = json.loads((run_dir / "resume.json").read_text())
     assert resume["restart"] == 1 and resume["checkpoint_step"] is not None

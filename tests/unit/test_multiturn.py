@@ -129,7 +129,7 @@ def test_trained_ids_are_the_generated_ids_in_their_context(tok):
             {"role": "assistant", "content": "read 2 <tool_call>{\"name\": \"x\"}</tool_call>"},
             {"role": "user", "content": "<tool_response>\nseen 2\n</tool_response>"},
             {"role": "assistant", "content": "submit"}]
-    assert tok.decode(toks) == tok.apply_chat_template(conv, tokenize=False)
+    assert tok.decode(toks) + "\n" == tok.apply_chat_template(conv, tokenize=False)  # but the final newline
     assert r.turns[1].tool_calls == 1 and r.turns[0].tool_calls == 0
 
 

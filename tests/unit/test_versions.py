@@ -26,3 +26,17 @@ def test_counts_beyond_length_are_clamped():
     t.start("x")
     t.on_reload(1, {"x": 10})
     assert t.finish("x", 4) == [0, 0, 0, 0]
+
+
+def test_groups_outside_the_off_policy_bound_are_dropped():
+    from rl.orchestrator.batch import Sample
+    from rl.orchestrator.loop import within_off_policy_bound
+
+    def s(versions, mask=None):
+        return Sample([1], [2] * len(versions), [0.0] * len(versions), versions, 0.0, 0, completion_mask=mask)
+    assert within_off_policy_bound([s([4, 5]), s([5])], step=5, max_off_policy=1)
+    assert not within_off_policy_bound([s([3, 4, 5]), s([5])], step=5, max_off_policy=1)  # spans too far
+    assert within_off_policy_bound([s([3, 4, 5])], step=5, max_off_policy=2)
+    assert not within_off_policy_bound([s([4])], step=5, max_off_policy=0)  # fully on-policy
+    # observation tokens (mask 0, version -1) never count
+    assert within_off_policy_bound([s([5, -1, 5], mask=[1, 0, 1])], step=5, max_off_policy=0)
