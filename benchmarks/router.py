@@ -88,13 +88,15 @@ def free_port() -> int:
 
 
 def start_server(model_dir: Path, port: int, work: Path, *, max_len: int, block_size: int,
-                 kv_gb: int = 1) -> subprocess.Popen:
+                 kv_gb: int = 1, core: int | None = None) -> subprocess.Popen:
     cache = work / f"vllm-cache-{port}"
     cache.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1",
                VLLM_CPU_KVCACHE_SPACE=str(kv_gb), VLLM_CACHE_ROOT=str(cache),
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                    os.pathsep) if p]))
+    if core is not None:   # vLLM's "auto" binding puts every server on the same core
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", str(max_len), "--enforce-eager",
@@ -258,7 +260,9 @@ async def bench(args) -> dict:
         model = make_model(tmp / "model", max_len)
         ports = [free_port() for _ in range(args.servers)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        procs = [start_server(model, p, tmp, max_len=max_len, block_size=args.block_size) for p in ports]
+        ncpu = len(os.sched_getaffinity(0))
+        procs = [start_server(model, p, tmp, max_len=max_len, block_size=args.block_size, core=i % ncpu)
+                 for i, p in enumerate(ports)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout)) as http:
             await wait_healthy(http, urls, procs, args.startup_timeout, tmp)
             print(f"{args.servers} vLLM servers up in {time.monotonic() - t0:.0f} s (model, max_model_len "
@@ -266,11 +270,11 @@ async def bench(args) -> dict:
                   f"{work.turns} turns, system {work.system_tokens} + user {work.user_tokens} tokens, "
                   f"+{work.followup_tokens} per turn, completions {work.min_new}-{work.max_new}", flush=True)
             # warm both engines up (first requests pay one-time costs), outside the measured runs
-            warm = Workload(sessions=2 * args.servers, turns=1, system_tokens=32, user_tokens=32, seed=99)
+            warm = Workload(sessions=4 * args.servers, turns=2, system_tokens=64, user_tokens=64, seed=99)
             await run_policy(http, urls, "round_robin", warm, "warm")
             results = []
-            for rep in range(args.repeats):
-                for policy in ("round_robin", "kv"):
+            for rep in range(args.repeats):   # alternate the order: neither policy always goes first
+                for policy in (("round_robin", "kv") if rep % 2 == 0 else ("kv", "round_robin")):
                     r = await run_policy(http, urls, policy, work, f"{policy}-{rep}")
                     r["repeat"] = rep
                     results.append(r)

@@ -18,9 +18,10 @@ field `session_id`, removed before forwarding); the router remembers each sessio
 
 Decision for one pool (RouterConfig holds the knobs; `Policy.pick`):
   1. affinity: the server with the longest reusable prefix (the session's server wins ties) is taken if
-     it has a real advantage (`min_affinity_tokens` more than the worst candidate, or it is the
-     session's server), is not full (load < `max_queue` and KV usage < `kv_full`), and its load is
-     within `queue_slack` of the least loaded server;
+     it is the session's server or has a real advantage (`min_affinity_tokens` more than the worst
+     candidate), is not full (load < `max_queue` and KV usage < `kv_full`), and its load is within
+     `queue_slack` of the least loaded server. The first request of a new session has no affinity (a
+     prefix it shares with other rollouts, such as the system prompt, only enters its cost);
   2. otherwise the least cost: load + uncached prompt tokens / `miss_tokens_per_load`, among servers
      that are not full (all, if all are); ties go to the server with fewer sessions, then in turn.
   load = max(router in-flight, running + waiting) + `waiting_weight` x waiting (metrics younger than
@@ -427,7 +428,10 @@ class Policy:
         best = max(cands, key=lambda b: (matched[b.name], b.name == home_name, -loads[b.name]))
         min_adv = max(1, cfg.min_affinity_tokens)
         advantage = matched[best.name] - min(matched.values())
-        affinity = advantage >= min_adv or best.name == home_name
+        if key.session is not None and home is None:
+            affinity = False    # a new rollout: a prefix it shares with others (system prompt) is no tie
+        else:
+            affinity = best.name == home_name or advantage >= min_adv
         busy = best.full(cfg, now) or loads[best.name] > least + cfg.queue_slack
         if affinity and not busy:
             reason = "prefix" if advantage >= min_adv else "session"

@@ -27,6 +27,8 @@ from rl.envs import make_env
 from rl.envs.base import is_multi_turn
 from rl.envs.digits import encode_prompt
 from rl.inference.client import InferenceClient
+from rl.inference.router import SESSION as ROUTER_SESSION
+from rl.inference.router import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
 from rl.orchestrator.batch import RolloutBatch, Sample
@@ -73,6 +75,7 @@ class Orchestrator:
         self.env = make_env(cfg)
         self.multi_turn = is_multi_turn(self.env)  # episodes driven turn by turn (multiturn.py)
         self.clients: list[InferenceClient] = []
+        self.router_client: InferenceClient | None = None  # generation through rl.inference.router
         self.tracker: VersionTracker | None = None
         self._gen_gate = asyncio.Event()  # cleared while a reload is in progress
         self._gen_gate.set()
@@ -93,6 +96,8 @@ class Orchestrator:
         for r in results:
             in_flight.update(r.get("in_flight", {}))
         self.tracker.on_reload(version, in_flight)
+        if self.router_client is not None:  # the servers dropped their prefix caches
+            await router_reset_index(self.router_client)
         dt = time.monotonic() - t0
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += dt
@@ -136,6 +141,9 @@ class Orchestrator:
             return await multiturn.sample_group(self, sem, task, group, step, attempt)
         prompt_ids = encode_prompt(self.tokenizer, self.env.prompt(task))
         client = self.clients[group % len(self.clients)]
+        if self.router_client is not None:  # the router keeps a group's samples together (one prefix)
+            client = self.router_client
+            ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
 
         async def one(i):
             async with sem:
@@ -223,6 +231,12 @@ class Orchestrator:
             return 0
         secret = (self.run_dir / "secret").read_text().strip() if (self.run_dir / "secret").exists() else None
         self.clients = [InferenceClient(s["url"], secret=secret) for s in servers]
+        if cfg.inference.get("router"):
+            url = await wait_for_router(self.run_dir, self.stop, cfg.inference.startup_timeout_s)
+            if url is None:
+                return 0
+            self.router_client = router_client_class()(url, secret=secret)
+            log(ROLE, f"generating through the router at {url}")
         self.tokenizer = _load_tokenizer(self.run_dir)
         self.tracker = VersionTracker(min(int(s["version"]) for s in servers))
         for c in self.clients:
@@ -255,6 +269,6 @@ class Orchestrator:
                 await watcher
             except (asyncio.CancelledError, Exception):
                 pass
-            for c in self.clients:
+            for c in self.clients + ([self.router_client] if self.router_client else []):
                 await c.aclose()
         return 0

@@ -62,7 +62,6 @@ def test_two_ranks_give_the_single_process_losses(tmp_path, single, dims):
     got = _losses(tmp_path)
     assert sorted(got) == list(range(STEPS))
     for n in range(STEPS):
-        print(n, got[n], single[n], got[n] - single[n])
         assert got[n] == pytest.approx(single[n], **TOL), (n, got, single)
     assert exchange.list_steps(tmp_path, "weights") == [0, 1, 2]
     assert exchange.list_steps(tmp_path, "checkpoints") == [0, 2]
@@ -78,7 +77,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_rank(tmp_path, single):
     publish_batches(tmp_path, range(STEPS))
     _torchrun(tmp_path)
     cfg.trainer.max_steps = STEPS + 2
-    cfg.trainer.parallel = {"dp_shard": 1, "ep": 1, "cp": 1}
+    cfg.trainer.parallel.ep = 1
     OmegaConf.save(cfg, tmp_path / "config.yaml")
     publish_batches(tmp_path, range(STEPS, STEPS + 2))
     assert run(tmp_path, cfg, poll=0.01) == 0  # newest complete checkpoint: step STEPS
@@ -86,5 +85,4 @@ def test_checkpoint_of_two_ranks_resumes_on_one_rank(tmp_path, single):
     assert sorted(got) == list(range(STEPS + 2))
     # the second resumed step also checks the restored Adam moments
     for n in range(STEPS + 2):
-        print(n, got[n], single[n], got[n] - single[n])
         assert got[n] == pytest.approx(single[n], **TOL), (n, got, single)

@@ -48,7 +48,7 @@ def _newest_state(run_dir: Path) -> dict:
 
 
 def test_debug_run_learns_and_leaves_a_consistent_run_dir(tmp_path):
-    steps = 14
+    steps = 16
     run_dir = tmp_path / "run"
     out = _finish(_launch(run_dir, f"trainer.max_steps={steps}"), timeout=900)
     assert "done:" in out

@@ -1,0 +1,190 @@
+"""Multi-turn SWE rollouts against a real vLLM CPU server.
+
+1. `python -m launch run +experiment=swe_debug` end to end: it completes its steps and logs per-turn
+   metrics; every published rollout batch is multi-turn shaped (observation tokens inside samples,
+   masked, version -1).
+2. The token ids of multi-turn rollouts in the trained batch (as saved to and loaded from disk) are the
+   ids the server generated, each in the exact context it was generated in: checked against the HTTP
+   traffic itself, recorded below our client (httpx event hooks), not against our parsed view of it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow]
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from launch.config import Config  # noqa: E402
+from rl import exchange  # noqa: E402
+from rl.metrics import read_metrics  # noqa: E402
+from rl.orchestrator.batch import RolloutBatch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PER_TURN = ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors", "turn_env_s", "turn_gen_s",
+            "env_time_fraction", "episode_tokens_mean", "obs_tokens_per_turn")
+
+
+def test_swe_debug_experiment_runs_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "launch", "run", "+experiment=swe_debug", f"run_dir={run_dir}",
+                          f"inference.port={_free_port()}"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=1500)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"swe_debug did not finish:\n{out[-4000:]}")
+    assert p.returncode == 0, out[-5000:]
+    print(f"swe_debug: {time.monotonic() - t0:.0f} s")
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    steps = int(cfg.trainer.max_steps)
+    assert cfg.env.name == "swe" and steps == 3
+    ms = read_metrics(run_dir)
+    assert [m["step"] for m in ms] == list(range(steps))
+    for m in ms:
+        for k in PER_TURN:
+            assert f"orchestrator/{k}" in m, k
+        assert 1 <= m["orchestrator/turns_per_episode"] <= cfg.env.max_turns
+        assert m["orchestrator/episodes"] == cfg.orchestrator.prompts_per_step * cfg.orchestrator.group_size
+        assert 0 <= m["reward_mean"] <= 1
+    for s in range(steps):
+        b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", s))
+        assert b.num_samples == cfg.orchestrator.prompts_per_step * cfg.orchestrator.group_size
+        assert np.all(b.versions[b.loss_mask == 0] == -1) and np.all(b.logprobs[b.loss_mask == 0] == 0)
+        assert np.all(b.versions[b.loss_mask == 1] >= 0)
+        lengths = np.diff(b.offsets)
+        assert lengths.max() <= cfg.inference.max_model_len
+        multi = [i for i in range(b.num_samples)
+                 if np.any(np.diff(b.loss_mask[b.sample_slice(i)].astype(int)) == -1)]  # model turn, then env
+        assert multi or b.meta["turns_per_episode"] == 1
+    assert (run_dir / "DONE").exists()
+
+
+# --- token ids kept exact, checked against the wire ----------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A run dir with assets and the trainer's own random initial weights, and `python -m rl.inference`
+    serving them."""
+    from rl.model.tiny import write_hf_assets
+    from rl.trainer.train import Trainer
+
+    root = tmp_path_factory.mktemp("mt")
+    run_dir = root / "run"
+    run_dir.mkdir()
+    cfg = OmegaConf.structured(Config(run_dir=str(run_dir)))
+    cfg.model.max_seq_len = 2048
+    cfg.inference.max_model_len = 2048
+    cfg.inference.port = _free_port()
+    cfg.inference.startup_timeout_s = 500
+    cfg.cluster.node_local_dir = str(root / "node_local")
+    cfg.wandb.mode = "disabled"
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, cfg.model), producer="test")
+    Trainer(cfg).publish_weights(run_dir, 0)
+    log = open(root / "inference.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+    info = run_dir / "inference" / "server_0.json"
+    t0 = time.monotonic()
+    try:
+        while not info.exists():
+            assert proc.poll() is None, (root / "inference.out").read_text()[-3000:]
+            assert time.monotonic() - t0 < 550, "server did not come up"
+            time.sleep(1)
+        yield {"run_dir": run_dir, "cfg": cfg, "url": json.loads(info.read_text())["url"]}
+    finally:
+        exchange.atomic_write_json(run_dir / "DONE", {})
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        log.close()
+
+
+def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rl.envs.swe.env import EnvConfig, SWEEnv
+    from rl.inference.client import InferenceClient
+    from rl.orchestrator.multiturn import ChatBridge, RolloutLimits, run_episode
+
+    run_dir = server["run_dir"]
+    tok = AutoTokenizer.from_pretrained(str(exchange.step_dir(run_dir, "assets", 0)))
+    env = SWEEnv(config=EnvConfig(max_turns=4, output_chars=300, tool_timeout_s=30))
+    limits = RolloutLimits(max_turns=4, max_tokens_per_turn=40, max_total_tokens=2048)
+    wire: list[tuple[dict, dict]] = []  # (request body, response body) of every generate call
+
+    async def on_response(response):
+        if response.request.url.path.endswith("/inference/v1/generate"):
+            await response.aread()
+            wire.append((json.loads(response.request.content), response.json()))
+
+    async def main():
+        client = InferenceClient(server["url"])
+        client._http.event_hooks["response"].append(on_response)
+        try:
+            async def generate(ids, max_tokens, turn):
+                c = await client.generate(ids, max_tokens=max_tokens, temperature=1.0, seed=1000 + len(wire))
+                return c, c.versions
+            tasks = env.tasks[:2]
+            return await asyncio.gather(*(run_episode(env, t, generate, ChatBridge(tok), limits)
+                                          for t in tasks for _ in range(2)))
+        finally:
+            await client.aclose()
+
+    rollouts = asyncio.run(main())
+    samples = [r.sample(i) for i, r in enumerate(rollouts)]
+    out = tmp_path / "batch"
+    out.mkdir()
+    RolloutBatch.from_samples(samples).save(out)
+    batch = RolloutBatch.load(out)  # what the trainer reads
+    seqs = [batch.tokens[batch.sample_slice(i)].tolist() for i in range(batch.num_samples)]
+    masks = [batch.loss_mask[batch.sample_slice(i)].tolist() for i in range(batch.num_samples)]
+    lps = [batch.logprobs[batch.sample_slice(i)] for i in range(batch.num_samples)]
+    vers = [batch.versions[batch.sample_slice(i)].tolist() for i in range(batch.num_samples)]
+    assert len(wire) == sum(len(r.turns) for r in rollouts) and len(wire) > len(rollouts)  # multi-turn
+    covered = [np.zeros(len(s), bool) for s in seqs]
+    for req, resp in wire:
+        prompt = req["token_ids"]
+        ch = resp["choices"][0]
+        gen = ch["token_ids"]
+        # the sample this request belongs to: its sequence starts with the request's prompt and continues
+        # with the response (several rollouts of one task share the first prompt, not the continuation)
+        hits = [i for i, s in enumerate(seqs) if s[:len(prompt)] == prompt and s[len(prompt):len(prompt) + len(gen)] == gen
+                and not covered[i][len(prompt):len(prompt) + len(gen)].any()]
+        assert hits, "a generated turn is not in the batch, in the context it was generated in"
+        i, a, b = hits[0], len(prompt), len(prompt) + len(gen)
+        assert masks[i][a:b] == [1] * len(gen)
+        wire_lps = [c["logprob"] for c in ch["logprobs"]["content"]]
+        np.testing.assert_allclose(lps[i][a:b], np.asarray(wire_lps, np.float32), rtol=0, atol=1e-6)
+        assert vers[i][a:b] == [0] * len(gen)  # the server's weight_versions spans: version 0
+        covered[i][a:b] = True
+    for i in range(len(seqs)):  # every trained token came from the server, every other one is masked
+        assert [bool(m) for m in masks[i]] == covered[i].tolist()
+        assert all(v == -1 for v, m in zip(vers[i], masks[i]) if not m)
+    print(f"{len(wire)} server turns over {len(rollouts)} rollouts, "
+          f"{sum(int(c.sum()) for c in covered)} generated tokens checked")
