@@ -158,7 +158,8 @@ class Workload:
         out = []
         for s in range(self.sessions):
             first = system + tok(self.user_tokens)
-            turns = [{"max_tokens": rng.randint(self.min_new, self.max_new), "followup": tok(self.followup_tokens),
+            turns = [{"max_tokens": rng.randint(self.min_new, self.max_new),
+                      "followup": tok(self.followup_tokens),
                       "pause": rng.uniform(0, self.think_ms / 1000), "seed": rng.randrange(1 << 30)}
                      for _ in range(self.turns)]
             out.append((first, turns, rng.uniform(0, self.think_ms / 1000)))

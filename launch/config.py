@@ -60,6 +60,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     dtype: str = "float32"             # compute dtype of the trainer (fp32 on CPU)
     fp8: bool = False                  # block-scaled FP8 training (emulated on CPU)
+    router_replay: bool = False        # R3: MoE routers use the batch's recorded expert ids (rl.trainer.replay)
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     keep_weights: int = 3
@@ -236,7 +237,8 @@ def validate(cfg: DictConfig) -> None:
          f"must be below inference.max_model_len={cfg.inference.max_model_len}")
     need(0 < o.top_p <= 1, "orchestrator.top_p", "must be in (0, 1]")
     need(o.max_rollout_tokens is None or 0 < o.max_rollout_tokens <= cfg.inference.max_model_len,
-         "orchestrator.max_rollout_tokens", f"must be in 1..inference.max_model_len={cfg.inference.max_model_len}")
+         "orchestrator.max_rollout_tokens",
+         f"must be in 1..inference.max_model_len={cfg.inference.max_model_len}")
     need(o.rollout_timeout_s is None or o.rollout_timeout_s > 0, "orchestrator.rollout_timeout_s",
          "must be positive (or null for no limit)")
     need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")

@@ -174,7 +174,7 @@ class VerifiersEnv:
 
     def describe(self) -> str:
         return json.dumps({"taskset": self.spec, "tasks": len(self.tasks),
-                           "tools": len(self.shared_toolsets) + len(self.task_cls.toolsets(self.tasks[0].config))})
+                           "shared_toolsets": len(self.shared_toolsets)})
 
 
 class VerifiersEpisode:
@@ -261,7 +261,8 @@ class VerifiersEpisode:
             if isinstance(c, str):
                 out, errors = c, errors + 1
             elif c[0] not in self.tools:
-                out, errors = f"error: unknown tool {c[0]!r}; tools: {', '.join(self.tools) or 'none'}", errors + 1
+                out = f"error: unknown tool {c[0]!r}; tools: {', '.join(self.tools) or 'none'}"
+                errors += 1
             else:
                 try:
                     res = await call(self.tools[c[0]], **c[1])
@@ -269,9 +270,11 @@ class VerifiersEpisode:
                 except Exception as e:  # the model's mistake (bad arguments) or the tool's: the model sees it
                     out, errors = f"error: {type(e).__name__}: {e}", errors + 1
             results.append(out)
-            self._add(vf.ToolMessage(tool_call_id=call_id, content=out, name=None if isinstance(c, str) else c[0]))
+            self._add(vf.ToolMessage(tool_call_id=call_id, content=out,
+                                     name=None if isinstance(c, str) else c[0]))
         self._last = {"tool_calls": sum(not isinstance(c, str) for c in calls), "tool_errors": errors}
-        obs = {"role": "user", "content": "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)}
+        obs = {"role": "user",
+               "content": "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)}
         if await self._stopped():
             self._end(self.trace.stop_condition or "stop")
             return obs, True
@@ -280,7 +283,8 @@ class VerifiersEpisode:
     async def _stopped(self) -> bool:
         from verifiers.v1.session import call_hook
         for fn in self.task.hooks("stop"):
-            if await call_hook(fn, {"task": self.task.data, "trace": self.trace, type(self.trace): self.trace}):
+            available = {"task": self.task.data, "trace": self.trace, type(self.trace): self.trace}
+            if await call_hook(fn, available):
                 self.trace.stop(fn.__name__)
                 return True
         return False

@@ -14,14 +14,15 @@ ids, `text_block_chars` characters of a text prompt, one message of a chat) and 
 LRU set of the hashes it was sent (prompt at dispatch, prompt + completion when the answer comes back),
 sized to its KV capacity. A request's reusable prefix on a server is the number of its leading hashes
 that server holds. Sessions: a request may name its rollout with the header `X-Session-Id` (or a body
-field `session_id`, removed before forwarding); the router remembers each session's server.
+field `session_id`, removed before forwarding); the router remembers each session's server (per pool).
+A server that comes back after being down, or whose counters went backwards, has its index cleared.
 
 Decision for one pool (RouterConfig holds the knobs; `Policy.pick`):
   1. affinity: the server with the longest reusable prefix (the session's server wins ties) is taken if
      it is the session's server or has a real advantage (`min_affinity_tokens` more than the worst
-     candidate), is not full (load < `max_queue` and KV usage < `kv_full`), and its load is within
-     `queue_slack` of the least loaded server. The first request of a new session has no affinity (a
-     prefix it shares with other rollouts, such as the system prompt, only enters its cost);
+     candidate), is not full (load < `max_queue` and KV usage < `kv_full`), and its load is at most
+     least load x (1 + `queue_slack_ratio`) + `queue_slack`. The first request of a new session has
+     no affinity (a prefix it shares with other rollouts, e.g. the system prompt, enters its cost);
   2. otherwise the least cost: load + uncached prompt tokens / `miss_tokens_per_load`, among servers
      that are not full (all, if all are); ties go to the server with fewer sessions, then in turn.
   load = max(router in-flight, running + waiting) + `waiting_weight` x waiting (metrics younger than
@@ -88,7 +89,8 @@ class RouterConfig:
     text_block_chars: int = 64          # characters per hashed block of a text prompt
     chars_per_token: float = 4.0        # token estimate of text and chat prompts
     max_queue: int = 64                 # a server at this load is full: no affinity, last choice
-    queue_slack: float = 4.0            # affinity while load(server) <= least load + slack
+    queue_slack: float = 4.0            # affinity while load(server) <= least load x (1 + ratio) + slack
+    queue_slack_ratio: float = 0.25
     kv_full: float = 0.95               # vllm:kv_cache_usage_perc at which a server counts as full
     min_affinity_tokens: int = 16       # a prefix advantage smaller than this is no affinity
     miss_tokens_per_load: float = 2048.0  # uncached prompt tokens that cost as much as one queued request
@@ -333,6 +335,12 @@ class Backend:
         return self.load(cfg, now) >= cfg.max_queue or (self.fresh(cfg, now) and self.kv_usage >= cfg.kv_full)
 
     def update_metrics(self, m: dict, now: float, cfg: RouterConfig) -> None:
+        # Back after being down, or counters went backwards: the server restarted with an empty cache.
+        if self.metrics_time != -math.inf and (
+                not self.healthy or m.get("prefix_queries", math.inf) < self.prefix_queries):
+            self.index.clear()
+            self.baseline = {}
+            self.prefix_hits = self.prefix_queries = 0.0
         if not self.baseline:
             self.baseline = {k: m.get(k, 0.0) for k in ("prefix_hits", "prefix_queries")}
         self.running = m.get("running", 0.0)
@@ -360,7 +368,8 @@ class Backend:
                 "index_capacity": self.index.capacity, "kv_capacity_tokens": self.kv_capacity_tokens,
                 "prefix_hit_rate": self.hit_rate(), "predicted_cached_tokens": self.predicted_cached,
                 "reported_cached_tokens": self.reported_cached,
-                "metrics_age_s": None if self.metrics_time == -math.inf else round(now - self.metrics_time, 3)}
+                "metrics_age_s": (None if self.metrics_time == -math.inf
+                                  else round(now - self.metrics_time, 3))}
 
 
 # -- the decision ------------------------------------------------------------------------------------
@@ -371,7 +380,7 @@ class NoBackend(RuntimeError):
 @dataclass
 class Pick:
     backend: Backend
-    reason: str                         # session | prefix | least_cost | round_robin (+ _busy_home, _all_full)
+    reason: str                 # session | prefix | least_cost | round_robin (+ _busy_home, _all_full)
     matched_tokens: int = 0
     load: float = 0.0
     scores: dict = field(default_factory=dict)
@@ -432,7 +441,7 @@ class Policy:
             affinity = False    # a new rollout: a prefix it shares with others (system prompt) is no tie
         else:
             affinity = best.name == home_name or advantage >= min_adv
-        busy = best.full(cfg, now) or loads[best.name] > least + cfg.queue_slack
+        busy = best.full(cfg, now) or loads[best.name] > least * (1 + cfg.queue_slack_ratio) + cfg.queue_slack
         if affinity and not busy:
             reason = "prefix" if advantage >= min_adv else "session"
             return Pick(best, reason, matched[best.name], loads[best.name])
@@ -604,7 +613,7 @@ class Router:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = self._runner.addresses[0][1]
         self.url = f"http://{host if host not in ('0.0.0.0', '') else socket.gethostname()}:{port}"
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_loop())
@@ -793,7 +802,8 @@ class Router:
         results = [x for r in res for x in ((r["body"] or {}).get("results") or [])
                    if isinstance(r["body"], dict)]
         ok = bool(res) and all(r["status"] < 400 for r in res)
-        success = ok and all((r["body"] or {}).get("success", True) for r in res if isinstance(r["body"], dict))
+        success = ok and all((r["body"] or {}).get("success", True)
+                             for r in res if isinstance(r["body"], dict))
         out = {"success": success, "servers": res}
         if results:
             out["results"] = results
@@ -897,6 +907,45 @@ def router_client_class():
     return RouterClient
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> str | None:
+    """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE."""
+    from rl import runtime
+    path = Path(run_dir) / "inference" / "router.json"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rec = json.loads(path.read_text())
+            stale = rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid") or 0))
+            if not stale:   # a record left by an earlier incarnation on this node names a dead pid
+                return rec["url"]
+        except (OSError, json.JSONDecodeError, KeyError, ValueError):
+            pass
+        if (stop is not None and stop.is_set()) or runtime.is_done(run_dir):
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} missing after {timeout:.0f} s; see {run_dir}/logs/router.log")
+        await asyncio.sleep(0.5)
+
+
+async def router_reset_index(client) -> bool:
+    """Tell the router the servers' prefix caches were dropped (after a weight update). Never raises."""
+    try:
+        await client._post("/router/reset_index")
+        return True
+    except Exception:  # noqa: BLE001  routing still works with a stale index, only less well
+        return False
+
+
 # -- the role ----------------------------------------------------------------------------------------
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m rl.inference.router", description=__doc__.split("\n")[0])
@@ -963,8 +1012,10 @@ async def _serve(ns) -> int:
         while not stop.is_set() and not (run_dir is not None and runtime.is_done(run_dir)):
             await asyncio.sleep(0.5)
     finally:
-        log(f"stopping; {json.dumps(router.policy.decisions)}")
+        log(f"stopping; decisions {json.dumps(router.policy.decisions)}")
         await router.stop()
+        if run_dir is not None:
+            (run_dir / "inference" / "router.json").unlink(missing_ok=True)
     return runtime.EXIT_PREEMPTED if stop.is_set() else 0
 
 

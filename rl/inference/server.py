@@ -162,7 +162,10 @@ def vllm_command(model_dir: Path, icfg, *, host: str, port: int, python: str = s
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", str(icfg.dtype), "--max-model-len", str(icfg.max_model_len),
            "--worker-extension-cls", WORKER_EXTENSION, "--generation-config", "vllm",
-           "--enable-scale-out"]
+           "--enable-scale-out",
+           # Prefix caching explicitly (the router's affinity relies on it) and per-request
+           # usage.prompt_tokens_details.cached_tokens, which rl.inference.router records.
+           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if icfg.enforce_eager:
         cmd.append("--enforce-eager")
     if api_key:

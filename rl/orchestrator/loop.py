@@ -121,6 +121,8 @@ class Orchestrator:
     async def _sample_one(self, client: InferenceClient, prompt_ids: list[int], seed: int,
                           max_tokens: int | None = None):
         await self._gen_gate.wait()
+        if self.router_client is not None:  # generation goes through the router (inference.router)
+            client = self.router_client
         self._req_counter += 1
         rid = f"hetrl-{self._req_counter}"
         self.tracker.start(rid)
@@ -137,13 +139,12 @@ class Orchestrator:
         return c, versions
 
     async def _sample_group(self, sem: asyncio.Semaphore, task: dict, group: int, step: int, attempt: int):
+        if self.router_client is not None:  # one router session per group: its rollouts share a prompt
+            ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
         if self.multi_turn:  # tool-using episodes: model turns and observations, rl/orchestrator/multiturn.py
             return await multiturn.sample_group(self, sem, task, group, step, attempt)
         prompt_ids = encode_prompt(self.tokenizer, self.env.prompt(task))
         client = self.clients[group % len(self.clients)]
-        if self.router_client is not None:  # the router keeps a group's samples together (one prefix)
-            client = self.router_client
-            ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
 
         async def one(i):
             async with sem:

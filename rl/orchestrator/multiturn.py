@@ -76,7 +76,8 @@ class ChatBridge:
         self._cache: dict[tuple, list[int]] = {}
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -210,7 +211,8 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             info_fn = getattr(episode, "turn_info", None)
             info = info_fn() if callable(info_fn) else default_turn_info(text, obs_msgs)
             turn = Turn(gen_tokens=len(new), obs_tokens=0, gen_s=gen_s, env_s=env_s,
-                        tool_calls=int(info.get("tool_calls", 0)), tool_errors=int(info.get("tool_errors", 0)),
+                        tool_calls=int(info.get("tool_calls", 0)),
+                        tool_errors=int(info.get("tool_errors", 0)),
                         finish_reason=c.finish_reason)
             r.turns.append(turn)
             if done:
@@ -298,7 +300,8 @@ def batch_metrics(samples: list[Sample]) -> dict:
         "turn_gen_s": gen_s, "turn_env_s": env_s,
         "env_time_fraction": env_s / max(gen_s + env_s, 1e-9),
         "episode_s_mean": float(np.mean([r.seconds for r in rs])),
-        "turn_truncated_fraction": float(np.mean([t.finish_reason == "length" for t in turns])) if turns else 0.0,
+        "turn_truncated_fraction": float(np.mean([t.finish_reason == "length" for t in turns]))
+        if turns else 0.0,
     }
     for reason, k in Counter(r.end_reason for r in rs).items():
         out[f"end/{reason}"] = k

@@ -105,8 +105,8 @@ class LoopedExperts(GroupedExperts):
         for e, c in enumerate(counts):
             c = int(c)
             x = x_RD[start:start + c]
-            h = F.silu(linear(x, w1[e])) * linear(x, w3[e])
-            outs.append(linear(h, w2[e]))
+            h = F.silu(x @ w1[e].T) * (x @ w3[e].T)
+            outs.append(h @ w2[e].T)
             start += c
         if start < x_RD.shape[0]:  # rows the dispatcher padded beyond the routed tokens
             outs.append(torch.zeros_like(x_RD[start:]))
@@ -130,14 +130,6 @@ def apply(model_config) -> None:
 
 def uses_dense_attention(model) -> bool:
     return any(isinstance(m, DenseAttention) for m in model.modules())
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T; the expert GEMM seam (rl.trainer.fp8 swaps in its block-scaled version)."""
-    return _LINEAR[0](x, w)
-
-
-_LINEAR = [lambda x, w: x @ w.T]
 
 
 # -- multi-rank (gloo) --------------------------------------------------------------------------------

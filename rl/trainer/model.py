@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rl.trainer import cpu
+from rl.trainer import cpu, replay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -71,11 +71,13 @@ class Built:
 
 
 def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype = "float32", parallel: Mapping[str, int] | None = None) -> Built:
+                dtype: str | torch.dtype = "float32", parallel: Mapping[str, int] | None = None,
+                fp8: bool = False) -> Built:
     """Build and initialise the model of config `m` with torch's RNG seeded by `seed`.
 
     `parallel` ({"ep": ...}, given for multi-rank runs): fill torchtitan's sharding configs first, as its
     Trainer does through `update_from_config`, so that `parallelize_fn` can shard experts over ep.
+    `fp8`: block-scaled FP8 GEMMs in attention and experts (rl.trainer.fp8; emulated on the CPU).
     """
     from torchtitan.tools.utils import set_default_dtype
 
@@ -85,8 +87,12 @@ def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device =
     if parallel is not None:
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
         set_qwen3_sharding_config(spec.model, enable_sp=False, enable_ep=int(parallel.get("ep", 1)) > 1)
+    replay.apply(spec.model)  # routers that can replay recorded expert ids (a no-op until asked to)
     if device.type == "cpu":
         cpu.apply(spec.model)
+    if fp8:
+        from rl.trainer import fp8 as fp8_training
+        fp8_training.apply(spec.model)
     with set_default_dtype(dtype), torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device=device)

@@ -43,7 +43,7 @@ from rl.exchange import weights as wire
 from rl.orchestrator.batch import BATCH_FILE, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
-from rl.trainer import parallel
+from rl.trainer import parallel, replay
 from rl.trainer.loss import LossConfig, add_stats, finalize_stats, pg_loss
 from rl.trainer.model import Built, build_model, hf_state_dict, position_logprobs
 
@@ -183,19 +183,20 @@ class Trainer:
     """
 
     def __init__(self, cfg, device: str = "cpu", dist: parallel.Dist | None = None):
-        if cfg.trainer.fp8:
-            raise NotImplementedError("trainer.fp8 (emulated FP8 training) is not implemented yet")
         if cfg.trainer.kl_coef:
             raise NotImplementedError("trainer.kl_coef > 0 (reference-KL penalty) is not implemented yet")
         self.cfg = cfg
         self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
-                                        parallel={"ep": self.dist.ep} if self.dist.distributed else None)
+                                        parallel={"ep": self.dist.ep} if self.dist.distributed else None,
+                                        fp8=bool(cfg.trainer.fp8))
         self.model = self.built.model = parallel.parallelize(self.built.model, self.built.spec, self.dist,
                                                               self.built.dtype)
         self.optimizer = build_optimizer(self.model, cfg.trainer)
         self.loss_cfg = LossConfig.from_trainer(cfg.trainer)
         self.progress = ckpt.TrainerProgress()
+        self.router_replay = bool(cfg.trainer.get("router_replay", False))
+        self._warned_self_recorded = False
 
     def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
         return pack(offsets, int(self.cfg.trainer.micro_batch_tokens), int(self.cfg.model.max_seq_len),
@@ -204,8 +205,18 @@ class Trainer:
     def _clip(self) -> float:
         return parallel.clip_grad_norm(self.model, float(self.cfg.trainer.grad_clip), self.dist)
 
-    def _forward(self, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
-        return position_logprobs(self.model, row.tokens, row.positions, row.targets, row.masks)
+    def _forward(self, row: Row, replay_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        with replay.replaying(self.model, row.routed if replay_routing else None):
+            return position_logprobs(self.model, row.tokens, row.positions, row.targets, row.masks)
+
+    def _routing_for(self, row: Row) -> None:
+        """Replay without recorded routing: record it with the trainer's own eval-mode forward (CPU)."""
+        if row.routed is None:
+            if not self._warned_self_recorded and self.dist.is_main:
+                log(ROLE, "router_replay: the batch carries no routed experts; replaying the trainer's own "
+                          "eval-mode routing (exercises R3, no mismatch reduction; see rl.trainer.replay)")
+                self._warned_self_recorded = True
+            row.routed = replay.record_routing(self.model, row.tokens, row.positions, row.masks)
 
     def warm_start(self, examples: Examples) -> dict:
         """Supervised steps (cross-entropy on completion tokens) with a private AdamW, discarded after.
@@ -246,7 +257,8 @@ class Trainer:
         counts = np.diff(batch.offsets)
         mask = batch.loss_mask.astype(np.float32)
         lag = np.where(batch.loss_mask > 0, step - batch.versions, 0).astype(np.float32)
-        mbs = self._pack(batch.offsets, batch.tokens, mask=mask, lp_inf=batch.logprobs,
+        routed = batch.routed_experts if self.router_replay else None
+        mbs = self._pack(batch.offsets, batch.tokens, routed, mask=mask, lp_inf=batch.logprobs,
                          adv=np.repeat(batch.advantages, counts), lag=lag)
         n_loss = float(mask.sum())
         self.optimizer.zero_grad()
@@ -254,7 +266,9 @@ class Trainer:
         if n_loss > 0:  # else nothing to learn from: no backward, the optimizer leaves the weights alone
             for row in rows_for_rank(mbs, self.dist):
                 pt = row.per_token
-                lp, ent = self._forward(row)
+                if self.router_replay:
+                    self._routing_for(row)
+                lp, ent = self._forward(row, replay_routing=self.router_replay)
                 loss, st = pg_loss(lp, pt["lp_inf"], pt["adv"], pt["mask"], self.loss_cfg, entropy=ent,
                                    normalizer=n_loss)
                 loss.backward()
@@ -270,7 +284,9 @@ class Trainer:
                 "lag": float(loss_lag.mean()) if len(loss_lag) else 0.0,
                 "lag_max": int(loss_lag.max()) if len(loss_lag) else 0,
                 "samples": int(batch.num_samples), "tokens": int(len(batch.tokens)),
-                "micro_batches": len(mbs)}
+                "micro_batches": len(mbs),
+                **({"router_replay": 1, "routing_recorded_by_engine": int(routed is not None)}
+                   if self.router_replay else {})}
 
     def _reduce_stats(self, stats: dict) -> dict:
         if not self.dist.distributed:

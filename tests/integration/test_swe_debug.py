@@ -41,8 +41,9 @@ def test_swe_debug_experiment_runs_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "launch", "run", "+experiment=swe_debug", f"run_dir={run_dir}",
-                          f"inference.port={_free_port()}"],
+    cmd = [sys.executable, "-m", "launch", "run", "+experiment=swe_debug", f"run_dir={run_dir}",
+           f"inference.port={_free_port()}"]
+    p = subprocess.Popen(cmd,
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -174,10 +175,11 @@ def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
         gen = ch["token_ids"]
         # the sample this request belongs to: its sequence starts with the request's prompt and continues
         # with the response (several rollouts of one task share the first prompt, not the continuation)
-        hits = [i for i, s in enumerate(seqs) if s[:len(prompt)] == prompt and s[len(prompt):len(prompt) + len(gen)] == gen
-                and not covered[i][len(prompt):len(prompt) + len(gen)].any()]
+        a, b = len(prompt), len(prompt) + len(gen)
+        hits = [i for i, s in enumerate(seqs)
+                if s[:a] == prompt and s[a:b] == gen and not covered[i][a:b].any()]
         assert hits, "a generated turn is not in the batch, in the context it was generated in"
-        i, a, b = hits[0], len(prompt), len(prompt) + len(gen)
+        i = hits[0]
         assert masks[i][a:b] == [1] * len(gen)
         wire_lps = [c["logprob"] for c in ch["logprobs"]["content"]]
         np.testing.assert_allclose(lps[i][a:b], np.asarray(wire_lps, np.float32), rtol=0, atol=1e-6)

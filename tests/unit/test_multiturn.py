@@ -43,7 +43,8 @@ class CountEnv:
             turns = 0
 
             def initial_messages(self):
-                return [{"role": "system", "content": "count"}, {"role": "user", "content": f"task {task['id']}"}]
+                return [{"role": "system", "content": "count"},
+                        {"role": "user", "content": f"task {task['id']}"}]
 
             def step(self, text):
                 self.turns += 1
@@ -93,7 +94,8 @@ def test_bridge_renders_the_templates_markup(tok):
     b = ChatBridge(tok)
     assert b.closer == "<|im_end|>\n"
     msgs = [{"role": "user", "content": "obs"}]
-    assert b.observation_text(msgs, ended_with_eos=True) == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n"
+    assert (b.observation_text(msgs, ended_with_eos=True)
+            == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
     assert b.observation_text(msgs, ended_with_eos=False).startswith("<|im_end|>\n<|im_start|>user")
     first = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     assert b.prompt_ids(first) == encode_prompt(tok, first)
@@ -146,7 +148,8 @@ def test_truncated_turn_is_closed_by_the_environment(tok):
 def test_limits_turns_tokens_wall_time(tok):
     env = CountEnv()
     forever = ["more"]
-    r = asyncio.run(run_episode(env, {"id": 0}, ScriptedPolicy(tok, forever), ChatBridge(tok), _limits(max_turns=3)))
+    r = asyncio.run(run_episode(env, {"id": 0}, ScriptedPolicy(tok, forever), ChatBridge(tok),
+                                _limits(max_turns=3)))
     assert r.end_reason == "max_turns" and len(r.turns) == 3
     assert r.mask[-1] == 1  # no observation after the last turn: nobody would read it
     budget = 60
@@ -187,7 +190,8 @@ class FakeClient:
         self.tok = tok
         self.n = 0
 
-    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, request_id=None, **kw):
+    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, request_id=None,
+                       **kw):
         self.n += 1
         rng = random.Random(seed)
         text = rng.choice(["hello", "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>", "submit"])
@@ -218,7 +222,8 @@ def test_orchestrator_builds_a_multiturn_batch(tok):
     batch = asyncio.run(o.build_batch(0))
     assert batch.num_samples == 6 and env.closed == 6
     m = batch.meta
-    for key in ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors", "turn_env_s", "turn_gen_s",
+    for key in ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors", "turn_env_s",
+                "turn_gen_s",
                 "env_time_fraction", "episode_tokens_mean"):
         assert key in m, key
     assert m["version_min"] == 0 and m["dropped_groups"] == 0

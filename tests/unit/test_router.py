@@ -11,7 +11,7 @@ from rl.inference.router import (PREFILL_KV_PARAMS, SESSION_HEADER, Backend, Pol
                                  parse_metrics, prefill_body, request_key, token_block_hashes)
 
 NOW = 100.0
-CFG = RouterConfig(block_tokens=4, min_affinity_tokens=4, queue_slack=2, max_queue=8,
+CFG = RouterConfig(block_tokens=4, min_affinity_tokens=4, queue_slack=2, queue_slack_ratio=0.0, max_queue=8,
                    miss_tokens_per_load=100.0, pd_min_prefill_tokens=32)
 
 
@@ -116,6 +116,20 @@ def test_backend_load_and_index_capacity_from_metrics():
     assert b.full(CFG, NOW)
 
 
+def test_restarted_server_loses_its_index():
+    b = servers(1)[0]
+    b.update_metrics({"prefix_queries": 100, "prefix_hits": 10}, NOW, CFG)
+    b.index.insert([1, 2])
+    b.update_metrics({"prefix_queries": 150, "prefix_hits": 20}, NOW, CFG)
+    assert len(b.index) == 2
+    b.update_metrics({"prefix_queries": 5, "prefix_hits": 0}, NOW, CFG)      # counters reset: restarted
+    assert len(b.index) == 0 and b.hit_rate() is None                         # new baseline
+    b.index.insert([1])
+    b.healthy = False                                                          # down, then back
+    b.update_metrics({"prefix_queries": 50, "prefix_hits": 0}, NOW, CFG)
+    assert len(b.index) == 0 and b.healthy
+
+
 def test_prefix_index_lru():
     ix = PrefixIndex(3)
     ix.insert([1, 2, 3])
@@ -166,6 +180,17 @@ def test_busy_home_falls_back_to_least_cost():
     assert d2.backend is other and d2.reason == "least_cost_busy_home"
     home.in_flight = 1 + CFG.queue_slack                              # within the slack again
     assert p.route(pool, tok_key(range(44), "a"), NOW).backend is home
+
+
+def test_slack_grows_with_load():
+    cfg = RouterConfig(block_tokens=4, queue_slack=2, queue_slack_ratio=0.5, max_queue=100)
+    p, (a, b) = Policy(cfg), servers(2, cfg=cfg)
+    d = run_turn(p, [a, b], tok_key(range(40), "s"))
+    home, other = d.backend, (b if d.backend is a else a)
+    other.in_flight, home.in_flight = 10, 17                  # 17 <= 10 * 1.5 + 2
+    assert p.route([a, b], tok_key(range(44), "s"), NOW).backend is home
+    home.in_flight = 18
+    assert p.route([a, b], tok_key(range(44), "s"), NOW).backend is other
 
 
 def test_full_home_loses_affinity_by_kv_usage_or_queue():
@@ -409,7 +434,8 @@ def test_http_pd_passes_kv_transfer_params():
             assert r.status == 200 and r.headers["X-Hetrl-Prefill"] == "f0"
             dec = r.headers["X-Hetrl-Backend"]
         _, pbody, _ = fakes[0].calls[-1]
-        assert pbody["kv_transfer_params"] == PREFILL_KV_PARAMS and pbody["sampling_params"]["max_tokens"] == 1
+        assert pbody["kv_transfer_params"] == PREFILL_KV_PARAMS
+        assert pbody["sampling_params"]["max_tokens"] == 1
         _, dbody, _ = next(f for f in fakes if f.name == dec).calls[-1]
         assert dbody["kv_transfer_params"]["remote_engine_id"] == "f0"
         assert dbody["sampling_params"]["max_tokens"] == 9
@@ -443,7 +469,8 @@ def test_router_client_sends_the_session_header():
         try:
             async def rollout(sid):
                 SESSION.set(sid)
-                return [(await client.generate(list(range(48)) + [t] * 20, max_tokens=4)).raw for t in range(2)]
+                return [(await client.generate(list(range(48)) + [t] * 20, max_tokens=4)).raw
+                        for t in range(2)]
             await asyncio.gather(rollout("r1"), rollout("r2"))
         finally:
             await client.aclose()
@@ -459,3 +486,89 @@ def test_cli_parses_router_config(tmp_path):
                  "--block-tokens", "32"])
     assert ns.policy == "round_robin" and ns.queue_slack == 2.5 and ns.block_tokens == 32
     assert json.dumps(ns.backend) == '["http://a:1@prefill"]'
+
+
+def test_no_session_multi_turn_follows_its_prefix():
+    p, pool = Policy(CFG), servers(2)
+    d = run_turn(p, pool, tok_key(range(40)))
+    p.finished(d, tok_key(range(40)))
+    d2 = p.route(pool, tok_key(list(range(40)) + [1] * 8), NOW)
+    assert d2.backend is d.backend and d2.reason == "prefix"
+
+
+def test_role_from_run_dir_writes_router_json_and_stops_on_done(tmp_path):
+    """`python -m rl.inference.router --run-dir D` against fake servers recorded in D/inference."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import aiohttp
+    from omegaconf import OmegaConf
+
+    from rl.inference.router import wait_for_router
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    OmegaConf.save(OmegaConf.create({"inference": {"host": "127.0.0.1", "router_port": port, "replicas": 2,
+                                                   "startup_timeout_s": 30}}), tmp_path / "config.yaml")
+    (tmp_path / "plan.json").write_text(json.dumps({"inference": {"replicas": [
+        {"index": 0, "pool": "prefill"}, {"index": 1, "pool": "decode"}]}}))
+    (tmp_path / "inference").mkdir()
+
+    async def case():
+        fakes = [await FakeServer(f"inference_{i}", pool).start()
+                 for i, pool in enumerate(["prefill", "decode"])]
+        for i, f in enumerate(fakes):
+            (tmp_path / "inference" / f"server_{i}.json").write_text(json.dumps({"url": f.url}))
+        repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rl.inference.router", "--run-dir", str(tmp_path),
+            "--pd-min-prefill-tokens", "8", cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        try:
+            url = await asyncio.wait_for(wait_for_router(tmp_path, timeout=30), 40)
+            assert url == f"http://127.0.0.1:{port}"
+            rec = json.loads((tmp_path / "inference" / "router.json").read_text())
+            assert [b[2] for b in rec["backends"]] == ["prefill", "decode"]
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/inference/v1/generate",
+                                     json={"token_ids": list(range(32)), "sampling_params": {}}) as r:
+                    assert r.status == 200
+                    assert (r.headers["X-Hetrl-Prefill"], r.headers["X-Hetrl-Backend"]) == \
+                        ("inference_0", "inference_1")
+            (tmp_path / "DONE").write_text("{}")
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+            assert time.monotonic() - t0 < 10
+            assert not (tmp_path / "inference" / "router.json").exists()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            for f in fakes:
+                await f.runner.cleanup()
+    asyncio.run(case())
+
+
+def test_wait_for_router_skips_a_stale_record(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    from rl.inference.router import wait_for_router
+
+    (tmp_path / "inference").mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    rec = {"url": "http://old:1", "host": socket.gethostname(), "pid": dead.pid}
+    (tmp_path / "inference" / "router.json").write_text(json.dumps(rec))
+    with pytest.raises(TimeoutError):
+        asyncio.run(wait_for_router(tmp_path, timeout=0.6))
+    rec.update(url="http://new:2", pid=os.getpid())
+    (tmp_path / "inference" / "router.json").write_text(json.dumps(rec))
+    assert asyncio.run(wait_for_router(tmp_path, timeout=5)) == "http://new:2"
+    (tmp_path / "DONE").write_text("{}")
+    (tmp_path / "inference" / "router.json").unlink()
+    assert asyncio.run(wait_for_router(tmp_path, timeout=5)) is None

@@ -139,7 +139,8 @@ class Scripted:
         out = self.tok.encode(self.script[min(turn, len(self.script) - 1)], add_special_tokens=False)
         out = out[:max_tokens - 1] + [self.tok.eos_token_id]
         self.outputs.append(out)
-        return Completion(ids=out, logprobs=[-0.1] * len(out), finish_reason="stop", request_id="x"), [0] * len(out)
+        c = Completion(ids=out, logprobs=[-0.1] * len(out), finish_reason="stop", request_id="x")
+        return c, [0] * len(out)
 
 
 def _play(env, task, tok, script, max_turns=4):
@@ -180,7 +181,8 @@ def test_tool_taskset_runs_tools_in_process_and_stops(tok):
 
     bad = ['<tool_call>{"name": "calc_nope", "arguments": {}}</tool_call>',
            '<tool_call>{"name": "calc_fail", "arguments": {}}</tool_call>',
-           '<tool_call>{"name": "calc_add", "arguments": {"a": "x"}}</tool_call> <tool_call>not json</tool_call>']
+           '<tool_call>{"name": "calc_add", "arguments": {"a": "x"}}</tool_call>'
+           ' <tool_call>not json</tool_call>']
     r, _ = _play(env, task, tok, bad, max_turns=10)
     assert r.end_reason == "too_many_turns" and len(r.turns) == 3  # the @vf.stop predicate
     assert [t.tool_errors for t in r.turns] == [1, 1, 2]
