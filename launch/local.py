@@ -25,6 +25,8 @@ def role_commands(cfg: dict, run_dir: Path, python: str) -> dict[str, list[str]]
     cmds = {}
     for i in range(int(cfg["inference"].get("replicas", 1))):
         cmds[f"inference_{i}"] = [python, "-m", "rl.inference", "--run-dir", str(run_dir), "--index", str(i)]
+    if cfg["inference"].get("router"):
+        cmds["router"] = [python, "-m", "rl.inference.router", "--run-dir", str(run_dir)]
     cmds["trainer"] = [python, "-m", "rl.trainer", "--run-dir", str(run_dir)]
     cmds["orchestrator"] = [python, "-m", "rl.orchestrator", "--run-dir", str(run_dir)]
     return cmds

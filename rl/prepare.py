@@ -24,8 +24,8 @@ def prepare(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     cleaned = exchange.clean_tmp(run_dir, KINDS)
     # Server records of the previous incarnation point at dead processes.
-    for stale in (run_dir / "inference").glob("server_*.json"):
-        stale.unlink()
+    for stale in [*(run_dir / "inference").glob("server_*.json"), run_dir / "inference" / "router.json"]:
+        stale.unlink(missing_ok=True)
     ckpt = exchange.latest_complete(run_dir, "checkpoints", checksums=True)
     discarded = {}
     if ckpt is not None:
