@@ -86,3 +86,39 @@ def test_checkpoint_of_two_ranks_resumes_on_one_rank(tmp_path, single):
     # the second resumed step also checks the restored Adam moments
     for n in range(STEPS + 2):
         assert got[n] == pytest.approx(single[n], **TOL), (n, got, single)
+
+
+def _publish_routed_batches(run_dir, steps, layers, experts, top_k):
+    """Synthetic batches carrying engine routing (random distinct experts per token and layer)."""
+    import numpy as np
+    from _trainer_helpers import synthetic_batch
+    for n in steps:
+        b = synthetic_batch(n)
+        rng = np.random.default_rng(100 + n)
+        b.routed_experts = np.stack([np.stack([rng.permutation(experts)[:top_k] for _ in range(layers)])
+                                     for _ in range(len(b.tokens))]).astype(np.uint8)
+        exchange.publish(run_dir, "rollouts", n, b.save, producer="test")
+
+
+@pytest.mark.parametrize("dims", [(1, 2, 1), (1, 1, 2)], ids=["ep2", "cp2"])
+def test_router_replay_and_fp8_under_two_ranks(tmp_path, dims):
+    """Replayed routing is cut with the tokens (data split, head-tail CP split); FP8 GEMMs per rank."""
+    ref = tmp_path / "single"
+    par = tmp_path / "par"
+    for d, dd in ((ref, (1, 1, 1)), (par, dims)):
+        d.mkdir()
+        cfg = _cfg(d, *dd)
+        cfg.trainer.router_replay = True
+        cfg.trainer.fp8 = True
+        cfg.trainer.warm_start.steps = 0
+        OmegaConf.save(cfg, d / "config.yaml")
+        m = cfg.model
+        _publish_routed_batches(d, range(STEPS), m.n_layers, m.num_experts, m.top_k)
+    assert run(ref, OmegaConf.load(ref / "config.yaml"), poll=0.01) == 0
+    _torchrun(par)
+    want, got = _losses(ref), _losses(par)
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    for n in range(STEPS):
+        assert got[n] == pytest.approx(want[n], **TOL), (n, got, want)
+    m = read_metrics(par)[0]
+    assert m["router_replay"] == 1 and m["routing_recorded_by_engine"] == 1
