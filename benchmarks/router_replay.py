@@ -43,7 +43,8 @@ def engine_copy(trainer, m, seed: int, noise: float):
         served[name] = fp8.fake_quantize_block(w) if wire.default_quantize(name, w) else w.clone()
     if noise:
         g = torch.Generator().manual_seed(seed + 7)
-        served = {k: v + noise * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in served.items()}
+        served = {k: v + noise * v.abs().mean() * torch.randn(v.shape, generator=g)
+                  for k, v in served.items()}
     load_hf_state_dict(eng, served)
     return eng
 
@@ -101,8 +102,8 @@ def main() -> int:
     print(f"debug MoE ({m['n_layers']} layers, {m['num_experts']} experts, top-{m['top_k']}); engine = FP8 "
           f"block-quantized copy{f' + {a.noise:g} relative noise' if a.noise else ''}; "
           f"{a.prompts} prompts x {a.completion} sampled tokens, {a.seeds} seeds")
-    print(f"{'seed':>4} {'routing differs':>16} {'KL no replay':>13} {'KL replay':>11} {'|dlp| no replay':>16} "
-          f"{'|dlp| replay':>13}")
+    print(f"{'seed':>4} {'routing differs':>16} {'KL no replay':>13} {'KL replay':>11} "
+          f"{'|dlp| no replay':>16} {'|dlp| replay':>13}")
     for s, r in enumerate(rows):
         print(f"{s:>4} {r['routing_differs']:>16.4f} {r['kl_live']:>13.3e} {r['kl_replay']:>11.3e} "
               f"{r['dlp_live']:>16.3e} {r['dlp_replay']:>13.3e}")

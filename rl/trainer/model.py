@@ -3,7 +3,7 @@
 The model group of the config (dim, n_layers, heads, experts, ...) becomes a torchtitan qwen3 *flavor*
 registered under `hetrl:<model.name>` and assembled with torchtitan's own qwen3 layer builders, so the
 ModelSpec that comes back carries torchtitan's parallelize function and state-dict adapter: FSDP / EP /
-CP (`trainer.parallel`) slot in later through `spec.parallelize_fn` without touching this module.
+CP (`trainer.parallel`, rl.trainer.parallel) go through `spec.parallelize_fn` without touching this module.
 
 Differences from torchtitan's stock MoE flavors, all to be the exact network of the HF config written
 by `rl.model.tiny.hf_config` (Qwen3MoeForCausalLM, which is what vLLM serves):
@@ -15,6 +15,8 @@ by `rl.model.tiny.hf_config` (Qwen3MoeForCausalLM, which is what vLLM serves):
 The model is built on the meta device, moved with `to_empty` and initialised by torchtitan's
 `init_weights` under `set_default_dtype` (casting afterwards with `.to(dtype)` breaks the RoPE cache).
 On the CPU the flex attention and bf16 grouped experts are swapped for `rl.trainer.cpu`'s versions.
+Every router is `rl.trainer.replay.ReplayRouter` (torchtitan's, able to replay recorded expert ids);
+`fp8=True` routes attention and expert GEMMs through `rl.trainer.fp8`.
 """
 from __future__ import annotations
 

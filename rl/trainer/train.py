@@ -81,7 +81,8 @@ def to_row(mb: MicroBatch) -> Row:
     targets = torch.nn.functional.pad(tok[:, 1:], (0, 1))
     # the last position of each sample predicts nothing inside it (the next token starts a new sample)
     ends = torch.nn.functional.pad(pos[:, 1:] == 0, (0, 1), value=True)
-    per = {k: torch.nn.functional.pad(v[:, 1:], (0, 1)).masked_fill(ends, 0.0) for k, v in mb.per_token.items()}
+    per = {k: torch.nn.functional.pad(v[:, 1:], (0, 1)).masked_fill(ends, 0.0)
+           for k, v in mb.per_token.items()}
     return Row(tok, pos, targets, per, mb.routed)
 
 
@@ -92,21 +93,26 @@ def _empty_row(keys, length: int, routed_like: torch.Tensor | None) -> Row:
     if routed_like is not None:
         k = routed_like.shape[-1]
         routed = torch.arange(k).expand(1, length, routed_like.shape[2], k).clone()
-    return Row(z, torch.arange(length)[None], z.clone(), {key: torch.zeros(1, length) for key in keys}, routed)
+    per = {key: torch.zeros(1, length) for key in keys}
+    return Row(z, torch.arange(length)[None], z.clone(), per, routed)
 
 
 def _cp_shard(row: Row, d: parallel.Dist) -> Row:
     """This cp rank's head-tail part of `row` and its attention mask rows (against gathered keys)."""
     from rl.trainer import cpu
+    if d.device.type != "cpu":
+        # FlexAttention's BlockMask must be sharded with torchtitan's cp_shard (PTRR/head-tail): not wired
+        raise NotImplementedError("trainer.parallel.cp > 1 is implemented for the CPU (dense attention) only")
     n, m = row.tokens.shape[1], 2 * d.cp
     pad = -n % m
     if pad:  # a separate document of padding tokens, outside the loss
+        routed = row.routed
+        if routed is not None:
+            routed = torch.cat([routed, torch.arange(routed.shape[-1]).expand(1, pad, *routed.shape[2:])], 1)
         row = Row(torch.nn.functional.pad(row.tokens, (0, pad)),
                   torch.cat([row.positions, torch.arange(pad)[None]], 1),
                   torch.nn.functional.pad(row.targets, (0, pad)),
-                  {k: torch.nn.functional.pad(v, (0, pad)) for k, v in row.per_token.items()},
-                  None if row.routed is None else torch.cat(
-                      [row.routed, torch.arange(row.routed.shape[-1]).expand(1, pad, *row.routed.shape[2:])], 1))
+                  {k: torch.nn.functional.pad(v, (0, pad)) for k, v in row.per_token.items()}, routed)
         n += pad
     mine = parallel.headtail_index(n, d.cp, d.cp_rank)
     masks = cpu.cp_document_mask(row.positions, mine, parallel.gathered_index(n, d.cp))
@@ -398,9 +404,13 @@ def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples |
         raise NotImplementedError("model.hf_path: starting from an HF checkpoint is not implemented yet")
     d = parallel.init(cfg.trainer.parallel, torch.device(device))
     try:
-        return _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps)
+        rc = _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps)
     finally:
         d.close()
+    if d.is_main:  # for rl.trainer.torchrun: torchrun itself reports any non-zero worker status as 1
+        from rl.trainer.torchrun import exit_file
+        exchange.atomic_write_json(exit_file(run_dir), {"rc": rc, "reason": stop.reason})
+    return rc
 
 
 def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -> int:
@@ -419,7 +429,8 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
             t0 = time.monotonic()
             tr.warm_start(examples or _default_examples(run_dir, cfg))
             if main:
-                log(ROLE, f"warm start: {cfg.trainer.warm_start.steps} steps in {time.monotonic() - t0:.1f} s")
+                log(ROLE, f"warm start: {cfg.trainer.warm_start.steps} steps in "
+                          f"{time.monotonic() - t0:.1f} s")
         tr.publish_weights(run_dir, 0)
         tr.save(run_dir, 0)
         last_ckpt = 0
@@ -428,7 +439,8 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         tr.publish_weights(run_dir, start)  # no-op when weights/step_<start> is still there
         last_ckpt = start
         if main:
-            log(ROLE, f"resumed from checkpoints/step_{start:06d}" + (f" on {d.world} ranks" if d.distributed else ""))
+            where = f" on {d.world} ranks" if d.distributed else ""
+            log(ROLE, f"resumed from checkpoints/step_{start:06d}{where}")
 
     metrics = _metrics_logger(run_dir, cfg) if main else None
     consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None

@@ -43,6 +43,18 @@ Tools:
 Explore the code, make the fix, run the tests, then call submit."""
 
 
+def system_prompt() -> str:
+    tools = "\n".join(f"- {s['name']}({', '.join(s['arguments'])}): {s['description']}"
+                      + "".join(f"\n    {k}: {v}" for k, v in s["arguments"].items())
+                      for s in TOOL_SPECS)
+    return SYSTEM_PROMPT.format(tools=tools)
+
+
+def initial_messages(task: Task) -> list[dict]:
+    return [{"role": "system", "content": system_prompt()},
+            {"role": "user", "content": f"Fix this issue:\n\n{task.problem_statement}"}]
+
+
 class Episode:
     """One task attempt in its own sandbox. Use as a context manager or call close()."""
 
@@ -64,14 +76,10 @@ class Episode:
         self.close()
 
     def system_prompt(self) -> str:
-        tools = "\n".join(f"- {s['name']}({', '.join(s['arguments'])}): {s['description']}"
-                          + "".join(f"\n    {k}: {v}" for k, v in s["arguments"].items())
-                          for s in TOOL_SPECS)
-        return SYSTEM_PROMPT.format(tools=tools)
+        return system_prompt()
 
     def initial_messages(self) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt()},
-                {"role": "user", "content": f"Fix this issue:\n\n{self.task.problem_statement}"}]
+        return initial_messages(self.task)
 
     @staticmethod
     def tool_message(observation: str) -> dict:
