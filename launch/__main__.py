@@ -184,7 +184,15 @@ def main(argv=None) -> int:
     s.add_argument("run_dir")
     s.add_argument("role")
     s.add_argument("-f", "--follow", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    multirun = False
+    if argv and argv[0] in ("run", "plan"):
+        # Hydra users put -m anywhere among the overrides; argparse would not accept it after them.
+        multirun = any(a in ("-m", "--multirun") for a in argv[1:])
+        argv = [argv[0]] + [a for a in argv[1:] if a not in ("-m", "--multirun")]
     ns = p.parse_args(argv)
+    if ns.cmd in ("run", "plan"):
+        ns.multirun = ns.multirun or multirun
     try:
         return {"run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
                 "cancel": cmd_cancel, "logs": cmd_logs}[ns.cmd](ns)

@@ -21,13 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 EXIT_PREEMPTED = 3  # rl.runtime.EXIT_PREEMPTED, duplicated to keep torch-free imports minimal
 
 
-def role_commands(cfg: dict, run_dir: Path, python: str) -> dict[str, list[str]]:
+def role_commands(cfg: dict, run_dir: Path, python: str, plan: dict | None = None) -> dict[str, list[str]]:
     cmds = {}
     for i in range(int(cfg["inference"].get("replicas", 1))):
         cmds[f"inference_{i}"] = [python, "-m", "rl.inference", "--run-dir", str(run_dir), "--index", str(i)]
     if cfg["inference"].get("router"):
         cmds["router"] = [python, "-m", "rl.inference.router", "--run-dir", str(run_dir)]
     cmds["trainer"] = [python, "-m", "rl.trainer", "--run-dir", str(run_dir)]
+    if plan and plan.get("trainer", {}).get("world_size", 1) > 1:
+        # several CPU ranks on this machine (gloo): the plan's single-node torchrun line
+        cmds["trainer"] = [python, *plan["trainer"]["command"][1:]]
     cmds["orchestrator"] = [python, "-m", "rl.orchestrator", "--run-dir", str(run_dir)]
     return cmds
 
@@ -102,7 +105,7 @@ def run_local(cfg: dict, plan: dict) -> int:
 
     logs = run_dir / "logs"
     procs: dict[str, subprocess.Popen] = {}
-    for role, cmd in role_commands(cfg, run_dir, python).items():
+    for role, cmd in role_commands(cfg, run_dir, python, plan).items():
         log = open(logs / f"{role}.log", "ab")
         procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                        start_new_session=True)

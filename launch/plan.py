@@ -78,10 +78,10 @@ def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
     if world == 1:
         command = [python, *role_cmd]
     elif nodes == 1:
-        command = [python, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        command = [python, "-m", "rl.trainer.torchrun", "--nnodes=1", f"--nproc-per-node={nproc}",
                    "--master-addr=127.0.0.1", f"--master-port={port}", *role_cmd]
     else:
-        command = [python, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+        command = [python, "-m", "rl.trainer.torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}",
                    f"--rdzv-id={run_id(run_dir)}", *role_cmd]
     return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,

@@ -56,6 +56,11 @@ def fp8_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def resolve_fp8_load(mode: str, supported: bool) -> bool:
     """fp8_load (auto|dequantize|fp8) -> load the shards as FP8?"""
     if mode == "dequantize":
@@ -157,7 +162,7 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 
 
 def vllm_command(model_dir: Path, icfg, *, host: str, port: int, python: str = sys.executable,
-                 api_key: str | None = None) -> list[str]:
+                 api_key: str | None = None, routed_experts: bool = False) -> list[str]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", str(icfg.dtype), "--max-model-len", str(icfg.max_model_len),
@@ -168,6 +173,8 @@ def vllm_command(model_dir: Path, icfg, *, host: str, port: int, python: str = s
            "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if icfg.enforce_eager:
         cmd.append("--enforce-eager")
+    if routed_experts:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
+        cmd.append("--enable-return-routed-experts")
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += [str(a) for a in (icfg.get("extra_args") or [])]
@@ -284,7 +291,10 @@ def serve(run_dir: Path, index: int = 0) -> int:
     log_path = run_dir / "logs" / f"inference_{index}.vllm.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cache_root = tempfile.mkdtemp(prefix="vllm-cache-", dir=work)
-    cmd = vllm_command(model_dir, icfg, host=host, port=port, api_key=secret)
+    # vLLM captures routing only with its GPU MoE kernels (0.32 refuses on the CPU); without it the
+    # trainer records routing with its own forward (rl.trainer.replay) and says so in its metrics.
+    capture = bool(cfg.trainer.get("router_replay", False)) and _cuda_available()
+    cmd = vllm_command(model_dir, icfg, host=host, port=port, api_key=secret, routed_experts=capture)
     env = vllm_env(icfg, host=host, version=version, cache_root=cache_root)
     if port_in_use(host, port):
         raise RuntimeError(f"inference.port: {host}:{port} is already in use (another server, or a leftover "

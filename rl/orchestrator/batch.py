@@ -22,6 +22,23 @@ BATCH_FILE = "batch.safetensors"
 META_FILE = "meta.json"
 
 
+def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | None:
+    """vLLM returns routed experts for every token but the last one sampled ([n-1, layers, top_k]: the
+    last token was never fed back through the model). The trainer wants one row per token; the last
+    row only shapes the logits after the final token, which no loss term reads, so it repeats the row
+    before it."""
+    if routed is None:
+        return None
+    r = np.asarray(routed)
+    if r.shape[0] == n_tokens - 1:
+        r = np.concatenate([r, r[-1:]], axis=0)
+    if r.shape[0] != n_tokens:
+        raise ValueError(f"routed experts cover {r.shape[0]} tokens, the sample has {n_tokens}")
+    if r.max(initial=0) > 255:
+        raise ValueError("expert ids above 255 do not fit the uint8 layout")
+    return r.astype(np.uint8)
+
+
 @dataclass
 class Sample:
     prompt_ids: list[int]

@@ -31,7 +31,7 @@ from rl.inference.router import SESSION as ROUTER_SESSION
 from rl.inference.router import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
-from rl.orchestrator.batch import RolloutBatch, Sample
+from rl.orchestrator.batch import RolloutBatch, Sample, routed_per_token
 from rl.orchestrator.versions import VersionTracker
 from rl.runtime import StopFlag, is_done, log, resume_state
 
@@ -158,6 +158,7 @@ class Orchestrator:
             samples.append(Sample(prompt_ids=prompt_ids, completion_ids=list(c.ids),
                                   completion_logprobs=list(c.logprobs), completion_versions=versions,
                                   reward=float(self.env.score(task, text)), group=group,
+                                  routed_experts=routed_per_token(c.routed_experts, len(prompt_ids) + len(c.ids)),
                                   info={"finish_reason": c.finish_reason}))
         return samples
 

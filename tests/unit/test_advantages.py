@@ -30,3 +30,14 @@ def test_bad_input():
         group_advantages(np.zeros(3), np.zeros(2))
     with pytest.raises(ValueError, match="unknown"):
         group_advantages(np.zeros(2), np.zeros(2), "ppo")
+
+
+def test_routed_experts_get_one_row_per_token():
+    from rl.orchestrator.batch import routed_per_token
+    r = np.arange(2 * 3 * 2).reshape(3, 2, 2)  # vLLM: n-1 rows for n tokens
+    out = routed_per_token(r, 4)
+    assert out.shape == (4, 2, 2) and out.dtype == np.uint8
+    assert (out[:3] == r).all() and (out[3] == r[2]).all()
+    assert routed_per_token(None, 4) is None
+    with pytest.raises(ValueError, match="cover"):
+        routed_per_token(r, 7)

@@ -84,7 +84,7 @@ def test_debug_plan_cpu_single_nodes():
 def test_cpu_trainer_two_ranks_uses_torchrun():
     _, plan = plan_of(["trainer.parallel.dp_shard=2"])
     cmd = plan["trainer"]["command"]
-    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"] and "--nproc-per-node=2" in cmd
+    assert cmd[1:4] == ["-m", "rl.trainer.torchrun", "--nnodes=1"] and "--nproc-per-node=2" in cmd
     assert cmd[-4:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
 
 
