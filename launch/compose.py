@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launch.config import ConfigError, register, to_container, validate
+from launch.config import ConfigError, register, resolve_ports, to_container, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -92,6 +92,7 @@ def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
         elif multirun and len(points) > 1:
             c["run_dir"] = str(Path(c["run_dir"]) / str(i))
         c["run_dir"] = str(Path(c["run_dir"]).absolute())
+        resolve_ports(c)
         try:
             validate(OmegaConf.create(c))
         except ConfigError as e:

@@ -74,14 +74,14 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     nodes: int = 1
     gpus_per_node: int = 0
-    master_port: int = 29500           # torch.distributed rendezvous port on the first trainer node
+    master_port: int = 0               # torch.distributed rendezvous port on the first trainer node (0 = auto)
 
 
 @dataclass
 class InferenceConfig:
     engine: str = "vllm"
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 0                      # first server's port, +1 per replica (0 = auto, derived from run_dir)
     dtype: str = "float32"
     max_model_len: int = 512
     kv_cache_gb: float = 1.0
@@ -100,7 +100,7 @@ class InferenceConfig:
     kv_offload: Optional[str] = None   # None | cpu | cpu+disk
     router: bool = False
     # Added for the Slurm plan (launch/plan.py):
-    router_port: int = 8100            # the router's port on the first inference node
+    router_port: int = 0               # the router's port on the first inference node (0 = auto)
     dp_rpc_port: int = 13345           # base of vLLM's data-parallel RPC ports (one per multi-node replica)
     all2all_backend: str = "auto"      # vLLM --all2all-backend with EP; auto: DeepEP (HT prefill, LL decode)
     kv_offload_cpu_gb: float = 0.0     # CPU tier of the KV offload, per server (needs kv_offload)
@@ -245,7 +245,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.env.max_turns >= 1, "env.max_turns", "must be at least 1")
     need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
     i = cfg.inference
-    need(1 <= i.port <= 65535 - 16, "inference.port", "must be a free TCP port below 65519")
+    need(i.port == 0 or 1024 <= i.port <= 65535 - 64, "inference.port", "must be 0 (auto) or a TCP port in [1024, 65471]")
     need(i.kv_cache_gb > 0, "inference.kv_cache_gb", "must be positive")
     need(i.max_model_len <= m.max_seq_len, "inference.max_model_len",
          f"cannot exceed model.max_seq_len={m.max_seq_len}")
@@ -253,6 +253,25 @@ def validate(cfg: DictConfig) -> None:
     if cfg.cluster.backend == "local":
         need(p.dp_shard * p.ep * p.cp <= 2 or t.gpus_per_node > 0, "trainer.parallel",
              "the local backend runs at most 2 CPU ranks")
+
+
+def resolve_ports(c: dict) -> dict:
+    """Fill ports left at 0 (auto) from a hash of run_dir, in place.
+
+    Fixed ports collide as soon as two runs share a host: two local runs, a sweep on a non-exclusive
+    partition, the localhost test cluster (vLLM binds with SO_REUSEPORT, so a second server on the same
+    port silently shares it and requests land on the wrong run). Derived ports differ between runs,
+    stay the same for one run (resume, requeue), and live below Linux's ephemeral range.
+    """
+    import hashlib
+    h = int(hashlib.sha1(str(c["run_dir"]).encode()).hexdigest(), 16)
+    if not c["inference"].get("port"):
+        c["inference"]["port"] = 15000 + (h % 700) * 20        # 15000..28980, room for 20 replicas
+    if not c["inference"].get("router_port"):
+        c["inference"]["router_port"] = 29000 + (h >> 16) % 1500
+    if not c["trainer"].get("master_port"):
+        c["trainer"]["master_port"] = 30500 + (h >> 32) % 1500
+    return c
 
 
 def to_container(cfg: DictConfig) -> dict:

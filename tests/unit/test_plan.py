@@ -16,7 +16,17 @@ KIMI = ["+experiment=kimi_swe", "cluster=slurm"]
 GLM = ["+experiment=glm5_swe", "cluster=slurm"]
 GPU = ["cluster=slurm", "trainer.nodes=2", "trainer.gpus_per_node=8", "trainer.parallel.dp_shard=4",
        "trainer.parallel.ep=4", "inference.nodes=2", "inference.gpus_per_node=8", "inference.tp=2",
-       "inference.dp=4", "inference.ep=8", "inference.replicas=2", "model.num_experts=16"]
+       "inference.dp=4", "inference.ep=8", "inference.replicas=2", "model.num_experts=16",
+       "inference.port=8000", "trainer.master_port=29500"]
+
+
+def test_auto_ports_differ_between_runs_and_stay_for_one():
+    a1, _ = plan_of(["cluster=slurm"], tmp="/tmp/hetrl-a")
+    a2, _ = plan_of(["cluster=slurm"], tmp="/tmp/hetrl-a")
+    b, _ = plan_of(["cluster=slurm"], tmp="/tmp/hetrl-b")
+    ports = lambda c: (c["inference"]["port"], c["inference"]["router_port"], c["trainer"]["master_port"])
+    assert ports(a1) == ports(a2) and ports(a1) != ports(b)
+    assert all(1024 < p < 32768 for p in ports(a1) + ports(b))  # below Linux's ephemeral range
 
 
 def plan_of(overrides, tmp="/tmp/hetrl-plan-test"):
@@ -141,7 +151,7 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
     assert f"--gpus-per-node={gpn}" in comps[1]
     for r in plan["roles"]:
         assert f"--het-group={r['het_group']} --nodes={r['nodes']} --ntasks={r['nodes']} --relative={r['node']}" in script
-    assert '--rdzv-endpoint="${HETRL_TRAINER_ADDR}":29500' in script
+    assert f'--rdzv-endpoint="${{HETRL_TRAINER_ADDR}}":{cfg["trainer"]["master_port"]}' in script
     assert f"#SBATCH --signal=B:USR1@{cfg['cluster']['signal_grace_s']}" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
