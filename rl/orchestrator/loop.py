@@ -26,7 +26,7 @@ from rl import exchange
 from rl.envs import make_env
 from rl.envs.base import is_multi_turn
 from rl.envs.digits import encode_prompt
-from rl.inference.client import InferenceClient
+from rl.inference.client import InferenceClient, InferenceError
 from rl.inference.router import SESSION as ROUTER_SESSION
 from rl.inference.router import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
@@ -162,6 +162,18 @@ class Orchestrator:
                                   info={"finish_reason": c.finish_reason}))
         return samples
 
+    async def _sample_group_or_none(self, sem, task, group: int, step: int, attempt: int):
+        """A group, or None when the environment failed (a sandbox error, a crashed tool): the group is
+        dropped and counted rather than taking the whole run down. Inference errors still propagate:
+        without a server there is nothing to do."""
+        try:
+            return await self._sample_group(sem, task, group, step, attempt)
+        except (InferenceError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - environment code is user code; report, drop, go on
+            log(ROLE, f"step {step} group {group}: environment failed, group dropped: {type(e).__name__}: {e}")
+            return None
+
     async def build_batch(self, step: int) -> RolloutBatch | None:
         min_version = step - self.o.max_off_policy
         if not await self._wait_version(max(min_version, 0)):
@@ -169,7 +181,7 @@ class Orchestrator:
         sem = asyncio.Semaphore(self.o.max_concurrency)
         t0 = time.monotonic()
         kept: list[list[Sample]] = []
-        dropped = 0
+        dropped = failed = 0
         attempt = 0
         while len(kept) < self.o.prompts_per_step:
             if self.stop.is_set():
@@ -177,16 +189,18 @@ class Orchestrator:
             need = self.o.prompts_per_step - len(kept)
             rng = random.Random(f"{self.cfg.seed}-{step}-{attempt}")
             tasks = self.env.sample_tasks(need, rng)
-            base = len(kept) + dropped
-            groups = await asyncio.gather(*(self._sample_group(sem, t, base + j, step, attempt)
+            base = len(kept) + dropped + failed
+            groups = await asyncio.gather(*(self._sample_group_or_none(sem, t, base + j, step, attempt)
                                             for j, t in enumerate(tasks)))
             for g in groups:
-                oldest = min((v for s in g for v in s.completion_versions if v >= 0),  # -1: env tokens
-                             default=self.tracker.version)
-                if oldest < min_version:
-                    dropped += 1
-                else:
+                if g is None:
+                    failed += 1
+                elif within_off_policy_bound(g, step, self.o.max_off_policy):
                     kept.append(g)
+                else:
+                    dropped += 1
+            if failed > self.o.prompts_per_step:
+                raise RuntimeError(f"step {step}: {failed} groups failed in the environment (see the log above)")
             attempt += 1
         samples = [s for g in kept for s in g]
         for gi, g in enumerate(kept):  # renumber groups densely
@@ -203,6 +217,7 @@ class Orchestrator:
         self.stats["dropped_groups"] += dropped
         meta = {
             "step": step, "num_samples": len(samples), "num_groups": len(kept), "dropped_groups": dropped,
+            "failed_groups": failed,
             "dropped_groups_total": self.stats["dropped_groups"],
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "gen_tokens": n_gen, "gen_s": gen_s, "gen_tokens_per_s": n_gen / max(gen_s, 1e-9),

@@ -230,3 +230,33 @@ def test_orchestrator_builds_a_multiturn_batch(tok):
     assert m["gen_tokens"] == int(batch.loss_mask.sum())
     json.dumps(m)  # the meta stays JSON
     assert set(np.unique(batch.versions[batch.loss_mask == 0])) == {-1}
+
+
+def test_a_failing_environment_drops_its_group_not_the_run(tok):
+    from rl.orchestrator.loop import Orchestrator
+    from rl.orchestrator.versions import VersionTracker
+    import rl.orchestrator.loop as loop
+
+    class FlakyEnv(CountEnv):
+        calls = 0
+
+        def start(self, task):
+            FlakyEnv.calls += 1
+            if FlakyEnv.calls == 1:  # the first episode's sandbox cannot be created
+                raise OSError("sandbox setup failed")
+            return super().start(task)
+
+    cfg = OmegaConf.structured(Config(run_dir="/nonexistent"))
+    cfg.env.max_turns = 2
+    cfg.orchestrator.prompts_per_step = 2
+    cfg.orchestrator.group_size = 2
+    env = FlakyEnv()
+    orig = loop.make_env
+    loop.make_env = lambda c: env
+    try:
+        o = Orchestrator("/nonexistent", cfg)
+    finally:
+        loop.make_env = orig
+    o.clients, o.tokenizer, o.tracker = [FakeClient(tok)], tok, VersionTracker(0)
+    batch = asyncio.run(o.build_batch(0))
+    assert batch.num_samples == 4 and batch.meta["failed_groups"] == 1
