@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from omegaconf import OmegaConf
 
 import rl
 from rl import exchange, runtime
@@ -293,7 +294,7 @@ def serve(run_dir: Path, index: int = 0) -> int:
     cache_root = tempfile.mkdtemp(prefix="vllm-cache-", dir=work)
     # vLLM captures routing only with its GPU MoE kernels (0.32 refuses on the CPU); without it the
     # trainer records routing with its own forward (rl.trainer.replay) and says so in its metrics.
-    capture = bool(cfg.trainer.get("router_replay", False)) and _cuda_available()
+    capture = bool(OmegaConf.select(cfg, "trainer.router_replay", default=False)) and _cuda_available()
     cmd = vllm_command(model_dir, icfg, host=host, port=port, api_key=secret, routed_experts=capture)
     env = vllm_env(icfg, host=host, version=version, cache_root=cache_root)
     if port_in_use(host, port):
