@@ -68,6 +68,9 @@ def compose(overrides: list[str]) -> dict:
         c = to_container(validate_cfg)
     except Exception as e:  # noqa: BLE001 - interpolation errors name the key
         raise ConfigError(_one_line(e)) from None
+    if c.get("run_dir"):
+        c["run_dir"] = str(Path(c["run_dir"]).absolute())
+        resolve_ports(c)
     return c
 
 

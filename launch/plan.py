@@ -244,6 +244,8 @@ def make_plan(cfg) -> dict:
     """The allocation plan of `cfg` (a composed config, dict or DictConfig) as a JSON-able dict."""
     cfg = _plain(cfg)
     run_dir = str(Path(cfg.get("run_dir") or ".").absolute())
+    from launch.config import resolve_ports
+    resolve_ports({**cfg, "run_dir": run_dir})  # ports left at 0 (auto), as the launcher resolves them
     cl = cfg.get("cluster", {})
     python = cl.get("python") or sys.executable
     rid = run_id(run_dir)
