@@ -98,7 +98,16 @@ class Dist:
         if self.owns_pg:
             import torch.distributed as dist
             if dist.is_initialized():
-                dist.destroy_process_group()
+                # Every rank past its last collective before any tears the group down: a rank whose
+                # peer closed its gloo sockets mid-collective aborts in C++ ("terminate called without
+                # an active exception"), seen once in CI-like runs.
+                # (Not while an exception unwinds: a failed peer would never arrive; torchrun ends us.)
+                import sys
+                try:
+                    if sys.exc_info()[0] is None:
+                        dist.barrier()
+                finally:
+                    dist.destroy_process_group()
             self.owns_pg = False
 
 
