@@ -68,9 +68,6 @@ def compose(overrides: list[str]) -> dict:
         c = to_container(validate_cfg)
     except Exception as e:  # noqa: BLE001 - interpolation errors name the key
         raise ConfigError(_one_line(e)) from None
-    if c.get("run_dir"):
-        c["run_dir"] = str(Path(c["run_dir"]).absolute())
-        resolve_ports(c)
     return c
 
 
@@ -95,7 +92,10 @@ def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
         elif multirun and len(points) > 1:
             c["run_dir"] = str(Path(c["run_dir"]) / str(i))
         c["run_dir"] = str(Path(c["run_dir"]).absolute())
-        resolve_ports(c)
+        if multirun and len(points) > 1:
+            resolve_ports({**c, "run_dir": str(Path(c["run_dir"]).parent)}, offset=i)
+        else:
+            resolve_ports(c)
         try:
             validate(OmegaConf.create(c))
         except ConfigError as e:

@@ -255,22 +255,24 @@ def validate(cfg: DictConfig) -> None:
              "the local backend runs at most 2 CPU ranks")
 
 
-def resolve_ports(c: dict) -> dict:
+def resolve_ports(c: dict, offset: int = 0) -> dict:
     """Fill ports left at 0 (auto) from a hash of run_dir, in place.
 
     Fixed ports collide as soon as two runs share a host: two local runs, a sweep on a non-exclusive
     partition, the localhost test cluster (vLLM binds with SO_REUSEPORT, so a second server on the same
     port silently shares it and requests land on the wrong run). Derived ports differ between runs,
-    stay the same for one run (resume, requeue), and live below Linux's ephemeral range.
+    stay the same for one run (resume, requeue), and live below Linux's ephemeral range. A sweep passes
+    the sweep dir as run_dir and each point's index as `offset`, so its points never collide.
     """
     import hashlib
     h = int(hashlib.sha1(str(c["run_dir"]).encode()).hexdigest(), 16)
+    slot = (h + offset) % 700
     if not c["inference"].get("port"):
-        c["inference"]["port"] = 15000 + (h % 700) * 20        # 15000..28980, room for 20 replicas
+        c["inference"]["port"] = 15000 + slot * 20              # 15000..28980, room for 20 replicas
     if not c["inference"].get("router_port"):
-        c["inference"]["router_port"] = 29000 + (h >> 16) % 1500
+        c["inference"]["router_port"] = 29000 + ((h >> 16) + offset) % 1500
     if not c["trainer"].get("master_port"):
-        c["trainer"]["master_port"] = 30500 + (h >> 32) % 1500
+        c["trainer"]["master_port"] = 30500 + ((h >> 32) + offset) % 1500
     return c
 
 

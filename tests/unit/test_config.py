@@ -61,3 +61,10 @@ def test_cli_prints_one_line_and_exits_2():
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "model.top_k" in out.stderr
+
+
+def test_sweep_points_get_their_own_ports(tmp_path):
+    # runs of one sweep may share a host: the same port would make their servers share a socket
+    pts = compose_points([f"run_dir={tmp_path}", "seed=range(0,40)"], True)
+    ports = [(p["inference"]["port"], p["inference"]["router_port"], p["trainer"]["master_port"]) for p in pts]
+    assert len(set(ports)) == 40 and all(all(p) for p in ports)
