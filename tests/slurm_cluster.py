@@ -211,6 +211,30 @@ class SlurmCluster:
                 mine.append(pid)
         return mine
 
+    def _leftover_pids(self) -> list[int]:
+        """Any live process that belongs to this cluster: batch scripts, sruns and job tasks orphaned
+        when their slurmstepd died (their command line or environment names our directory)."""
+        keep, pid = set(), os.getpid()
+        while pid > 1:  # never this test process or its ancestors
+            keep.add(pid)
+            try:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        marker = str(self.dir).encode()
+        out = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) in keep:
+                continue
+            try:
+                if (p / "stat").read_text().split(")")[-1].split()[0] == "Z":
+                    continue
+                if marker in (p / "cmdline").read_bytes() or marker in (p / "environ").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                continue
+        return out
+
     def stop(self) -> None:
         try:
             self.cancel_all()
@@ -240,6 +264,18 @@ class SlurmCluster:
                 os.kill(munged, signal.SIGTERM)
             except OSError:
                 pass
+        # A job whose slurmstepd was killed leaves its batch script and sruns behind (children of a
+        # dead parent are not killed by the kernel); hunt them down by our directory.
+        for _ in range(3):
+            left = self._leftover_pids()
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.2)
         if os.environ.get("HETRL_KEEP_SLURM_DIR") is None:
             shutil.rmtree(self.dir, ignore_errors=True)
 
