@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from rl.inference.router import (PREFILL_KV_PARAMS, SESSION_HEADER, Backend, Policy, PrefixIndex,
-                                 RequestKey, Router, RouterConfig, completion_key, decode_body,
-                                 parse_metrics, prefill_body, request_key, token_block_hashes)
+from rl.inference.router import Router
+from rl.inference.routing import (PREFILL_KV_PARAMS, SESSION_HEADER, Backend, Policy, PrefixIndex,
+                                  RequestKey, RouterConfig, completion_key, decode_body, parse_metrics,
+                                  prefill_body, request_key, token_block_hashes)
 
 NOW = 100.0
 CFG = RouterConfig(block_tokens=4, min_affinity_tokens=4, queue_slack=2, queue_slack_ratio=0.0, max_queue=8,
@@ -245,7 +246,7 @@ def test_round_robin_ignores_prefixes():
 
 
 def test_unhealthy_and_excluded_servers_are_skipped():
-    from rl.inference.router import NoBackend
+    from rl.inference.routing import NoBackend
     p, pool = Policy(CFG), servers(2)
     d = run_turn(p, pool, tok_key(range(40), "a"))
     d.backend.healthy = False
@@ -500,7 +501,6 @@ def test_role_from_run_dir_writes_router_json_and_stops_on_done(tmp_path):
     """`python -m rl.inference.router --run-dir D` against fake servers recorded in D/inference."""
     import os
     import socket
-    import subprocess
     import sys
     import time
 

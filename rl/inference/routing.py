@@ -1,0 +1,519 @@
+"""Routing decisions of the KV-aware router (rl.inference.router): pure logic, no HTTP.
+
+Where prefixes live is the router's bookkeeping: every prompt is cut into blocks (`block_tokens` token
+ids, `text_block_chars` characters of a text prompt, one message of a chat) and hashed as a chain
+(each hash covers the whole prefix up to its block, as vLLM's own block hashes do); each server has an
+LRU set of the hashes it was sent (prompt at dispatch, prompt + completion when the answer comes back),
+sized to its KV capacity. A request's reusable prefix on a server is the number of its leading hashes
+that server holds. Sessions: a request may name its rollout with the header `X-Session-Id` (or a body
+field `session_id`, removed before forwarding); the router remembers each session's server (per pool).
+A server that comes back after being down, or whose counters went backwards, has its index cleared.
+
+Decision for one pool (RouterConfig holds the knobs; `Policy.pick`):
+  1. affinity: the server with the longest reusable prefix (the session's server wins ties) is taken if
+     it is the session's server or has a real advantage (`min_affinity_tokens` more than the worst
+     candidate), is not full (load < `max_queue` and KV usage < `kv_full`), and its load is at most
+     least load x (1 + `queue_slack_ratio`) + `queue_slack`. The first request of a new session has
+     no affinity (a prefix it shares with other rollouts, e.g. the system prompt, enters its cost);
+  2. otherwise the least cost: load + uncached prompt tokens / `miss_tokens_per_load`, among servers
+     that are not full (all, if all are); ties go to the server with fewer sessions, then in turn.
+  load = max(router in-flight, running + waiting) + `waiting_weight` x waiting (metrics younger than
+  `metrics_stale_s`; the in-flight count alone otherwise).
+Prefill/decode pools (plan.json pools "prefill" and "decode", as kimi_swe / glm5_swe plan them,
+vLLM's NixlConnector on every server): the decode server is picked first (its local prefix cache
+decides how much must be transferred); if its uncached part is below `pd_min_prefill_tokens` it
+prefills locally (no transfer); else a prefill server is picked the same way and the request runs
+prefill-then-decode as vLLM's disaggregated-serving proxy does it: to the prefill server with
+max_tokens 1 and `kv_transfer_params={"do_remote_decode": true, ...}`, then to the decode server with
+the `kv_transfer_params` the prefill server returned (remote engine, blocks, host, port).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+SESSION_HEADER = "X-Session-Id"
+BACKEND_HEADER = "X-Hetrl-Backend"
+PREFILL_HEADER = "X-Hetrl-Prefill"
+ROUTED_PATHS = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
+FANOUT_PATHS = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
+                "/sleep", "/wake_up")
+POOLS = ("mixed", "prefill", "decode")
+# What vLLM's NixlConnector expects on the prefill leg (vLLM's disaggregated proxy sends the same).
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "kv"                  # kv | round_robin (the baseline)
+    block_tokens: int = 16              # token ids per hashed block
+    text_block_chars: int = 64          # characters per hashed block of a text prompt
+    chars_per_token: float = 4.0        # token estimate of text and chat prompts
+    max_queue: int = 64                 # a server at this load is full: no affinity, last choice
+    queue_slack: float = 4.0            # affinity while load(server) <= least load x (1 + ratio) + slack
+    queue_slack_ratio: float = 0.25
+    kv_full: float = 0.95               # vllm:kv_cache_usage_perc at which a server counts as full
+    min_affinity_tokens: int = 16       # a prefix advantage smaller than this is no affinity
+    miss_tokens_per_load: float = 2048.0  # uncached prompt tokens that cost as much as one queued request
+    waiting_weight: float = 1.0         # extra load per request the server queues (not yet scheduled)
+    pd_min_prefill_tokens: int = 512    # P/D: fewer uncached tokens than this prefill on the decode server
+    index_blocks: int = 1 << 20         # per-server index size before the KV capacity is known
+    max_sessions: int = 1 << 20
+    poll_interval_s: float = 0.5
+    metrics_stale_s: float = 5.0
+    fail_after: int = 2                 # failed polls before a server counts as down
+    request_timeout_s: float = 7200.0
+
+
+# -- request keys ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestKey:
+    """A prompt as the router sees it: chained block hashes, tokens up to each block's end, size."""
+    hashes: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()          # prompt tokens covered by hashes[:i+1] (estimated for text/chat)
+    n_tokens: int = 0
+    session: str | None = None
+    kind: str = "none"                  # tokens | text | chat | none
+
+    def tokens_matched(self, blocks: int) -> int:
+        return min(self.ends[blocks - 1], self.n_tokens) if blocks > 0 else 0
+
+
+def token_block_hashes(tokens: list[int], block: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Chained hashes of the full `block`-token blocks of `tokens` (and the token count at each end)."""
+    h, hashes, ends = seed, [], []
+    for i in range(0, len(tokens) - block + 1, block):
+        h = hash((h, *tokens[i:i + block]))
+        hashes.append(h)
+        ends.append(i + block)
+    return hashes, ends
+
+
+def text_block_hashes(text: str, block_chars: int, chars_per_token: float, seed: int = 1):
+    h, hashes, ends = seed, [], []
+    for i in range(0, len(text) - block_chars + 1, block_chars):
+        h = hash((h, text[i:i + block_chars]))
+        hashes.append(h)
+        ends.append(int((i + block_chars) / chars_per_token))
+    return hashes, ends
+
+
+def _content_text(content) -> str:
+    return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+
+
+def chat_block_hashes(messages: list[dict], chars_per_token: float, seed: int = 2):
+    """One block per message (role, content, tool calls): a conversation's turns share a prefix."""
+    h, hashes, ends, chars = seed, [], [], 0
+    for m in messages:
+        text = _content_text(m.get("content"))
+        extra = json.dumps({k: v for k, v in m.items() if k not in ("role", "content")}, sort_keys=True)
+        h = hash((h, m.get("role"), text, extra))
+        chars += len(text) + len(extra) + 8
+        hashes.append(h)
+        ends.append(int(chars / chars_per_token))
+    return hashes, ends
+
+
+def request_key(path: str, body: dict, session: str | None, cfg: RouterConfig) -> RequestKey:
+    """The key of a routed request (its prompt), whatever the endpoint."""
+    prompt: Any = None
+    if path.endswith("/generate"):
+        prompt = body.get("token_ids")
+    elif path.endswith("/chat/completions"):
+        msgs = body.get("messages") or []
+        hashes, ends = chat_block_hashes(msgs, cfg.chars_per_token)
+        return RequestKey(tuple(hashes), tuple(ends), ends[-1] if ends else 0, session, "chat")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]       # a batch of one
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        hashes, ends = token_block_hashes(prompt, cfg.block_tokens)
+        return RequestKey(tuple(hashes), tuple(ends), len(prompt), session, "tokens")
+    if isinstance(prompt, str):
+        hashes, ends = text_block_hashes(prompt, cfg.text_block_chars, cfg.chars_per_token)
+        return RequestKey(tuple(hashes), tuple(ends), int(len(prompt) / cfg.chars_per_token), session, "text")
+    return RequestKey(session=session)
+
+
+def completion_key(path: str, body: dict, response: dict, cfg: RouterConfig) -> RequestKey | None:
+    """Prompt + completion as the next turn will send it (what the server now holds), when knowable."""
+    try:
+        ch = response["choices"][0]
+        if path.endswith("/chat/completions"):
+            msg = ch.get("message") or {}
+            turn = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
+            if msg.get("tool_calls"):
+                turn["tool_calls"] = msg["tool_calls"]
+            return request_key(path, {"messages": list(body.get("messages") or []) + [turn]}, None, cfg)
+        ids = ch.get("token_ids")
+        prompt = body.get("token_ids") if path.endswith("/generate") else body.get("prompt")
+        if ids and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return request_key("/inference/v1/generate", {"token_ids": list(prompt) + list(ids)}, None, cfg)
+        text = ch.get("text")
+        if isinstance(prompt, str) and isinstance(text, str):
+            return request_key("/v1/completions", {"prompt": prompt + text}, None, cfg)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def reported_cached_tokens(response: dict) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens (servers started with --enable-prompt-tokens-details)."""
+    try:
+        details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+        v = details.get("cached_tokens")
+        return int(v) if v is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+# -- server metrics ----------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+([-+0-9.eEinfNa]+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+          "vllm:kv_cache_usage_perc": "kv_usage"}
+COUNTERS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
+            "vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens"}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The numbers the router uses from a vLLM /metrics page, summed over engines (data parallel).
+
+    Keys: running, waiting, kv_usage (max over engines), prefix_queries, prefix_hits, prompt_tokens,
+    generation_tokens, kv_capacity_tokens (num_gpu_blocks x block_size of vllm:cache_config_info)."""
+    out: dict[str, float] = {}
+    kv: list[float] = []
+    capacity = 0.0
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(3) or "", m.group(4)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name in GAUGES:
+            if GAUGES[name] == "kv_usage":
+                kv.append(v)
+            else:
+                out[GAUGES[name]] = out.get(GAUGES[name], 0.0) + v
+        elif name.endswith("_total") and name[:-6] in COUNTERS:
+            key = COUNTERS[name[:-6]]
+            out[key] = out.get(key, 0.0) + v
+        elif name == "vllm:cache_config_info":
+            lab = dict(_LABEL.findall(labels))
+            try:
+                capacity += float(lab.get("num_gpu_blocks") or 0) * float(lab.get("block_size") or 0)
+            except ValueError:
+                pass
+    if kv:
+        out["kv_usage"] = max(kv)
+    if capacity:
+        out["kv_capacity_tokens"] = capacity
+    return out
+
+
+# -- prefix index ------------------------------------------------------------------------------------
+class PrefixIndex:
+    """LRU set of the block hashes one server was sent; `match` = leading blocks of a key it holds."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, int(capacity))
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Iterable[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Iterable[int]) -> None:
+        b = self._blocks
+        for h in hashes:
+            if h in b:
+                b.move_to_end(h)
+            else:
+                b[h] = None
+        while len(b) > self.capacity:
+            b.popitem(last=False)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, int(capacity))
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    pool: str = "mixed"
+    index: PrefixIndex | None = None
+    in_flight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_hits: float = 0.0
+    prefix_queries: float = 0.0
+    kv_capacity_tokens: float = 0.0
+    metrics_time: float = -math.inf
+    healthy: bool = True
+    failures: int = 0
+    requests: int = 0
+    sessions: int = 0
+    predicted_cached: int = 0           # the router's estimate, summed over requests that reported
+    reported_cached: int = 0            # what the server said it reused (usage.prompt_tokens_details)
+    baseline: dict = field(default_factory=dict)  # first metrics seen: hit rates are deltas from here
+
+    def __post_init__(self):
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.index is None:
+            self.index = PrefixIndex(RouterConfig.index_blocks)
+
+    def fresh(self, cfg: RouterConfig, now: float) -> bool:
+        return now - self.metrics_time <= cfg.metrics_stale_s
+
+    def load(self, cfg: RouterConfig, now: float) -> float:
+        if not self.fresh(cfg, now):
+            return float(self.in_flight)
+        return max(float(self.in_flight), self.running + self.waiting) + cfg.waiting_weight * self.waiting
+
+    def full(self, cfg: RouterConfig, now: float) -> bool:
+        return self.load(cfg, now) >= cfg.max_queue or (self.fresh(cfg, now) and self.kv_usage >= cfg.kv_full)
+
+    def update_metrics(self, m: dict, now: float, cfg: RouterConfig) -> None:
+        # Back after being down, or counters went backwards: the server restarted with an empty cache.
+        if self.metrics_time != -math.inf and (
+                not self.healthy or m.get("prefix_queries", math.inf) < self.prefix_queries):
+            self.index.clear()
+            self.baseline = {}
+            self.prefix_hits = self.prefix_queries = 0.0
+        if not self.baseline:
+            self.baseline = {k: m.get(k, 0.0) for k in ("prefix_hits", "prefix_queries")}
+        self.running = m.get("running", 0.0)
+        self.waiting = m.get("waiting", 0.0)
+        self.kv_usage = m.get("kv_usage", 0.0)
+        self.prefix_hits = m.get("prefix_hits", self.prefix_hits)
+        self.prefix_queries = m.get("prefix_queries", self.prefix_queries)
+        cap = m.get("kv_capacity_tokens")
+        if cap and cap != self.kv_capacity_tokens:
+            self.kv_capacity_tokens = cap
+            self.index.resize(max(1, int(cap // cfg.block_tokens)))
+        self.metrics_time = now
+        self.failures = 0
+        self.healthy = True
+
+    def hit_rate(self) -> float | None:
+        q = self.prefix_queries - self.baseline.get("prefix_queries", 0.0)
+        return (self.prefix_hits - self.baseline.get("prefix_hits", 0.0)) / q if q > 0 else None
+
+    def stats(self, cfg: RouterConfig, now: float) -> dict:
+        return {"name": self.name, "url": self.url, "pool": self.pool, "healthy": self.healthy,
+                "in_flight": self.in_flight, "running": self.running, "waiting": self.waiting,
+                "kv_usage": self.kv_usage, "load": self.load(cfg, now), "full": self.full(cfg, now),
+                "requests": self.requests, "sessions": self.sessions, "index_blocks": len(self.index),
+                "index_capacity": self.index.capacity, "kv_capacity_tokens": self.kv_capacity_tokens,
+                "prefix_hit_rate": self.hit_rate(), "predicted_cached_tokens": self.predicted_cached,
+                "reported_cached_tokens": self.reported_cached,
+                "metrics_age_s": (None if self.metrics_time == -math.inf
+                                  else round(now - self.metrics_time, 3))}
+
+
+# -- the decision ------------------------------------------------------------------------------------
+class NoBackend(RuntimeError):
+    """No healthy server to send a request to."""
+
+
+@dataclass
+class Pick:
+    backend: Backend
+    reason: str                 # session | prefix | least_cost | round_robin (+ _busy_home, _all_full)
+    matched_tokens: int = 0
+    load: float = 0.0
+    scores: dict = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    backend: Backend                    # where the request (or its decode leg) runs
+    reason: str
+    prefill: Backend | None = None      # P/D: where the prefill leg runs first
+    matched_tokens: int = 0
+    prefill_matched_tokens: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+
+class Policy:
+    """The routing decision and its bookkeeping (sessions, indexes, in-flight counts). No I/O."""
+
+    def __init__(self, cfg: RouterConfig | None = None):
+        self.cfg = cfg or RouterConfig()
+        if self.cfg.policy not in ("kv", "round_robin"):
+            raise ValueError(f"policy must be kv or round_robin, got {self.cfg.policy!r}")
+        self.sessions: OrderedDict[str, dict[str, Backend]] = OrderedDict()  # session -> {pool: server}
+        self.decisions: Counter = Counter()
+        self._turn: Counter = Counter()                                       # round robin per pool
+
+    def home(self, session: str | None, cands: list[Backend]) -> Backend | None:
+        """The session's server among `cands` (the one of its pool), if any."""
+        if session is None or session not in self.sessions:
+            return None
+        homes = {b.name for b in self.sessions[session].values()}
+        return next((b for b in cands if b.name in homes), None)
+
+    # one pool
+    def pick(self, pool: list[Backend], key: RequestKey, now: float, exclude: Iterable[str] = (),
+             pool_name: str = "mixed") -> Pick:
+        cfg = self.cfg
+        exclude = set(exclude)
+        cands = [b for b in pool if b.healthy and b.name not in exclude]
+        if not cands:
+            raise NoBackend(f"no healthy {pool_name} server")
+        if cfg.policy == "round_robin":
+            b = cands[self._turn[pool_name] % len(cands)]
+            self._turn[pool_name] += 1
+            return Pick(b, "round_robin", key.tokens_matched(b.index.match(key.hashes)), b.load(cfg, now))
+        loads = {b.name: b.load(cfg, now) for b in cands}
+        matched = {b.name: key.tokens_matched(b.index.match(key.hashes)) for b in cands}
+        home = self.home(key.session, cands)
+        home_name = home.name if home is not None else None
+        least = min(loads.values())
+        best = max(cands, key=lambda b: (matched[b.name], b.name == home_name, -loads[b.name]))
+        min_adv = max(1, cfg.min_affinity_tokens)
+        advantage = matched[best.name] - min(matched.values())
+        if key.session is not None and home is None:
+            affinity = False    # a new rollout: a prefix it shares with others (system prompt) is no tie
+        else:
+            affinity = best.name == home_name or advantage >= min_adv
+        busy = best.full(cfg, now) or loads[best.name] > least * (1 + cfg.queue_slack_ratio) + cfg.queue_slack
+        if affinity and not busy:
+            reason = "prefix" if advantage >= min_adv else "session"
+            return Pick(best, reason, matched[best.name], loads[best.name])
+        costs = {b.name: loads[b.name] + (key.n_tokens - matched[b.name]) / cfg.miss_tokens_per_load
+                 for b in cands}
+        all_full = all(b.full(cfg, now) for b in cands)
+        open_ = cands if all_full else [b for b in cands if not b.full(cfg, now)]
+        turn, n = self._turn[pool_name], len(cands)
+        self._turn[pool_name] += 1
+        order = {b.name: (i - turn) % n for i, b in enumerate(cands)}
+        b = min(open_, key=lambda b: (round(costs[b.name], 9), b.sessions, order[b.name]))
+        reason = "least_cost" + ("_busy_home" if affinity else "") + ("_all_full" if all_full else "")
+        return Pick(b, reason, matched[b.name], loads[b.name], costs)
+
+    def route(self, backends: list[Backend], key: RequestKey, now: float,
+              exclude: Iterable[str] = ()) -> Decision:
+        """Mixed servers: one pick. Prefill/decode pools: the decode server, then (when the decode
+        server lacks at least pd_min_prefill_tokens of the prompt) a prefill server."""
+        exclude = set(exclude)
+        up = [b for b in backends if b.healthy and b.name not in exclude]
+        prefill = [b for b in up if b.pool == "prefill"]
+        decode = [b for b in up if b.pool == "decode"]
+        mixed = [b for b in up if b.pool == "mixed"]
+        if mixed or not (prefill and decode):
+            # Only mixed servers, or one P/D pool is down: any server can run both phases.
+            p = self.pick(mixed or up, key, now, pool_name="mixed" if mixed else "fallback")
+            d = Decision(p.backend, p.reason if mixed else p.reason + "_pd_fallback",
+                         matched_tokens=p.matched_tokens)
+        else:
+            dp = self.pick(decode, key, now, pool_name="decode")
+            uncached = key.n_tokens - dp.matched_tokens
+            if uncached < self.cfg.pd_min_prefill_tokens:
+                d = Decision(dp.backend, dp.reason + "_local_prefill", matched_tokens=dp.matched_tokens)
+            else:
+                pp = self.pick(prefill, key, now, pool_name="prefill")
+                d = Decision(dp.backend, f"{dp.reason}+prefill_{pp.reason}", prefill=pp.backend,
+                             matched_tokens=dp.matched_tokens,
+                             prefill_matched_tokens=pp.matched_tokens)
+        self.decisions[d.reason] += 1
+        return d
+
+    # bookkeeping
+    def _remember_session(self, session: str | None, b: Backend) -> None:
+        if session is None:
+            return
+        homes = self.sessions.pop(session, {})
+        old = homes.get(b.pool)
+        if old is not None:
+            old.sessions -= 1
+        homes[b.pool] = b
+        b.sessions += 1
+        self.sessions[session] = homes
+        while len(self.sessions) > self.cfg.max_sessions:
+            self.forget_session(next(iter(self.sessions)))
+
+    def dispatched(self, d: Decision, key: RequestKey) -> None:
+        """The request was sent: count it in flight, remember its session and the prefix it leaves."""
+        for b in (d.prefill, d.backend):
+            if b is None:
+                continue
+            b.in_flight += 1
+            b.requests += 1
+            b.index.insert(key.hashes)
+            self._remember_session(key.session, b)
+
+    def finished(self, d: Decision, key: RequestKey, done: RequestKey | None = None,
+                 reported_cached: int | None = None) -> None:
+        """The answer came back (or failed): in flight -1; the server now also holds the completion."""
+        for b in (d.prefill, d.backend):
+            if b is not None:
+                b.in_flight = max(0, b.in_flight - 1)
+        if done is not None:
+            d.backend.index.insert(done.hashes)
+        if reported_cached is not None:
+            d.backend.predicted_cached += d.matched_tokens
+            d.backend.reported_cached += reported_cached
+
+    def forget_session(self, session: str) -> None:
+        for b in self.sessions.pop(session, {}).values():
+            b.sessions -= 1
+
+
+# -- P/D request bodies ------------------------------------------------------------------------------
+def prefill_body(path: str, body: dict) -> dict:
+    """The prefill leg: one token, no streaming, KV kept for a remote decode."""
+    b = json.loads(json.dumps(body))
+    if path.endswith("/generate"):
+        sp = b.setdefault("sampling_params", {})
+        sp["max_tokens"] = 1
+        sp.pop("min_tokens", None)
+    else:
+        b["max_tokens"] = 1
+        if "max_completion_tokens" in b:
+            b["max_completion_tokens"] = 1
+        b.pop("min_tokens", None)
+    b["stream"] = False
+    b.pop("stream_options", None)
+    b["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return b
+
+
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    """The decode leg: the original request plus where its KV is (from the prefill answer)."""
+    b = dict(body)
+    b["kv_transfer_params"] = kv_transfer_params
+    return b
+
+
+# -- discovery ---------------------------------------------------------------------------------------
