@@ -78,9 +78,22 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            try:
+                self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            except Exception as e:  # noqa: BLE001 - wandb is a view; metrics.jsonl is the record
+                self._drop_wandb(e)
+
+    def _drop_wandb(self, e: BaseException) -> None:
+        # On preemption Slurm sends SIGTERM to every process of the step, wandb's service included:
+        # the trainer must still checkpoint, so wandb goes quiet instead of taking the role down.
+        print(f"[metrics] wandb stopped working ({type(e).__name__}: {e}); metrics continue in "
+              f"{self.path} only", flush=True)
+        self.wandb = None
 
     def close(self) -> None:
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:  # noqa: BLE001
+                self._drop_wandb(e)
             self.wandb = None
