@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from launch.config import Config  # noqa: E402
+from rl.contract.config import Config  # noqa: E402
 from rl.exchange import weights as wire  # noqa: E402
 from rl import fp8  # noqa: E402
 from rl.trainer import replay  # noqa: E402

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.config import ConfigError
+from rl.contract.config import ConfigError
 
 
 def _plan(cfg: dict) -> dict:
@@ -68,23 +68,43 @@ def cmd_plan(ns) -> int:
     from rich.table import Table
     from launch.plan import summary_rows
     console = Console()
+    from launch import memory
+    from launch.plan import make_plan
     for c in compose_points(ns.overrides, ns.multirun):
-        plan = _plan(c)
+        plan = make_plan(c, check_memory=False)  # the table first, then the refusal (if any)
         t = Table(title=f"plan: {c['experiment']} ({c['cluster']['backend']}) -> {c['run_dir']}")
         for col in ("role", "het group", "nodes", "what"):
             t.add_column(col)
         for row in summary_rows(plan):
             t.add_row(*map(str, row))
         console.print(t)
+        report = _print_memory(console, c, plan)
         if c["cluster"]["backend"] == "slurm":
             from launch.slurm import render_script
             print(render_script(plan, c))
+        memory.check(report)
     return 0
+
+
+def _print_memory(console, cfg: dict, plan: dict):
+    """Print the per-GPU memory table of the plan (launch.memory); returns the report."""
+    from rich.table import Table
+    from launch import memory
+    report = memory.estimate(cfg, plan)
+    rows = memory.table_rows(report)
+    t = Table(title="memory per GPU (estimate; docs/memory.md)")
+    for col in rows[0]:
+        t.add_column(col)
+    for row in rows[1:]:
+        t.add_row(*map(str, row))
+    console.print(t)
+    return report
 
 
 def _frozen(run_dir: str) -> dict:
     import yaml
-    p = Path(run_dir) / "config.yaml"
+    from rl.contract import paths
+    p = paths.config_file(run_dir)
     if not p.is_file():
         raise ConfigError(f"{p}: not found (is {run_dir} a run directory?)")
     return yaml.safe_load(p.read_text())
@@ -99,37 +119,18 @@ def cmd_resume(ns) -> int:
         over.pop("_overrides", None)
         cfg = over
     from omegaconf import OmegaConf
-    from launch.config import validate
+    from rl.contract.config import validate
     validate(OmegaConf.create(cfg))
     return _launch(cfg)[0]
 
 
 def cmd_status(ns) -> int:
-    cfg = _frozen(ns.run_dir)
-    if cfg["cluster"]["backend"] == "slurm":
-        from launch.slurm import render_status, status
-        render_status(status(ns.run_dir))
-        return 0
-    from rl import exchange
-    from rl.metrics import read_metrics
-    rd = Path(ns.run_dir)
-    info = {k: (exchange.list_steps(rd, k) or [None])[-1] for k in ("rollouts", "weights", "checkpoints")}
-    roles = {}
-    for p in sorted((rd / "roles").glob("*.json")):
-        r = json.loads(p.read_text())
-        try:
-            os.kill(r["pid"], 0)
-            alive = "running"
-        except OSError:
-            alive = "exited"
-        roles[r["role"]] = f"{alive} (pid {r['pid']} on {r['host']})"
-    ms = read_metrics(rd)
-    print(f"run {rd}: {'DONE' if (rd / 'DONE').exists() else 'not done'}; max_steps {cfg['trainer']['max_steps']}")
-    print("latest: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    for r, s in roles.items():
-        print(f"  {r}: {s}")
-    if ms:
-        print("last metrics: " + json.dumps({k: ms[-1][k] for k in list(ms[-1])[:10]}))
+    from launch.status import render, status
+    st = status(ns.run_dir)
+    if ns.json:
+        print(json.dumps(st, indent=1, default=str))
+    else:
+        render(st)
     return 0
 
 
@@ -178,8 +179,10 @@ def main(argv=None) -> int:
     s = sub.add_parser("resume")
     s.add_argument("run_dir")
     s.add_argument("overrides", nargs="*", help="resumable overrides (trainer.max_steps, cluster.*)")
-    for name in ("status", "cancel"):
-        sub.add_parser(name).add_argument("run_dir")
+    s = sub.add_parser("status")
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
+    sub.add_parser("cancel").add_argument("run_dir")
     s = sub.add_parser("logs")
     s.add_argument("run_dir")
     s.add_argument("role")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launch.config import ConfigError, register, resolve_ports, to_container, validate
+from rl.contract.config import ConfigError, check_run_dir, register, resolve_ports, to_container, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -98,6 +98,7 @@ def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
             resolve_ports(c)
         try:
             validate(OmegaConf.create(c))
+            check_run_dir(c["run_dir"])
         except ConfigError as e:
             raise ConfigError(f"{e}" + (f" (sweep point {i}: {' '.join(point)})" if len(points) > 1 else "")) from None
         c["_overrides"] = point

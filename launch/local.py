@@ -10,29 +10,28 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from launch.rundir import freeze_run_dir
+from rl.contract import paths
+from rl.contract.plan import Plan
+from rl.contract.records import LocalLauncher
 
 REPO = Path(__file__).resolve().parent.parent
-EXIT_PREEMPTED = 3  # rl.runtime.EXIT_PREEMPTED, duplicated to keep torch-free imports minimal
+EXIT_PREEMPTED = paths.EXIT_PREEMPTED
 
 
-def role_commands(cfg: dict, run_dir: Path, python: str, plan: dict | None = None) -> dict[str, list[str]]:
-    cmds = {}
-    for i in range(int(cfg["inference"].get("replicas", 1))):
-        cmds[f"inference_{i}"] = [python, "-m", "rl.inference", "--run-dir", str(run_dir), "--index", str(i)]
-    if cfg["inference"].get("router"):
-        cmds["router"] = [python, "-m", "rl.inference.router", "--run-dir", str(run_dir)]
-    cmds["trainer"] = [python, "-m", "rl.trainer", "--run-dir", str(run_dir)]
-    if plan and plan.get("trainer", {}).get("world_size", 1) > 1:
-        # several CPU ranks on this machine (gloo): the plan's single-node torchrun line
-        cmds["trainer"] = [python, *plan["trainer"]["command"][1:]]
-    cmds["orchestrator"] = [python, "-m", "rl.orchestrator", "--run-dir", str(run_dir)]
-    return cmds
+def role_processes(plan: Plan) -> dict[str, tuple[list[str], dict]]:
+    """{role: (argv, extra env)} exactly as plan.json says; the local backend has one node per group,
+    so every role runs here once (a replica's node rank is 0)."""
+    for r in plan.roles:
+        if r.nodes != 1:
+            raise ValueError(f"plan.roles[{r.name}]: spans {r.nodes} nodes; the local backend runs one")
+    return {r.name: (list(r.command), dict(r.env)) for r in plan.roles}
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -95,21 +94,23 @@ class _Progress:
 def run_local(cfg: dict, plan: dict) -> int:
     run_dir = Path(cfg["run_dir"])
     resuming = freeze_run_dir(cfg, run_dir, plan, backend="local")
-    python = cfg["cluster"].get("python") or sys.executable
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("WANDB_MODE", cfg["wandb"]["mode"])
     env["PYTHONUNBUFFERED"] = "1"
     print(f"{'resuming' if resuming else 'starting'} run in {run_dir}", flush=True)
-    subprocess.run([python, "-m", "rl.prepare", "--run-dir", str(run_dir)], env=env, check=True, cwd=REPO)
+    typed = Plan.from_dict(plan)
+    subprocess.run(typed.prepare.command, env=env, check=True, cwd=REPO)
 
-    logs = run_dir / "logs"
+    logs = paths.logs_dir(run_dir)
     procs: dict[str, subprocess.Popen] = {}
-    for role, cmd in role_commands(cfg, run_dir, python, plan).items():
-        log = open(logs / f"{role}.log", "ab")
-        procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                       start_new_session=True)
+    for role, (cmd, role_env) in role_processes(typed).items():
+        log = open(paths.log_file(run_dir, role), "ab")
+        procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **role_env},
+                                       cwd=REPO, start_new_session=True)
         log.close()
+    LocalLauncher(host=socket.gethostname(), pid=os.getpid(), started=time.time(),
+                  roles={r: p.pid for r, p in procs.items()}).write(run_dir)
     print("roles: " + ", ".join(f"{r} (pid {p.pid})" for r, p in procs.items()) + f"; logs in {logs}", flush=True)
 
     stopping = {"reason": None}
@@ -164,7 +165,7 @@ def run_local(cfg: dict, plan: dict) -> int:
     if stopping["reason"]:
         print(f"stopped ({stopping['reason']}); resume with: python -m launch resume {run_dir}", flush=True)
         return EXIT_PREEMPTED
-    if not (run_dir / "DONE").exists():
+    if not paths.done_file(run_dir).exists():
         print(f"error: roles exited but {run_dir}/DONE is missing; see {logs}", file=sys.stderr)
         return 1
     print(f"done: {cfg['trainer']['max_steps']} steps in {run_dir}", flush=True)

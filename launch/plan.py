@@ -11,25 +11,24 @@ and by the batch script template, so no role re-derives the topology.
 Every role entry carries its node range inside its het group, its command line, its environment and its
 log file; the template only loops over roles. Command arguments may name `${HETRL_TRAINER_ADDR}` or
 `${HETRL_ROLE_ADDR}` (the hostname of the first node of the trainer group, of the role itself), which the
-batch script sets at run time; `rl.inference` expands them in `vllm_command` with os.path.expandvars.
+batch script sets at run time; `rl.inference` expands them (rl.contract.plan.expand) in each replica's
+per-node vLLM argv, which it runs exactly as planned. The result is checked against the typed plan of
+rl.contract.plan before anything is written, so what the roles read is what was computed here.
 Impossible plans raise `PlanError`, one line naming the key. No torch, no vLLM here.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-from launch.config import ConfigError
+from rl.contract import paths
+from rl.contract.config import PlanError
+from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
 REPO = Path(__file__).resolve().parent.parent
 ALL2ALL = ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
            "pplx", "nixl_ep")
-
-
-class PlanError(ConfigError):
-    """A config whose allocation cannot work; the message names the key."""
 
 
 def _need(cond: bool, key: str, value, msg: str) -> None:
@@ -44,10 +43,7 @@ def _plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def run_id(run_dir: str) -> str:
-    """Short, stable name of a run for node-local paths and rendezvous ids."""
-    p = Path(run_dir).absolute()
-    return f"{p.name[:40]}-{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
+run_id = paths.run_id
 
 
 # -- trainer -----------------------------------------------------------------------------------------
@@ -86,6 +82,7 @@ def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
                    f"--rdzv-id={run_id(run_dir)}", *role_cmd]
     return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,
             "dp_shard": p["dp_shard"], "ep": p["ep"], "cp": p["cp"], "master_port": port,
+            "device": "cuda" if gpn else "cpu", "backend": "nccl" if gpn else "gloo",
             "command": command}
 
 
@@ -118,7 +115,7 @@ def _kv_transfer(cfg: dict, pd: bool, disk_dir: str) -> tuple[dict | None, dict]
             "kv_connector_extra_config": {"connectors": connectors}}, env
 
 
-def _inference(cfg: dict, run_dir: str, python: str, local_dir: str) -> dict:
+def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) -> dict:
     i, m = cfg["inference"], cfg["model"]
     nodes, gpn = int(i["nodes"]), int(i["gpus_per_node"])
     tp, dp, ep, replicas = int(i["tp"]), int(i["dp"]), int(i["ep"]), int(i["replicas"])
@@ -169,19 +166,35 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str) -> dict:
         layout = [("mixed", replicas, nodes)]
 
     out, first_node, port = [], 0, int(i["port"])
-    model_dir = f"{local_dir}/model"
+    # Routed expert ids come back only from vLLM's GPU MoE kernels (0.32 refuses the flag on the CPU).
+    capture = bool(cfg["trainer"].get("router_replay")) and gpn > 0
+    env_common = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, weight versions
+    if not gpn:
+        env_common["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(float(i["kv_cache_gb"])))))
+    if cfg.get("cluster", {}).get("backend", "local") == "local":
+        env_common["VLLM_HOST_IP"] = host
     for pool, count, pool_nodes in layout:
         node_span = max(1, size // gpn) if gpn else 1
         per_node = max(1, gpn // size) if gpn else -(-count // pool_nodes)
         for k in range(count):
             idx = len(out)
             node = first_node + (k // per_node) * node_span if gpn else first_node + k % pool_nodes
-            kv, kv_env = _kv_transfer(cfg, pd, f"{local_dir}/kv")
-            args = ["--host", "0.0.0.0", "--port", str(port + idx), "--served-model-name", m["name"],
+            kv, kv_env = _kv_transfer(cfg, pd, paths.node_kv_dir(local_dir))
+            model_dir = paths.node_model_dir(local_dir, idx)
+            args = ["--host", host, "--port", str(port + idx), "--served-model-name", SERVED_MODEL_NAME,
                     "--dtype", i["dtype"], "--max-model-len", str(i["max_model_len"]),
                     "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp),
                     "--seed", str(cfg.get("seed", 0)),
-                    "--worker-extension-cls", "rl.inference.worker_ext.WeightSyncExtension"]
+                    "--worker-extension-cls", "rl.inference.worker_ext.WeightSyncExtension",
+                    "--generation-config", "vllm",
+                    # the token-in/token-out endpoint with per-token weight versions
+                    "--enable-scale-out",
+                    # the router's affinity relies on prefix caching; cached-token counts per request
+                    "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+            if gpn:
+                args += ["--gpu-memory-utilization", str(i.get("gpu_memory_utilization", 0.9))]
+            if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
+                args.append("--enable-return-routed-experts")
             if ep > 1:
                 backend = a2a if a2a != "auto" else (
                     "deepep_low_latency" if pool == "decode" else "deepep_high_throughput") if gpn else "naive"
@@ -202,19 +215,22 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str) -> dict:
             out.append({
                 "index": idx, "name": f"inference_{idx}", "pool": pool, "node": node, "nodes": node_span,
                 "gpus_per_node": min(size, gpn) if gpn else 0, "tp": tp, "dp": dp, "ep": ep,
-                "port": port + idx, "dp_rpc_port": int(i.get("dp_rpc_port", 13345)) + idx if len(node_args) > 1 else None,
+                "host": host, "port": port + idx,
+                "dp_rpc_port": int(i.get("dp_rpc_port", 13345)) + idx if len(node_args) > 1 else None,
+                "model_dir": model_dir,
                 "vllm_command": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *args],
-                "node_args": node_args, "env": kv_env,
+                "node_args": node_args,
+                "env": {**env_common, "VLLM_CACHE_ROOT": f"{local_dir}/vllm-cache{idx}", **kv_env},
                 "command": [python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],
             })
         first_node += pool_nodes
     router = None
     if i.get("router"):
-        router = {"port": int(i.get("router_port", 8100)), "node": 0,
+        router = {"host": host, "port": int(i["router_port"]), "node": 0,
                   "command": [python, "-m", "rl.inference.router", "--run-dir", run_dir]}
     return {"nodes": nodes, "gpus_per_node": gpn, "tp": tp, "dp": dp, "ep": ep, "replica_gpus": size,
             "disaggregated": pd, "prefill_nodes": pn, "decode_nodes": dn, "kv_offload": i.get("kv_offload"),
-            "model_dir": model_dir, "replicas": out, "router": router}
+            "replicas": out, "router": router}
 
 
 def _check_ports(trainer: dict, inf: dict, cfg: dict) -> None:
@@ -240,20 +256,26 @@ def _env(role: str, group: int, run_dir: str, **extra) -> dict:
             "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in extra.items()}}
 
 
-def make_plan(cfg) -> dict:
-    """The allocation plan of `cfg` (a composed config, dict or DictConfig) as a JSON-able dict."""
+def make_plan(cfg, check_memory: bool = True) -> dict:
+    """The allocation plan of `cfg` (a composed config, dict or DictConfig) as a JSON-able dict.
+
+    With `check_memory`, a plan whose estimated per-GPU memory exceeds the GPU is refused (PlanError
+    naming the role and the term); `launch plan` prints the table either way."""
     cfg = _plain(cfg)
     run_dir = str(Path(cfg.get("run_dir") or ".").absolute())
-    from launch.config import resolve_ports
+    from rl.contract.config import resolve_ports
     resolve_ports({**cfg, "run_dir": run_dir})  # ports left at 0 (auto), as the launcher resolves them
     cl = cfg.get("cluster", {})
     python = cl.get("python") or sys.executable
     rid = run_id(run_dir)
-    local_dir = f"{cl.get('node_local_dir', '/tmp/hetrl')}/{rid}"
+    backend = cl.get("backend", "local")
+    local_dir = paths.node_local_dir(cl.get("node_local_dir", "/tmp/hetrl"), run_dir)
     grace = int(cl.get("signal_grace_s", 120))
     _need(grace >= 10, "cluster.signal_grace_s", grace, "leave at least 10 s to checkpoint")
+    # Servers on Slurm must be reachable from the other het group; locally nothing else needs them.
+    host = cfg["inference"].get("host") or ("0.0.0.0" if backend == "slurm" else "127.0.0.1")
     trainer = _trainer(cfg, run_dir, python)
-    inf = _inference(cfg, run_dir, python, local_dir)
+    inf = _inference(cfg, run_dir, python, local_dir, host)
     _check_ports(trainer, inf, cfg)
 
     roles = [{"name": "trainer", "het_group": 0, "node": 0, "nodes": trainer["nodes"],
@@ -275,14 +297,27 @@ def make_plan(cfg) -> dict:
     groups = [{"het_group": 0, "name": "trainer", "nodes": trainer["nodes"],
                "gpus_per_node": trainer["gpus_per_node"]},
               {"het_group": 1, "name": "inference", "nodes": inf["nodes"], "gpus_per_node": inf["gpus_per_node"]}]
-    return {
-        "version": 1, "experiment": cfg.get("experiment"), "run_dir": run_dir, "run_id": rid,
+    plan = {
+        "version": PLAN_VERSION, "experiment": cfg.get("experiment") or "run", "backend": backend,
+        "run_dir": run_dir, "run_id": rid,
         "python": python, "workdir": str(REPO), "node_local_dir": local_dir,
-        "signal_grace_s": grace, "exit_preempted": 3,
-        "groups": groups, "trainer": trainer, "inference": inf, "orchestrator": {"het_group": 1, "node": 0},
+        "signal_grace_s": grace, "exit_preempted": paths.EXIT_PREEMPTED,
+        "groups": groups, "trainer": trainer, "inference": inf,
         "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
         "roles": roles,
     }
+    try:
+        from launch import memory
+    except ImportError:  # TEMP: launch.memory lands in a parallel change
+        memory = None
+    if memory is not None:
+        import dataclasses
+        report = memory.estimate(cfg, plan)
+        plan["memory"] = dataclasses.asdict(report)
+    Plan.from_dict(plan)  # what the roles will read: the typed contract accepts it
+    if check_memory and memory is not None:
+        memory.check(report)
+    return plan
 
 
 def summary_rows(plan: dict) -> list[tuple[str, str, str, str]]:

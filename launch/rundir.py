@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from launch.config import ConfigError
+from rl.contract import paths
+from rl.contract.config import ConfigError
 from rl.exchange import atomic_write_json, atomic_write_text
 
 # Keys a resume may change. Everything else must match the frozen config.
@@ -43,7 +44,7 @@ def config_diff(old: dict, new: dict) -> list[str]:
 
 
 def load_frozen(run_dir: Path) -> dict | None:
-    p = Path(run_dir) / "config.yaml"
+    p = paths.config_file(run_dir)
     return yaml.safe_load(p.read_text()) if p.exists() else None
 
 
@@ -61,18 +62,18 @@ def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: st
             raise ConfigError(f"{k}: differs from the frozen config of {run_dir} "
                               f"({_flatten(old).get(k, '<unset>')!r} -> {_flatten(cfg).get(k, '<unset>')!r}); "
                               f"a resume cannot change it (use a new run_dir)")
-    for sub in ("logs", "roles", "rollouts", "weights", "checkpoints", "inference"):
+    for sub in paths.SUBDIRS:
         (run_dir / sub).mkdir(exist_ok=True)
     # The resumable keys may change, so the frozen files always hold the newest submission's values.
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
-    atomic_write_json(run_dir / "plan.json", plan)
+    atomic_write_text(paths.config_file(run_dir), yaml.safe_dump(cfg, sort_keys=False))
+    atomic_write_json(paths.plan_file(run_dir), plan)
     if script is not None:
-        atomic_write_text(run_dir / "job.sbatch", script)
-    secret = run_dir / "secret"
+        atomic_write_text(paths.p(run_dir, paths.JOB_SCRIPT), script)
+    secret = paths.secret_file(run_dir)
     if not secret.exists():
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(16))
-    with open(run_dir / "submissions.jsonl", "a") as f:
+    with open(paths.p(run_dir, paths.SUBMISSIONS), "a") as f:
         f.write(json.dumps({"time": time.time(), "backend": backend, "resume": resuming}) + "\n")
     return resuming

@@ -5,7 +5,7 @@
 plan.json, job.sbatch, submissions.jsonl; a resume whose config differs in a frozen key is refused) and
 submits with `sbatch --parsable`, returning at once with the job id. `status(run_dir)` reads the job
 state from squeue / `scontrol show job` (never sacct: without accounting it fails) and the progress from
-the run directory. The job id of a run is the last line of `RUN_DIR/slurm_jobs.jsonl`.
+the run directory (launch.status). The job id of a run is the last line of `RUN_DIR/slurm_jobs.jsonl`.
 
 submitit is not used for the run itself: it cannot express heterogeneous jobs (no `hetjob` separator,
 one srun line), so the batch script is our own template.
@@ -20,11 +20,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from launch.config import ConfigError
+from rl.contract.config import ConfigError
 from launch.plan import REPO, make_plan
+from rl.contract import paths
 
 TEMPLATE_DIR = REPO / "sbatch"
-JOBS_FILE = "slurm_jobs.jsonl"
+JOBS_FILE = paths.SLURM_JOBS
 _VAR = re.compile(r"(\$\{HETRL_[A-Z0-9_]+\})")
 
 
@@ -142,7 +143,7 @@ def resume_slurm(run_dir: str | os.PathLike, max_steps: int | None = None) -> st
     """Resubmit a run whose job ended, from its frozen config (optionally with more steps)."""
     import yaml
     run_dir = Path(run_dir).absolute()
-    p = run_dir / "config.yaml"
+    p = paths.config_file(run_dir)
     if not p.exists():
         raise ConfigError(f"run_dir={str(run_dir)!r}: no config.yaml, not a run directory")
     cfg = yaml.safe_load(p.read_text())
@@ -170,69 +171,6 @@ def cancel_run(run_dir: str | os.PathLike, signal: str | None = None) -> str:
         raise ConfigError(f"run_dir={str(run_dir)!r}: no Slurm job recorded ({JOBS_FILE} missing)")
     cancel(job, signal=signal, batch=bool(signal))
     return job
-
-
-def _last_line(path: Path) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
-
-
-def status(run_dir: str | os.PathLike) -> dict:
-    """Job state (scontrol/squeue) and progress read from the run dir, as a JSON-able dict."""
-    from rl.exchange import list_steps
-    run_dir = Path(run_dir).absolute()
-    job = current_job(run_dir)
-    out = {"run_dir": str(run_dir), "job_id": job, "job": job_state(job) if job else None,
-           "done": (run_dir / "DONE").exists()}
-    for kind in ("rollouts", "weights", "checkpoints"):
-        steps = list_steps(run_dir, kind)
-        out[f"latest_{kind}"] = steps[-1] if steps else None
-    hist = run_dir / "roles" / "history.jsonl"
-    restarts = set()
-    if hist.exists():
-        for ln in hist.read_text().splitlines():
-            try:
-                restarts.add(json.loads(ln).get("slurm_restart_count") or 0)
-            except ValueError:
-                pass
-    out["restarts"] = max(restarts) if restarts else 0
-    out["incarnations"] = len(restarts)
-    out["last_metrics"] = _last_line(run_dir / "metrics.jsonl")
-    try:
-        cfg = json.loads((run_dir / "plan.json").read_text())
-        out["experiment"] = cfg.get("experiment")
-    except (OSError, ValueError):
-        out["experiment"] = None
-    return out
-
-
-def render_status(st: dict, console=None) -> None:
-    """Print `status()` as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-    console = console or Console()
-    t = Table(title=f"hetrl run {st['run_dir']}", show_header=False)
-    job = st.get("job") or {}
-    t.add_row("experiment", str(st.get("experiment")))
-    t.add_row("job", f"{st.get('job_id')}  {job.get('state', '-')}"
-              + (f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else ""))
-    if job.get("nodes"):
-        t.add_row("nodes", "  |  ".join(f"group {i}: {n}" for i, n in enumerate(job["nodes"])))
-    t.add_row("restarts", str(st.get("restarts")))
-    for kind in ("rollouts", "weights", "checkpoints"):
-        t.add_row(f"latest {kind}", str(st.get(f"latest_{kind}")))
-    m = st.get("last_metrics")
-    if m:
-        t.add_row("last metrics", "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in list(m.items())[:8]))
-    t.add_row("done", "yes" if st.get("done") else "no")
-    console.print(t)
 
 
 def log_path(run_dir: str | os.PathLike, role: str) -> Path:

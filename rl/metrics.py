@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from rl.contract.paths import METRICS as METRICS_FILE  # noqa: E402
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -66,7 +66,7 @@ class MetricsLogger:
             from omegaconf import OmegaConf
             self.wandb = wandb.init(
                 id=wandb_run_id(self.run_dir), resume="allow", mode=mode, project=cfg.wandb.project,
-                entity=cfg.wandb.get("entity"), dir=str(self.run_dir), name=self.run_dir.name,
+                entity=cfg.wandb.entity, dir=str(self.run_dir), name=self.run_dir.name,
                 config=OmegaConf.to_container(cfg, resolve=True), job_type=role,
                 settings=wandb.Settings(console="off", x_disable_stats=True),
             )

@@ -11,51 +11,40 @@ every role acts on the same one. No torch.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rl import exchange
-from rl.exchange import atomic_write_json
+from rl.contract import config as _config
+from rl.contract import paths
+from rl.contract.records import ResumeState, read_optional
 
-KINDS = ("rollouts", "weights", "checkpoints", "assets")
+KINDS = paths.KINDS
 
 
-def prepare(run_dir: str | Path) -> dict:
+def prepare(run_dir: str | Path) -> ResumeState:
     run_dir = Path(run_dir)
     cleaned = exchange.clean_tmp(run_dir, KINDS)
     # Server records of the previous incarnation point at dead processes.
-    for stale in [*(run_dir / "inference").glob("server_*.json"), run_dir / "inference" / "router.json"]:
+    for stale in [*(run_dir / "inference").glob("server_*.json"), paths.router_record(run_dir)]:
         stale.unlink(missing_ok=True)
-    ckpt = exchange.latest_complete(run_dir, "checkpoints", checksums=True)
-    discarded = {}
-    if ckpt is not None:
-        discarded["weights"] = exchange.discard_after(run_dir, "weights", ckpt)
-        discarded["rollouts"] = exchange.discard_after(run_dir, "rollouts", ckpt)
-    else:
-        # No checkpoint: the trainer starts from scratch, so nothing downstream of version 0 is valid.
-        discarded["weights"] = exchange.discard_after(run_dir, "weights", -1)
-        discarded["rollouts"] = exchange.discard_after(run_dir, "rollouts", -1)
+    ckpt = exchange.latest_complete(run_dir, paths.CHECKPOINTS, checksums=True)
+    # No checkpoint: the trainer starts from scratch, so nothing downstream of version 0 is valid.
+    keep = ckpt if ckpt is not None else -1
+    discarded = {kind: exchange.discard_after(run_dir, kind, keep) for kind in (paths.WEIGHTS, paths.ROLLOUTS)}
     from rl.metrics import truncate_metrics
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
-    prev = {}
-    if (run_dir / "resume.json").exists():
-        prev = json.loads((run_dir / "resume.json").read_text())
-    state = {
-        "checkpoint_step": ckpt,
-        "restart": prev.get("restart", -1) + 1,
-        "discarded": discarded,
-        "cleaned_tmp": cleaned,
-    }
-    atomic_write_json(run_dir / "resume.json", state)
-    (run_dir / "DONE").unlink(missing_ok=True) if _more_steps_wanted(run_dir, ckpt) else None
+    prev = read_optional(ResumeState, paths.resume_file(run_dir))
+    state = ResumeState(checkpoint_step=ckpt, restart=prev.restart + 1 if prev else 0,
+                        discarded=discarded, cleaned_tmp=cleaned)
+    state.write(run_dir)
+    if _more_steps_wanted(run_dir, ckpt):
+        paths.done_file(run_dir).unlink(missing_ok=True)
     return state
 
 
 def _more_steps_wanted(run_dir: Path, ckpt: int | None) -> bool:
     """A finished run resubmitted with a larger trainer.max_steps continues: its DONE marker goes."""
-    from omegaconf import OmegaConf
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    return ckpt is None or ckpt < cfg.trainer.max_steps
+    return ckpt is None or ckpt < _config.load(run_dir).trainer.max_steps
 
 
 def main(argv=None) -> None:
@@ -63,9 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--run-dir", required=True, type=Path)
     ns = p.parse_args(argv)
     state = prepare(ns.run_dir)
-    where = "from scratch" if state["checkpoint_step"] is None else f"from checkpoint step {state['checkpoint_step']}"
-    gone = {k: v for k, v in state["discarded"].items() if v}
-    print(f"[prepare] restart {state['restart']}: resuming {where}"
+    where = "from scratch" if state.checkpoint_step is None else f"from checkpoint step {state.checkpoint_step}"
+    gone = {k: v for k, v in state.discarded.items() if v}
+    print(f"[prepare] restart {state.restart}: resuming {where}"
           + (f"; discarded {gone}" if gone else ""), flush=True)
 
 

@@ -15,7 +15,7 @@ def make_env(cfg: Any):
     name = cfg.env.name
     if name == "digits":
         from rl.envs.digits import DigitsEnv
-        return DigitsEnv(cfg.env)
+        return DigitsEnv(cfg.env.digits)
     if name == "swe":
         return _swe_env(cfg.env)
     if name.startswith("verifiers:"):
@@ -25,18 +25,13 @@ def make_env(cfg: Any):
 
 
 def _swe_env(env_cfg: Any):
-    """SWEEnv from the `env` group: `env.max_turns`, and under `env.args`: `tasks` (a SWE-bench-format
-    JSONL path; default the built-in set), `wall_s`, `tool_timeout_s`, `output_chars` and `limits`
-    (the sandbox's per-command `Limits` fields: cpu_s, memory_bytes, ...)."""
+    """SWEEnv from the typed `env` section: `env.max_turns` and `env.swe` (tasks: a SWE-bench-format
+    JSONL path, default the built-in set; wall_s, tool_timeout_s, output_chars; limits: the sandbox's
+    per-command `Limits`)."""
     from rl.envs.swe.env import EnvConfig, SWEEnv
     from rl.envs.swe.sandbox import Limits
-    args = dict(env_cfg.get("args", {}) or {})
-    tasks = args.pop("tasks", None)
-    limits = dict(args.pop("limits", {}) or {})
-    known = {"wall_s", "tool_timeout_s", "output_chars"}
-    if unknown := sorted(set(args) - known):
-        raise ValueError(f"env.args.{unknown[0]}: unknown for env.name=swe "
-                         f"(tasks, {', '.join(sorted(known))}, limits)")
-    config = EnvConfig(max_turns=int(env_cfg.get("max_turns", EnvConfig.max_turns)),
-                       limits=Limits(**limits) if limits else EnvConfig().limits, **args)
-    return SWEEnv(tasks=str(tasks) if tasks else None, config=config)
+    s = env_cfg.swe
+    config = EnvConfig(max_turns=int(env_cfg.max_turns), wall_s=float(s.wall_s),
+                       tool_timeout_s=float(s.tool_timeout_s), output_chars=int(s.output_chars),
+                       limits=Limits(**{k: int(v) for k, v in s.limits.items()}))
+    return SWEEnv(tasks=str(s.tasks) if s.tasks else None, config=config)

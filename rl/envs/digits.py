@@ -17,12 +17,12 @@ PROMPT = "repeat {}"
 class DigitsEnv:
     name = "digits"
 
-    def __init__(self, env_cfg: Any):
-        args = dict(env_cfg.get("args", {}) or {})
-        self.n_digits = int(env_cfg.get("n_digits", 3))
-        self.warm_start_accuracy = float(args.get("warm_start_accuracy", 0.3))
+    def __init__(self, digits_cfg: Any):
+        """`digits_cfg`: the config's `env.digits` section (n_digits, warm_start_accuracy)."""
+        self.n_digits = int(digits_cfg.n_digits)
+        self.warm_start_accuracy = float(digits_cfg.warm_start_accuracy)
         if self.n_digits < 1:
-            raise ValueError(f"env.n_digits={self.n_digits}: must be at least 1")
+            raise ValueError(f"env.digits.n_digits={self.n_digits}: must be at least 1")
 
     def sample_tasks(self, n: int, rng: random.Random) -> list[dict]:
         return [{"digits": [rng.randrange(10) for _ in range(self.n_digits)]} for _ in range(n)]

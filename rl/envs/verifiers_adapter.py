@@ -115,7 +115,7 @@ class VerifiersEnv:
 
     def __init__(self, spec: str, env_cfg: Any = None):
         vf = _vf()
-        args = dict((env_cfg.get("args", {}) if env_cfg is not None else {}) or {})
+        args = dict((env_cfg.args if env_cfg is not None else {}) or {})
         ts_args = dict(args.pop("taskset", {}) or {})
         max_tasks = int(args.pop("max_tasks", 100_000))
         if args:

@@ -230,7 +230,8 @@ class ConsumedLog:
     """Append-only record of consumed steps, `<kind>/consumed.jsonl`, one JSON line per consumption."""
 
     def __init__(self, run_dir: str | os.PathLike, kind: str, consumer: str):
-        self.path = Path(run_dir) / kind / "consumed.jsonl"
+        from rl.contract.paths import consumed_log
+        self.path = consumed_log(run_dir, kind)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.consumer = consumer
 

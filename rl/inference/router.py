@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import json
 import os
 import socket
@@ -51,20 +50,14 @@ from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, 
 def discover(run_dir: Path) -> tuple[list[tuple[str, str, str]], int]:
     """([(name, url, pool)] of the servers up now, how many are planned) from the run directory."""
     from rl import runtime
-    plan = runtime.load_plan(run_dir)
-    planned = {r["index"]: r.get("pool", "mixed") for r in plan.get("inference", {}).get("replicas", [])}
-    if not planned:
-        cfg = runtime.load_config(run_dir)
-        planned = {i: "mixed" for i in range(int(cfg.inference.get("replicas", 1)))}
+    from rl.contract.records import ServerRecord
+    replicas = runtime.load_plan(run_dir).inference.replicas
     found = []
-    for i, pool in sorted(planned.items()):
-        p = run_dir / "inference" / f"server_{i}.json"
-        try:
-            rec = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        found.append((f"inference_{i}", rec["url"], pool))
-    return found, len(planned)
+    for r in replicas:
+        rec = ServerRecord.read(run_dir, r.index)
+        if rec is not None:
+            found.append((r.name, rec.url, r.pool))
+    return found, len(replicas)
 
 
 # -- the HTTP side -----------------------------------------------------------------------------------
@@ -386,63 +379,6 @@ class _Unreachable(Exception):
         self.backend = backend
 
 
-# -- the orchestrator's side -------------------------------------------------------------------------
-SESSION = contextvars.ContextVar("hetrl_router_session", default=None)
-
-
-def router_client_class():
-    """InferenceClient that tags its requests with the session in SESSION (set it per rollout task)."""
-    from rl.inference.client import InferenceClient
-
-    class RouterClient(InferenceClient):
-        async def _post(self, path, json=None, params=None, headers=None):
-            sid = SESSION.get()
-            if sid is not None and path in ROUTED_PATHS:
-                headers = {**(headers or {}), SESSION_HEADER: str(sid)}
-            return await super()._post(path, json, params, headers)
-
-    return RouterClient
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return pid > 0
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> str | None:
-    """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE."""
-    from rl import runtime
-    path = Path(run_dir) / "inference" / "router.json"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            rec = json.loads(path.read_text())
-            stale = rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid") or 0))
-            if not stale:   # a record left by an earlier incarnation on this node names a dead pid
-                return rec["url"]
-        except (OSError, json.JSONDecodeError, KeyError, ValueError):
-            pass
-        if (stop is not None and stop.is_set()) or runtime.is_done(run_dir):
-            return None
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} missing after {timeout:.0f} s; see {run_dir}/logs/router.log")
-        await asyncio.sleep(0.5)
-
-
-async def router_reset_index(client) -> bool:
-    """Tell the router the servers' prefix caches were dropped (after a weight update). Never raises."""
-    try:
-        await client._post("/router/reset_index")
-        return True
-    except Exception:  # noqa: BLE001  routing still works with a stale index, only less well
-        return False
-
-
 # -- the role ----------------------------------------------------------------------------------------
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m rl.inference.router", description=__doc__.split("\n")[0])
@@ -461,19 +397,23 @@ def _parse(argv):
 
 async def _serve(ns) -> int:
     from rl import runtime
-    cfg = RouterConfig(**{k: getattr(ns, k) for k in RouterConfig.__dataclass_fields__
-                          if getattr(ns, k) is not None})
+    from omegaconf import OmegaConf
+    from rl.contract import paths
     stop = runtime.StopFlag()
     log = lambda msg: runtime.log("router", msg)  # noqa: E731
     run_dir = ns.run_dir.resolve() if ns.run_dir else None
+    base: dict = {}
     secret, host, port = None, ns.host or "127.0.0.1", ns.port or 8100
     if run_dir is not None:
         rcfg = runtime.load_config(run_dir)
-        host = ns.host or str(rcfg.inference.get("host", "127.0.0.1"))
-        port = ns.port or int(rcfg.inference.get("router_port", 8100))
-        sf = run_dir / "secret"
+        rplan = runtime.load_plan(run_dir).inference.router
+        if rplan is None:
+            raise SystemExit(f"{paths.plan_file(run_dir)}: the plan has no router (inference.router=false)")
+        base = OmegaConf.to_container(rcfg.inference.routing)
+        host, port = ns.host or rplan.host, ns.port or rplan.port
+        sf = paths.secret_file(run_dir)
         secret = sf.read_text().strip() if sf.exists() else None
-        timeout = float(rcfg.inference.get("startup_timeout_s", 600))
+        timeout = float(rcfg.inference.startup_timeout_s)
         deadline, said = time.monotonic() + timeout, False
         while True:
             found, planned = discover(run_dir)
@@ -494,16 +434,16 @@ async def _serve(ns) -> int:
         for i, spec in enumerate(ns.backend):
             url, _, pool = spec.partition("@")
             backends.append((f"inference_{i}", url, pool or "mixed"))
+    cfg = RouterConfig(**{**base, **{k: getattr(ns, k) for k in RouterConfig.__dataclass_fields__
+                                     if getattr(ns, k) is not None}})
     router = Router(backends, cfg, secret=secret, run_dir=run_dir, log=log)
     url = await router.start(host, port)
     pools = Counter(b.pool for b in router.backends.values())
     log(f"routing ({cfg.policy}) on {url} to {len(backends)} server(s): {dict(pools)}")
     if run_dir is not None:
-        from rl.exchange import atomic_write_json
-        atomic_write_json(run_dir / "inference" / "router.json",
-                          {"url": url, "host": socket.gethostname(), "port": port, "pid": os.getpid(),
-                           "policy": cfg.policy, "backends": [[b.name, b.url, b.pool]
-                                                              for b in router.backends.values()]})
+        from rl.contract.records import RouterRecord
+        RouterRecord(url=url, host=socket.gethostname(), port=port, pid=os.getpid(), policy=cfg.policy,
+                     backends=[[b.name, b.url, b.pool] for b in router.backends.values()]).write(run_dir)
         runtime.record_role(run_dir, "router", url=url)
     try:
         while not stop.is_set() and not (run_dir is not None and runtime.is_done(run_dir)):
@@ -512,7 +452,7 @@ async def _serve(ns) -> int:
         log(f"stopping; decisions {json.dumps(router.policy.decisions)}")
         await router.stop()
         if run_dir is not None:
-            (run_dir / "inference" / "router.json").unlink(missing_ok=True)
+            paths.router_record(run_dir).unlink(missing_ok=True)
     return runtime.EXIT_PREEMPTED if stop.is_set() else 0
 
 

@@ -36,38 +36,14 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-SESSION_HEADER = "X-Session-Id"
-BACKEND_HEADER = "X-Hetrl-Backend"
-PREFILL_HEADER = "X-Hetrl-Prefill"
-ROUTED_PATHS = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
-FANOUT_PATHS = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
-                "/sleep", "/wake_up")
+from rl.contract.config import RoutingConfig as RouterConfig  # the schema's section inference.routing
+from rl.contract.http import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,  # noqa: F401
+                              SESSION_HEADER)
+
 POOLS = ("mixed", "prefill", "decode")
 # What vLLM's NixlConnector expects on the prefill leg (vLLM's disaggregated proxy sends the same).
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-@dataclass
-class RouterConfig:
-    policy: str = "kv"                  # kv | round_robin (the baseline)
-    block_tokens: int = 16              # token ids per hashed block
-    text_block_chars: int = 64          # characters per hashed block of a text prompt
-    chars_per_token: float = 4.0        # token estimate of text and chat prompts
-    max_queue: int = 64                 # a server at this load is full: no affinity, last choice
-    queue_slack: float = 4.0            # affinity while load(server) <= least load x (1 + ratio) + slack
-    queue_slack_ratio: float = 0.25
-    kv_full: float = 0.95               # vllm:kv_cache_usage_perc at which a server counts as full
-    min_affinity_tokens: int = 16       # a prefix advantage smaller than this is no affinity
-    miss_tokens_per_load: float = 2048.0  # uncached prompt tokens that cost as much as one queued request
-    waiting_weight: float = 1.0         # extra load per request the server queues (not yet scheduled)
-    pd_min_prefill_tokens: int = 512    # P/D: fewer uncached tokens than this prefill on the decode server
-    index_blocks: int = 1 << 20         # per-server index size before the KV capacity is known
-    max_sessions: int = 1 << 20
-    poll_interval_s: float = 0.5
-    metrics_stale_s: float = 5.0
-    fail_after: int = 2                 # failed polls before a server counts as down
-    request_timeout_s: float = 7200.0
 
 
 # -- request keys ------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ the same prompts for the same steps: its data position is the step number itself
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from pathlib import Path
@@ -26,21 +25,23 @@ from rl import exchange
 from rl.envs import make_env
 from rl.envs.base import is_multi_turn
 from rl.envs.digits import encode_prompt
-from rl.inference.client import InferenceClient, InferenceError
-from rl.inference.router import SESSION as ROUTER_SESSION
-from rl.inference.router import router_client_class, router_reset_index, wait_for_router
+from rl.orchestrator.client import InferenceClient, InferenceError
+from rl.orchestrator.client import SESSION as ROUTER_SESSION
+from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
-from rl.orchestrator.batch import RolloutBatch, Sample, routed_per_token
+from rl.contract.batch import RolloutBatch, Sample, routed_per_token
 from rl.orchestrator.versions import VersionTracker
-from rl.runtime import StopFlag, is_done, log, resume_state
+from rl.contract import paths
+from rl.contract.records import ServerRecord
+from rl.runtime import StopFlag, is_done, load_plan, log, resume_state
 
 ROLE = "orchestrator"
 
 
 def _load_tokenizer(run_dir: Path):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(exchange.step_dir(run_dir, "assets", 0)))
+    return AutoTokenizer.from_pretrained(str(exchange.step_dir(run_dir, paths.ASSETS, 0)))
 
 
 def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int) -> bool:
@@ -52,17 +53,19 @@ def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int)
     return not versions or min(versions) >= step - max_off_policy
 
 
-async def wait_for_servers(run_dir: Path, n: int, stop: StopFlag, timeout: float) -> list[dict]:
+async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
+    """The server record of every planned replica (rl.contract.plan), in replica order; [] if stopped."""
     deadline = time.monotonic() + timeout
     while True:
-        recs = sorted((run_dir / "inference").glob("server_*.json"))
-        if len(recs) >= n:
-            return [json.loads(p.read_text()) for p in recs[:n]]
+        recs = [ServerRecord.read(run_dir, r.index) for r in replicas]
+        if all(recs):
+            return recs
         if stop.is_set() or is_done(run_dir):
             return []
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{run_dir}/inference: {len(recs)} of {n} servers up after {timeout:.0f} s; "
-                               f"see {run_dir}/logs/inference_*.log")
+            missing = [r.name for r, rec in zip(replicas, recs) if rec is None]
+            raise TimeoutError(f"{run_dir}/inference: no server record of {', '.join(missing)} after "
+                               f"{timeout:.0f} s (inference.startup_timeout_s); see {run_dir}/logs/inference_*.log")
         await asyncio.sleep(0.5)
 
 
@@ -85,7 +88,7 @@ class Orchestrator:
 
     # --- weights -------------------------------------------------------------------------------
     async def _update_to(self, version: int) -> None:
-        path = exchange.step_dir(self.run_dir, "weights", version)
+        path = exchange.step_dir(self.run_dir, paths.WEIGHTS, version)
         t0 = time.monotonic()
         self._gen_gate.clear()
         try:
@@ -105,7 +108,7 @@ class Orchestrator:
 
     async def _weight_watcher(self) -> None:
         while not self.stop.is_set():
-            latest = exchange.latest_complete(self.run_dir, "weights")
+            latest = exchange.latest_complete(self.run_dir, paths.WEIGHTS)
             if latest is not None and latest > self.tracker.version:
                 await self._update_to(latest)
             await asyncio.sleep(0.1)
@@ -234,7 +237,7 @@ class Orchestrator:
 
     # --- main loop -----------------------------------------------------------------------------
     def _next_missing(self, first: int, max_steps: int) -> int | None:
-        have = set(exchange.list_steps(self.run_dir, "rollouts"))
+        have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))
         for n in range(first, max_steps):
             if n not in have:
                 return n
@@ -242,23 +245,26 @@ class Orchestrator:
 
     async def run(self) -> int:
         cfg = self.cfg
-        n_servers = int(cfg.inference.get("replicas", 1))
-        servers = await wait_for_servers(self.run_dir, n_servers, self.stop, cfg.inference.startup_timeout_s)
+        plan = load_plan(self.run_dir)
+        servers = await wait_for_servers(self.run_dir, plan.inference.replicas, self.stop,
+                                         cfg.inference.startup_timeout_s)
         if not servers:
             return 0
-        secret = (self.run_dir / "secret").read_text().strip() if (self.run_dir / "secret").exists() else None
-        self.clients = [InferenceClient(s["url"], secret=secret) for s in servers]
-        if cfg.inference.get("router"):
+        sf = paths.secret_file(self.run_dir)
+        secret = sf.read_text().strip() if sf.exists() else None
+        timeout = float(self.o.request_timeout_s)
+        self.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
+        if plan.inference.router is not None:
             url = await wait_for_router(self.run_dir, self.stop, cfg.inference.startup_timeout_s)
             if url is None:
                 return 0
-            self.router_client = router_client_class()(url, secret=secret)
+            self.router_client = router_client_class()(url, secret=secret, timeout=timeout)
             log(ROLE, f"generating through the router at {url}")
         self.tokenizer = _load_tokenizer(self.run_dir)
-        self.tracker = VersionTracker(min(int(s["version"]) for s in servers))
+        self.tracker = VersionTracker(min(s.version for s in servers))
         for c in self.clients:
             await c.health()
-        first = resume_state(self.run_dir).get("checkpoint_step") or 0
+        first = resume_state(self.run_dir).checkpoint_step or 0
         max_steps = cfg.trainer.max_steps
         log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; building batches "
                   f"{first}..{max_steps - 1} (those not yet published)")
@@ -274,7 +280,7 @@ class Orchestrator:
                 batch = await self.build_batch(step)
                 if batch is None:
                     break
-                exchange.publish(self.run_dir, "rollouts", step, batch.save, producer=ROLE,
+                exchange.publish(self.run_dir, paths.ROLLOUTS, step, batch.save, producer=ROLE,
                                  policy_version=batch.meta["version_min"], meta={"num_samples": batch.num_samples})
                 m = batch.meta
                 log(ROLE, f"rollouts/step_{step:06d}: reward {m['reward_mean']:.3f}, {m['gen_tokens']} tokens "

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from rl.envs.base import call, default_turn_info, observation_messages
-from rl.orchestrator.batch import Sample
+from rl.contract.batch import Sample
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
 
@@ -51,8 +51,8 @@ class RolloutLimits:
     @classmethod
     def from_config(cls, cfg: Any) -> "RolloutLimits":
         o = cfg.orchestrator
-        total = o.get("max_rollout_tokens") or cfg.inference.max_model_len
-        wall = o.get("rollout_timeout_s")
+        total = o.max_rollout_tokens or cfg.inference.max_model_len
+        wall = o.rollout_timeout_s
         return cls(max_turns=int(cfg.env.max_turns), max_tokens_per_turn=int(o.max_tokens),
                    max_total_tokens=int(min(total, cfg.inference.max_model_len)),
                    wall_s=float(wall) if wall else None)
@@ -255,7 +255,7 @@ async def sample_group(orch: Any, sem: asyncio.Semaphore, task: Any, group: int,
     limits = RolloutLimits.from_config(orch.cfg)
     if getattr(orch, "_bridge", None) is None:
         orch._bridge = ChatBridge(orch.tokenizer)
-        orch._env_sem = asyncio.Semaphore(int(orch.o.get("env_concurrency", 8)))
+        orch._env_sem = asyncio.Semaphore(int(orch.o.env_concurrency))
 
     async def one(i: int) -> Rollout:
         async def generate(ids, max_tokens, turn):

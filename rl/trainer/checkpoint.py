@@ -138,6 +138,7 @@ def load(run_dir, step: int, model, optimizer) -> TrainerProgress:
 def resume_step(run_dir) -> int | None:
     """The checkpoint this incarnation resumes from: resume.json's decision, else the newest complete one."""
     from rl.runtime import resume_state
-    if (Path(run_dir) / "resume.json").exists():
-        return resume_state(run_dir)["checkpoint_step"]
+    from rl.contract import paths
+    if paths.resume_file(run_dir).exists():
+        return resume_state(run_dir).checkpoint_step
     return exchange.latest_complete(run_dir, KIND, checksums=True)

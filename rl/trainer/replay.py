@@ -17,7 +17,7 @@ context managers below (torchtitan has no hook to inject indices):
 - `recorded` (a list): append the ids used (its own top-k, or the replayed ones).
 
 Where the ids come from:
-- GPU: vLLM `--enable-return-routed-experts` returns them per request (rl.inference.client decodes
+- GPU: vLLM `--enable-return-routed-experts` returns them per request (rl.orchestrator.client decodes
   them; the orchestrator puts them into `Sample.routed_experts`).
 - CPU: vLLM's CPU path cannot return them. `record_routing` records them with the trainer's own
   forward in eval mode (no grad), e.g. on an FP8 fake-quantized copy of the weights that inference

@@ -11,15 +11,12 @@ step, checkpoint, record EXIT_PREEMPTED and exit.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-EXIT_FILE = "trainer.exit.json"
+from rl.contract import paths
+from rl.contract.records import ExitRecord
 
-
-def exit_file(run_dir) -> Path:
-    return Path(run_dir) / "roles" / EXIT_FILE
+exit_file = paths.trainer_exit
 
 
 def _run_dir(argv: list[str]) -> str | None:
@@ -48,7 +45,7 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         rc = 1
     if marker is not None and marker.exists():
-        rc = int(json.loads(marker.read_text())["rc"])
+        rc = int(ExitRecord.read(run_dir).rc)
     return rc
 
 

@@ -40,7 +40,7 @@ import torch
 
 from rl import exchange
 from rl.exchange import weights as wire
-from rl.orchestrator.batch import BATCH_FILE, RolloutBatch
+from rl.contract.batch import BATCH_FILE, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
 from rl.trainer import parallel, replay
@@ -189,8 +189,6 @@ class Trainer:
     """
 
     def __init__(self, cfg, device: str = "cpu", dist: parallel.Dist | None = None):
-        if cfg.trainer.kl_coef:
-            raise NotImplementedError("trainer.kl_coef > 0 (reference-KL penalty) is not implemented yet")
         self.cfg = cfg
         self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
@@ -201,7 +199,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.trainer)
         self.loss_cfg = LossConfig.from_trainer(cfg.trainer)
         self.progress = ckpt.TrainerProgress()
-        self.router_replay = bool(cfg.trainer.get("router_replay", False))
+        self.router_replay = bool(cfg.trainer.router_replay)
         self._warned_self_recorded = False
 
     def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
@@ -389,27 +387,53 @@ def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: pa
     return RolloutBatch.load(Path(path)), manifest
 
 
+def planned_device(run_dir) -> str:
+    """This rank's device as the plan says: `cuda:LOCAL_RANK` when the trainer group has GPUs (one rank
+    per GPU, NCCL), else the CPU (gloo). Without a plan.json (in-process tests) the CPU."""
+    from rl.contract import paths
+    from rl.runtime import load_plan
+    if not paths.plan_file(run_dir).exists():
+        return "cpu"
+    tp = load_plan(run_dir).trainer
+    if tp.device == "cpu":
+        return "cpu"
+    import os
+    import socket
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"plan.trainer.device=cuda (trainer.gpus_per_node={tp.gpus_per_node}) but torch "
+                           f"sees no GPU on {socket.gethostname()} (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__})")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s) are visible on "
+                           f"{socket.gethostname()} (trainer.gpus_per_node={tp.gpus_per_node})")
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
+
+
 def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples | None = None,
         after_step: Callable[[int, dict], None] | None = None, poll: float = 0.2,
-        device: str = "cpu") -> int:
+        device: str | None = None) -> int:
     """The trainer role. Returns 0 when all steps are done, EXIT_PREEMPTED when stopped early.
 
-    Under torchrun every rank calls this; the return value is the same on every rank.
+    Under torchrun every rank calls this; the return value is the same on every rank. `device`
+    defaults to the plan's (rl.trainer.train.planned_device).
     """
     run_dir = Path(run_dir)
     cfg = load_config(run_dir) if cfg is None else cfg
     stop = StopFlag(install=False) if stop is None else stop
     max_steps = int(cfg.trainer.max_steps)
-    if cfg.model.get("hf_path"):
+    if cfg.model.hf_path:
         raise NotImplementedError("model.hf_path: starting from an HF checkpoint is not implemented yet")
+    device = device or planned_device(run_dir)
     d = parallel.init(cfg.trainer.parallel, torch.device(device))
     try:
         rc = _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps)
     finally:
         d.close()
     if d.is_main:  # for rl.trainer.torchrun: torchrun itself reports any non-zero worker status as 1
-        from rl.trainer.torchrun import exit_file
-        exchange.atomic_write_json(exit_file(run_dir), {"rc": rc, "reason": stop.reason})
+        from rl.contract.records import ExitRecord
+        ExitRecord(rc=rc, reason=stop.reason).write(run_dir)
     return rc
 
 
@@ -444,7 +468,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
 
     metrics = _metrics_logger(run_dir, cfg) if main else None
     consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
-    restart = resume_state(run_dir).get("restart", 0)
+    restart = resume_state(run_dir).restart
     every = int(cfg.trainer.checkpoint_every)
     for n in range(tr.progress.next_step, max_steps):
         t_wait = time.monotonic()

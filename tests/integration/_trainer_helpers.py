@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 from omegaconf import OmegaConf
 
-from launch.config import Config
+from rl.contract.config import Config
 from rl import exchange
-from rl.orchestrator.batch import RolloutBatch, Sample
+from rl.contract.batch import RolloutBatch, Sample
 
 
 def tiny_cfg(run_dir, **trainer):

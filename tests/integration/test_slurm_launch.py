@@ -11,7 +11,7 @@ import pytest
 
 from launch import slurm as ls
 from launch.compose import compose_points
-from launch.config import ConfigError
+from rl.contract.config import ConfigError
 
 pytestmark = pytest.mark.slurm
 
@@ -28,11 +28,12 @@ def test_launch_status_cancel_resume(slurm, tmp_path):
     job = ls.launch_slurm(_cfg(run_dir), run_dir)
     for f in ("config.yaml", "plan.json", "job.sbatch", "submissions.jsonl", "slurm_jobs.jsonl"):
         assert (run_dir / f).exists(), f
-    st = ls.status(run_dir)
-    assert st["job_id"] == job and st["job"]["state"] == "PENDING" and st["latest_checkpoints"] is None
+    from launch.status import render, status
+    st = status(run_dir)
+    assert st["job"]["id"] == job and st["job"]["state"] == "PENDING" and st["latest_checkpoints"] is None
     from rich.console import Console
     buf = io.StringIO()
-    ls.render_status(st, Console(file=buf, width=120))
+    render(st, Console(file=buf, width=120))
     assert job in buf.getvalue() and "PENDING" in buf.getvalue()
     with pytest.raises(ConfigError, match="still active"):
         ls.launch_slurm(_cfg(run_dir), run_dir)

@@ -27,10 +27,10 @@ pytestmark = [pytest.mark.slow]
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from launch.config import Config  # noqa: E402
+from rl.contract.config import Config  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.metrics import read_metrics  # noqa: E402
-from rl.orchestrator.batch import RolloutBatch  # noqa: E402
+from rl.contract.batch import RolloutBatch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PER_TURN = ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors", "turn_env_s", "turn_gen_s",
@@ -130,7 +130,7 @@ def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
     from transformers import AutoTokenizer
 
     from rl.envs.swe.env import EnvConfig, SWEEnv
-    from rl.inference.client import InferenceClient
+    from rl.orchestrator.client import InferenceClient
     from rl.orchestrator.multiturn import ChatBridge, RolloutLimits, run_episode
 
     run_dir = server["run_dir"]

@@ -33,7 +33,7 @@ def test_bad_input():
 
 
 def test_routed_experts_get_one_row_per_token():
-    from rl.orchestrator.batch import routed_per_token
+    from rl.contract.batch import routed_per_token
     r = np.arange(2 * 3 * 2).reshape(3, 2, 2)  # vLLM: n-1 rows for n tokens
     out = routed_per_token(r, 4)
     assert out.shape == (4, 2, 2) and out.dtype == np.uint8

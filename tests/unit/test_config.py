@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from launch.compose import compose_points
-from launch.config import ConfigError
+from rl.contract.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

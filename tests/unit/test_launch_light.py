@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_launch_imports_no_heavy_packages():
     code = (
-        "import sys, launch.__main__, launch.compose, launch.config, launch.local, launch.rundir\n"
+        "import sys, launch.__main__, launch.compose, rl.contract.config, launch.local, launch.rundir\n"
         "import launch.plan, launch.slurm\n"
         "from launch.compose import compose_points\n"
         "compose_points(['trainer.max_steps=2'], False)\n"

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from launch.config import Config
+from rl.contract.config import Config
 from rl.envs.digits import encode_prompt
-from rl.inference.client import Completion
+from rl.orchestrator.client import Completion
 from rl.model.tiny import build_tokenizer
-from rl.orchestrator.batch import RolloutBatch
+from rl.contract.batch import RolloutBatch
 from rl.orchestrator.multiturn import ChatBridge, RolloutLimits, batch_metrics, run_episode
 
 

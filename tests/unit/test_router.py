@@ -463,7 +463,7 @@ def test_http_retries_on_a_dead_server_and_checks_the_secret():
 
 
 def test_router_client_sends_the_session_header():
-    from rl.inference.router import SESSION, router_client_class
+    from rl.orchestrator.client import SESSION, router_client_class
 
     async def case(http, url, router, fakes):
         client = router_client_class()(url)
@@ -507,22 +507,25 @@ def test_role_from_run_dir_writes_router_json_and_stops_on_done(tmp_path):
     import aiohttp
     from omegaconf import OmegaConf
 
-    from rl.inference.router import wait_for_router
+    from rl.orchestrator.client import wait_for_router
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    OmegaConf.save(OmegaConf.create({"inference": {"host": "127.0.0.1", "router_port": port, "replicas": 2,
-                                                   "startup_timeout_s": 30}}), tmp_path / "config.yaml")
-    (tmp_path / "plan.json").write_text(json.dumps({"inference": {"replicas": [
-        {"index": 0, "pool": "prefill"}, {"index": 1, "pool": "decode"}]}}))
-    (tmp_path / "inference").mkdir()
+    from builders import make_run_dir
+    from rl.contract.records import ServerRecord
+    # a P/D plan (its pools need GPU servers on paper; the servers below are fakes)
+    make_run_dir(tmp_path, "cluster=slurm", "inference.host=127.0.0.1", "inference.router=true",
+                 f"inference.router_port={port}", "inference.nodes=2", "inference.gpus_per_node=1",
+                 "inference.prefill_nodes=1", "inference.decode_nodes=1", "inference.replicas=2",
+                 "inference.startup_timeout_s=30")
+    (tmp_path / "secret").unlink()  # the fakes take no token
 
     async def case():
         fakes = [await FakeServer(f"inference_{i}", pool).start()
                  for i, pool in enumerate(["prefill", "decode"])]
         for i, f in enumerate(fakes):
-            (tmp_path / "inference" / f"server_{i}.json").write_text(json.dumps({"url": f.url}))
+            ServerRecord(url=f.url, version=0, host=socket.gethostname(), pid=os.getpid(), index=i).write(tmp_path)
         repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rl.inference.router", "--run-dir", str(tmp_path),
@@ -557,7 +560,7 @@ def test_wait_for_router_skips_a_stale_record(tmp_path):
     import socket
     import subprocess
 
-    from rl.inference.router import wait_for_router
+    from rl.orchestrator.client import wait_for_router
 
     (tmp_path / "inference").mkdir()
     dead = subprocess.Popen(["true"])

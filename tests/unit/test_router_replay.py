@@ -6,13 +6,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launch.config import Config
-from rl.orchestrator.batch import RolloutBatch, Sample
+from rl.contract.config import Config
+from rl.contract.batch import RolloutBatch, Sample
 from rl.trainer import replay
 from rl.trainer.model import build_model, logits, token_logprobs
 from rl.trainer.train import Trainer
 
-M = dict(name="tiny-replay", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+M = dict(name="tiny-replay", family="qwen3", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
          moe_hidden_dim=24, num_experts=4, top_k=2, max_seq_len=64, rope_theta=10000.0)
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launch.config import Config
+from rl.contract.config import Config
 from rl import exchange
-from rl.orchestrator.batch import RolloutBatch, Sample
+from rl.contract.batch import RolloutBatch, Sample
 from rl.trainer import checkpoint as ckpt
 from rl.trainer.train import Trainer, pack
 

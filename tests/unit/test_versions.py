@@ -29,7 +29,7 @@ def test_counts_beyond_length_are_clamped():
 
 
 def test_groups_outside_the_off_policy_bound_are_dropped():
-    from rl.orchestrator.batch import Sample
+    from rl.contract.batch import Sample
     from rl.orchestrator.loop import within_off_policy_bound
 
     def s(versions, mask=None):

@@ -1,4 +1,5 @@
-"""Async HTTP client of one policy server, for the orchestrator: tokens in, tokens + logprobs out.
+"""Async HTTP client of one policy server (or of the router), for the orchestrator: tokens in, tokens +
+logprobs out.
 
 Light on purpose (httpx + asyncio, no torch, no vllm): the orchestrator is a CPU process. Prompts go in
 as token ids and completions come back as token ids with the sampled token's logprob, so nothing is
@@ -25,13 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import io
+import json
+import os
+import socket
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
-MODEL_NAME = "policy"
+from rl.contract.http import ROUTED_PATHS, ROUTER_RESET_INDEX, SESSION_HEADER
+from rl.contract.plan import SERVED_MODEL_NAME as MODEL_NAME
 
 
 class InferenceError(RuntimeError):
@@ -237,3 +245,59 @@ class InferenceClient:
         out["prefix_cache_reset"] = bool(reset.get("success"))
         out["wall_seconds"] = asyncio.get_running_loop().time() - t0
         return out
+
+
+# -- through the router ------------------------------------------------------------------------------
+SESSION = contextvars.ContextVar("hetrl_router_session", default=None)
+
+
+def router_client_class():
+    """InferenceClient that tags its requests with the session in SESSION (set it per rollout task)."""
+    class RouterClient(InferenceClient):
+        async def _post(self, path, json=None, params=None, headers=None):
+            sid = SESSION.get()
+            if sid is not None and path in ROUTED_PATHS:
+                headers = {**(headers or {}), SESSION_HEADER: str(sid)}
+            return await super()._post(path, json, params, headers)
+
+    return RouterClient
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> str | None:
+    """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE."""
+    from rl import runtime
+    from rl.contract import paths
+    path = paths.router_record(run_dir)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rec = json.loads(path.read_text())
+            stale = rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid") or 0))
+            if not stale:   # a record left by an earlier incarnation on this node names a dead pid
+                return rec["url"]
+        except (OSError, json.JSONDecodeError, KeyError, ValueError):
+            pass
+        if (stop is not None and stop.is_set()) or runtime.is_done(run_dir):
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} missing after {timeout:.0f} s; see {run_dir}/logs/router.log")
+        await asyncio.sleep(0.5)
+
+
+async def router_reset_index(client) -> bool:
+    """Tell the router the servers' prefix caches were dropped (after a weight update). Never raises."""
+    try:
+        await client._post(ROUTER_RESET_INDEX)
+        return True
+    except Exception:  # noqa: BLE001  routing still works with a stale index, only less well
+        return False

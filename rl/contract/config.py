@@ -1,0 +1,511 @@
+"""The typed config: the schema of every key a run can set, its one set of defaults, and its validation.
+
+Every process of a run reads the same tree. The launcher composes `conf/` with Hydra on top of these
+dataclasses (registered as the schema of the base config, so an unknown key or a value of the wrong type
+is refused by OmegaConf with the key's full name), `validate()` checks what types cannot express
+(ranges, combinations, names that must exist, Slurm's own formats) and raises `ConfigError` with one
+line naming the key, and the result is frozen into `RUN_DIR/config.yaml`. Every role then calls
+`load(run_dir)`, which merges that file onto the same dataclasses: roles get typed attribute access and
+the defaults below, never an untyped dict with defaults of their own.
+
+The defaults ARE the embedded default run (a tiny Qwen3-MoE on the CPU, the digits task, every role a
+local process): `conf/` only overlays what differs (an environment, the Slurm backend, an experiment).
+Torch-free: the launcher imports this on a login node.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+class PlanError(ConfigError):
+    """A config whose allocation cannot work (topology, ports, memory); the message names the key."""
+
+
+# Model families the config accepts (the trainer's model builders; rl.trainer.model).
+FAMILIES = ("qwen3", "deepseek_v3", "kimi_k2_7", "glm_moe_dsa")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-qwen3-moe"       # the served model name (vLLM --served-model-name)
+    family: str = "qwen3"              # network architecture, one of FAMILIES
+    hf_path: Optional[str] = None      # an HF checkpoint dir to start from; None = create the tiny model
+    vocab_size: int = 512
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    n_kv_heads: int = 1
+    head_dim: int = 32
+    moe_hidden_dim: int = 64
+    num_experts: int = 4
+    top_k: int = 2
+    max_seq_len: int = 512
+    rope_theta: float = 1000000.0
+    # Multi-head latent attention (DeepSeek-V3 / Kimi / GLM-5); 0 = grouped-query attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0          # experts every token goes through
+    n_dense_layers: int = 0            # leading layers with a dense FFN instead of experts
+    dense_hidden_dim: int = 0          # their FFN width
+    # DeepSeek sparse attention's indexer (GLM-5): top-k keys per query; 0 = dense attention.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 150                   # supervised steps on the environment's sft_examples before RL
+    lr: float = 3e-3
+    batch_size: int = 32
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 40
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.99])
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 1024
+    dtype: str = "float32"             # compute dtype of the trainer (fp32 on CPU)
+    fp8: bool = False                  # block-scaled FP8 training (emulated on CPU)
+    router_replay: bool = False        # R3: MoE routers use the batch's recorded expert ids (rl.trainer.replay)
+    activation_checkpointing: str = "none"  # none | selective | full (torchtitan's AC modes)
+    cpu_offload: bool = False          # FSDP2 CPU offload of parameters, gradients and optimizer states
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    keep_weights: int = 3
+    # loss: importance-sampled policy gradient, token level (rl.trainer.loss)
+    mismatch: str = "mask"             # mask | truncate | none: handling of trainer/inference mismatch
+    ratio_max: float = 2.0             # tokens with importance ratio above this are masked / truncated
+    ratio_min: float = 0.5
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    nodes: int = 1
+    gpus_per_node: int = 0             # 0: CPU ranks (gloo); > 0: one rank per GPU, cuda:LOCAL_RANK, NCCL
+    master_port: int = 0               # torch.distributed rendezvous port on the first trainer node (0 = auto)
+
+
+@dataclass
+class RoutingConfig:
+    """The KV-aware router's policy (rl.inference.routing), when inference.router is on."""
+    policy: str = "kv"                  # kv | round_robin (the baseline)
+    block_tokens: int = 16              # token ids per hashed block
+    text_block_chars: int = 64          # characters per hashed block of a text prompt
+    chars_per_token: float = 4.0        # token estimate of text and chat prompts
+    max_queue: int = 64                 # a server at this load is full: no affinity, last choice
+    queue_slack: float = 4.0            # affinity while load(server) <= least load x (1 + ratio) + slack
+    queue_slack_ratio: float = 0.25
+    kv_full: float = 0.95               # vllm:kv_cache_usage_perc at which a server counts as full
+    min_affinity_tokens: int = 16       # a prefix advantage smaller than this is no affinity
+    miss_tokens_per_load: float = 2048.0  # uncached prompt tokens that cost as much as one queued request
+    waiting_weight: float = 1.0         # extra load per request the server queues (not yet scheduled)
+    pd_min_prefill_tokens: int = 512    # P/D: fewer uncached tokens than this prefill on the decode server
+    index_blocks: int = 1 << 20         # per-server index size before the KV capacity is known
+    max_sessions: int = 1 << 20
+    poll_interval_s: float = 0.5
+    metrics_stale_s: float = 5.0
+    fail_after: int = 2                 # failed polls before a server counts as down
+    request_timeout_s: float = 7200.0
+
+
+@dataclass
+class InferenceConfig:
+    engine: str = "vllm"
+    host: Optional[str] = None         # bind address; None: 127.0.0.1 locally, 0.0.0.0 on Slurm
+    port: int = 0                      # first server's port, +1 per replica (0 = auto, derived from run_dir)
+    dtype: str = "float32"
+    max_model_len: int = 512
+    kv_cache_gb: float = 1.0           # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE) on CPU servers
+    gpu_memory_utilization: float = 0.9  # vLLM's fraction of each GPU (weights + KV cache + workspace)
+    enforce_eager: bool = True
+    fp8_load: str = "auto"             # auto | dequantize | fp8: how shards enter the engine
+    startup_timeout_s: float = 600.0
+    extra_args: list = field(default_factory=list)   # more vLLM server arguments, appended to the plan's
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    replicas: int = 1
+    prefill_nodes: int = 0
+    decode_nodes: int = 0
+    kv_offload: Optional[str] = None   # None | cpu | cpu+disk
+    kv_offload_cpu_gb: float = 0.0     # CPU tier of the KV offload, per server (needs kv_offload)
+    kv_offload_disk_gb: float = 0.0    # disk tier (kv_offload=cpu+disk), under cluster.node_local_dir
+    router: bool = False
+    router_port: int = 0               # the router's port on the first inference node (0 = auto)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    dp_rpc_port: int = 13345           # base of vLLM's data-parallel RPC ports (one per multi-node replica)
+    all2all_backend: str = "auto"      # vLLM --all2all-backend with EP; auto: DeepEP (HT prefill, LL decode)
+
+
+@dataclass
+class OrchestratorConfig:
+    max_off_policy: int = 1
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 12               # per completion; per model turn in multi-turn environments
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_concurrency: int = 64          # requests in flight to the inference servers
+    request_timeout_s: float = 300.0   # one HTTP request to a server (a long generation included)
+    advantage: str = "grpo"            # grpo (group mean baseline, std normalised) | drgrpo (no std)
+    # Multi-turn rollouts (rl/orchestrator/multiturn.py); env.max_turns caps the turns.
+    max_rollout_tokens: Optional[int] = None   # prompt + turns + observations; None = inference.max_model_len
+    rollout_timeout_s: Optional[float] = None  # wall time of one rollout; None = no limit
+    env_concurrency: int = 8                   # environment calls (tool runs, grading) at once
+
+
+@dataclass
+class DigitsConfig:
+    """The embedded default's task: repeat the prompt's digits (rl.envs.digits)."""
+    n_digits: int = 3
+    # The warm start's noisy teacher is right on each digit with this probability: 0.5 leaves the tiny
+    # model at a reward of about 0.3 after 150 warm-start steps, the rest is RL's work.
+    warm_start_accuracy: float = 0.5
+
+
+@dataclass
+class SandboxLimitsConfig:
+    """Per-command limits of the SWE sandbox (rl.envs.swe.sandbox.Limits)."""
+    cpu_s: int = 60
+    memory_bytes: int = 2 << 30
+    nproc: int = 64
+    fsize_bytes: int = 64 << 20
+    nofile: int = 256
+    tmp_bytes: int = 64 << 20
+    output_chars: int = 1 << 20
+
+
+@dataclass
+class SweConfig:
+    """The SWE environment (rl.envs.swe)."""
+    tasks: Optional[str] = None        # a SWE-bench-format JSONL file; None = the built-in set
+    wall_s: float = 1800.0             # one episode, tools and grading included
+    tool_timeout_s: float = 60.0       # one tool run (pytest, patch); clipped to the time left
+    output_chars: int = 4000           # tool output kept per observation
+    limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
+
+
+@dataclass
+class EnvConfig:
+    name: str = "digits"               # digits | swe | verifiers:<id>
+    max_turns: int = 1
+    digits: DigitsConfig = field(default_factory=DigitsConfig)
+    swe: SweConfig = field(default_factory=SweConfig)
+    args: dict = field(default_factory=dict)   # verifiers:<id> only: taskset fields, max_tasks
+
+
+@dataclass
+class ClusterConfig:
+    backend: str = "local"             # local | slurm
+    account: Optional[str] = None
+    partition: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    gres: Optional[str] = None
+    time: str = "04:00:00"
+    signal_grace_s: int = 120
+    requeue: bool = True
+    exclusive: bool = True             # whole nodes per het component (#SBATCH --exclusive)
+    job_name: Optional[str] = None     # default: hetrl-<experiment>
+    extra_sbatch: list = field(default_factory=list)
+    setup: list = field(default_factory=list)  # shell lines the batch script runs first (module load ...)
+    python: Optional[str] = None       # interpreter the roles run with (default: the launcher's)
+    node_local_dir: str = "/tmp/hetrl"
+    gpu_memory_gib: float = 140.0      # usable memory of one GPU (H200: about 140 GiB)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"              # offline | online | disabled
+    project: str = "hetrl"
+    entity: Optional[str] = None
+
+
+@dataclass
+class Config:
+    run_dir: str = MISSING
+    seed: int = 0
+    experiment: str = "debug"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def structured(overrides: dict | None = None) -> DictConfig:
+    """The schema with `overrides` merged on top: typed, unknown keys refused (for tests and tools)."""
+    base = OmegaConf.structured(Config)
+    if overrides:
+        try:
+            base = OmegaConf.merge(base, overrides)
+        except Exception as e:  # noqa: BLE001 - OmegaConf's errors span lines; the key fits in one
+            raise ConfigError(one_line(e)) from None
+    return base
+
+
+def load(run_dir: str | os.PathLike) -> DictConfig:
+    """The frozen config of a run as every role reads it: `RUN_DIR/config.yaml` on the schema."""
+    from rl.contract import paths
+    p = paths.config_file(run_dir)
+    if not p.is_file():
+        raise ConfigError(f"{p}: not found (is {run_dir} a run directory made by `python -m launch`?)")
+    cfg = structured(OmegaConf.to_container(OmegaConf.load(p)))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def one_line(e: BaseException) -> str:
+    """OmegaConf errors span several lines; the key and the reason fit in one."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    full = re.search(r"full_key: (\S+)", text)
+    if full and full.group(1) not in first:
+        first = f"{full.group(1)}: {first}"
+    return first
+
+
+# -- validation ------------------------------------------------------------------------------------
+_CHOICES = {
+    "model.family": FAMILIES,
+    "cluster.backend": ("local", "slurm"),
+    "trainer.dtype": ("float32", "bfloat16"),
+    "trainer.mismatch": ("mask", "truncate", "none"),
+    "trainer.activation_checkpointing": ("none", "selective", "full"),
+    "inference.engine": ("vllm",),
+    "inference.dtype": ("float32", "bfloat16", "auto"),
+    "inference.fp8_load": ("auto", "dequantize", "fp8"),
+    "inference.kv_offload": (None, "cpu", "cpu+disk"),
+    "inference.routing.policy": ("kv", "round_robin"),
+    "inference.all2all_backend": ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput",
+                                  "deepep_low_latency", "pplx", "nixl_ep"),
+    "orchestrator.advantage": ("grpo", "drgrpo"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+# Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch --time).
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+# Account, partition, QOS and job names: no whitespace, quotes or shell metacharacters (they land in
+# #SBATCH lines); constraints also take Slurm's operators.
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_SLURM_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:,()!]+$")
+_GRES = re.compile(r"^[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*(,[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*)*$")
+
+
+def _get(cfg, dotted: str):
+    return OmegaConf.select(cfg, dotted)
+
+
+def _no_newline(key: str, value) -> None:
+    if isinstance(value, str) and ("\n" in value or "\r" in value or "\0" in value):
+        raise ConfigError(f"{key}: must not contain a newline or NUL (it would become a line of the batch script)")
+
+
+def validate(cfg: DictConfig | dict) -> None:
+    """Raise ConfigError naming the first key whose value cannot work."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+
+    def need(cond: bool, key: str, msg: str):
+        if not cond:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: {msg}")
+
+    for key, allowed in _CHOICES.items():
+        need(_get(cfg, key) in allowed, key, f"must be one of {', '.join(map(str, allowed))}")
+    need(bool(str(cfg.run_dir)), "run_dir", "must be a path")
+    need(cfg.seed >= 0, "seed", "must be >= 0")
+    m = cfg.model
+    for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
+              "num_experts", "top_k", "max_seq_len"):
+        need(m[k] > 0, f"model.{k}", "must be positive")
+    for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_shared_experts", "n_dense_layers", "dense_hidden_dim", "index_n_heads", "index_head_dim",
+              "index_topk"):
+        need(m[k] >= 0, f"model.{k}", "must be >= 0")
+    need(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}")
+    need(m.top_k <= m.num_experts, "model.top_k", f"cannot exceed model.num_experts={m.num_experts}")
+    need(m.n_dense_layers < m.n_layers, "model.n_dense_layers", f"must leave MoE layers of model.n_layers={m.n_layers}")
+    need(m.n_dense_layers == 0 or m.dense_hidden_dim > 0, "model.dense_hidden_dim",
+         "must be positive with model.n_dense_layers > 0")
+    if m.kv_lora_rank > 0:
+        for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            need(m[k] > 0, f"model.{k}", "must be positive with multi-head latent attention (model.kv_lora_rank > 0)")
+        need(m.head_dim == m.qk_nope_head_dim + m.qk_rope_head_dim, "model.head_dim",
+             f"must be qk_nope_head_dim + qk_rope_head_dim = {m.qk_nope_head_dim + m.qk_rope_head_dim} with MLA")
+    need((m.index_topk > 0) == (m.index_n_heads > 0) == (m.index_head_dim > 0), "model.index_topk",
+         "the sparse-attention indexer needs index_topk, index_n_heads and index_head_dim (all or none)")
+    need(m.hf_path is None or bool(str(m.hf_path)), "model.hf_path", "must be a path or null")
+    t = cfg.trainer
+    need(t.max_steps > 0, "trainer.max_steps", "must be positive")
+    need(t.lr > 0, "trainer.lr", "must be positive")
+    need(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+    need(t.grad_clip > 0, "trainer.grad_clip", "must be positive (the max gradient norm)")
+    need(t.micro_batch_tokens > 0, "trainer.micro_batch_tokens", "must be positive")
+    need(t.checkpoint_every > 0, "trainer.checkpoint_every", "must be positive")
+    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must keep at least one checkpoint")
+    need(t.keep_weights >= cfg.orchestrator.max_off_policy + 1, "trainer.keep_weights",
+         f"must be at least orchestrator.max_off_policy + 1 = {cfg.orchestrator.max_off_policy + 1}")
+    need(0 < t.ratio_min <= 1 <= t.ratio_max, "trainer.ratio_max", "need 0 < ratio_min <= 1 <= ratio_max")
+    need(len(t.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas),
+         "trainer.betas", "two values in [0, 1)")
+    need(t.warm_start.steps >= 0, "trainer.warm_start.steps", "must be >= 0")
+    need(t.warm_start.lr > 0, "trainer.warm_start.lr", "must be positive")
+    need(t.warm_start.batch_size >= 1, "trainer.warm_start.batch_size", "must be positive")
+    need(t.nodes >= 1, "trainer.nodes", "must be at least 1")
+    need(t.gpus_per_node >= 0, "trainer.gpus_per_node", "must be >= 0 (0 = CPU ranks)")
+    need(t.master_port == 0 or 1024 <= t.master_port <= 65535, "trainer.master_port",
+         "must be 0 (auto) or a TCP port in [1024, 65535]")
+    p = t.parallel
+    for k in ("dp_shard", "ep", "cp"):
+        need(p[k] >= 1, f"trainer.parallel.{k}", "must be at least 1")
+    need(m.num_experts % p.ep == 0, "trainer.parallel.ep", f"must divide model.num_experts={m.num_experts}")
+    need(m.max_seq_len % (2 * p.cp) == 0 or p.cp == 1, "trainer.parallel.cp",
+         f"2*cp must divide model.max_seq_len={m.max_seq_len} (load-balanced context parallel)")
+    o = cfg.orchestrator
+    need(o.max_off_policy >= 0, "orchestrator.max_off_policy", "must be >= 0")
+    need(o.group_size >= 2, "orchestrator.group_size", "group-relative advantages need at least 2 samples")
+    need(o.prompts_per_step >= 1, "orchestrator.prompts_per_step", "must be positive")
+    need(o.max_tokens >= 1, "orchestrator.max_tokens", "must be positive")
+    need(o.max_tokens < cfg.inference.max_model_len, "orchestrator.max_tokens",
+         f"must be below inference.max_model_len={cfg.inference.max_model_len}")
+    need(o.max_concurrency >= 1, "orchestrator.max_concurrency", "must be at least 1 (0 never sends a request)")
+    need(o.request_timeout_s > 0, "orchestrator.request_timeout_s", "must be positive")
+    need(0 < o.top_p <= 1, "orchestrator.top_p", "must be in (0, 1]")
+    need(o.max_rollout_tokens is None or 0 < o.max_rollout_tokens <= cfg.inference.max_model_len,
+         "orchestrator.max_rollout_tokens",
+         f"must be in 1..inference.max_model_len={cfg.inference.max_model_len}")
+    need(o.rollout_timeout_s is None or o.rollout_timeout_s > 0, "orchestrator.rollout_timeout_s",
+         "must be positive (or null for no limit)")
+    need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")
+    need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
+    e = cfg.env
+    need(e.name in ("digits", "swe") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
+         "env.name", "must be digits, swe or verifiers:<id>")
+    need(e.max_turns >= 1, "env.max_turns", "must be at least 1")
+    need(not e.args or e.name.startswith("verifiers:"), "env.args",
+         f"is for verifiers:<id> environments only (env.name={e.name}: use env.{e.name}.*)")
+    need(e.digits.n_digits >= 1, "env.digits.n_digits", "must be at least 1")
+    need(0 <= e.digits.warm_start_accuracy <= 1, "env.digits.warm_start_accuracy", "must be in [0, 1]")
+    need(e.swe.wall_s > 0, "env.swe.wall_s", "must be positive")
+    need(e.swe.tool_timeout_s > 0, "env.swe.tool_timeout_s", "must be positive")
+    need(e.swe.output_chars > 0, "env.swe.output_chars", "must be positive")
+    for k, v in e.swe.limits.items():
+        need(v > 0, f"env.swe.limits.{k}", "must be positive")
+    if e.name == "swe" and e.swe.tasks:
+        need(Path(e.swe.tasks).is_file(), "env.swe.tasks", "file not found")
+    i = cfg.inference
+    need(i.port == 0 or 1024 <= i.port <= 65535 - 64, "inference.port", "must be 0 (auto) or a TCP port in [1024, 65471]")
+    need(i.router_port == 0 or 1024 <= i.router_port <= 65535, "inference.router_port",
+         "must be 0 (auto) or a TCP port in [1024, 65535]")
+    need(1024 <= i.dp_rpc_port <= 65535 - 64, "inference.dp_rpc_port", "must be a TCP port in [1024, 65471]")
+    need(i.kv_cache_gb > 0, "inference.kv_cache_gb", "must be positive")
+    need(0 < i.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
+    need(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be positive")
+    need(i.max_model_len <= m.max_seq_len, "inference.max_model_len",
+         f"cannot exceed model.max_seq_len={m.max_seq_len}")
+    need(i.kv_offload_cpu_gb >= 0 and i.kv_offload_disk_gb >= 0, "inference.kv_offload_cpu_gb", "must be >= 0")
+    need(all(isinstance(a, (str, int, float)) for a in i.extra_args), "inference.extra_args",
+         "must be a list of strings")
+    r = i.routing
+    for k in ("block_tokens", "text_block_chars", "max_queue", "index_blocks", "max_sessions", "fail_after"):
+        need(r[k] >= 1, f"inference.routing.{k}", "must be at least 1")
+    for k in ("chars_per_token", "poll_interval_s", "metrics_stale_s", "request_timeout_s"):
+        need(r[k] > 0, f"inference.routing.{k}", "must be positive")
+    need(0 < r.kv_full <= 1, "inference.routing.kv_full", "must be in (0, 1]")
+    c = cfg.cluster
+    need(c.signal_grace_s >= 10, "cluster.signal_grace_s", "leave at least 10 s to checkpoint")
+    need(bool(_SLURM_TIME.match(str(c.time))), "cluster.time",
+         "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    for k in ("account", "partition", "qos", "job_name"):
+        need(c[k] is None or bool(_SLURM_NAME.match(str(c[k]))), f"cluster.{k}",
+             "must be a Slurm name: letters, digits, _ . + - (no spaces or quotes)")
+    need(c.constraint is None or bool(_SLURM_CONSTRAINT.match(str(c.constraint))), "cluster.constraint",
+         "is not a Slurm constraint expression (features joined by & | , with [] and *N counts)")
+    need(c.gres is None or bool(_GRES.match(str(c.gres))), "cluster.gres",
+         "must be a Slurm GRES spec like gpu:8 or gpu:h200:8")
+    need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be positive")
+    need(str(c.node_local_dir).startswith("/"), "cluster.node_local_dir", "must be an absolute path")
+    need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
+         "must be an absolute path or a command name on PATH")
+    for key in ("run_dir", "experiment", "model.name", "model.hf_path", "cluster.node_local_dir",
+                "cluster.python", "env.swe.tasks", "inference.host"):
+        _no_newline(key, _get(cfg, key))
+    for key in ("cluster.setup", "cluster.extra_sbatch", "inference.extra_args"):
+        for n, line in enumerate(_get(cfg, key) or []):
+            _no_newline(f"{key}[{n}]", line)
+    if c.backend == "local":
+        need(p.dp_shard * p.ep * p.cp <= 2 or t.gpus_per_node > 0, "trainer.parallel",
+             "the local backend runs at most 2 CPU ranks")
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """A run directory that can be created and written, before anything is submitted or started."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run_dir={str(p)!r}: exists and is not a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"run_dir={str(p)!r}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir={str(p)!r}: {probe} is not writable")
+
+
+def resolve_ports(c: dict, offset: int = 0) -> dict:
+    """Fill ports left at 0 (auto) from a hash of run_dir, in place.
+
+    Fixed ports collide as soon as two runs share a host: two local runs, a sweep on a non-exclusive
+    partition, the localhost test cluster (vLLM binds with SO_REUSEPORT, so a second server on the same
+    port silently shares it and requests land on the wrong run). Derived ports differ between runs,
+    stay the same for one run (resume, requeue), and live below Linux's ephemeral range. A sweep passes
+    the sweep dir as run_dir and each point's index as `offset`, so its points never collide.
+    """
+    import hashlib
+    h = int(hashlib.sha1(str(c["run_dir"]).encode()).hexdigest(), 16)
+    slot = (h + offset) % 700
+    if not c["inference"].get("port"):
+        c["inference"]["port"] = 15000 + slot * 20              # 15000..28980, room for 20 replicas
+    if not c["inference"].get("router_port"):
+        c["inference"]["router_port"] = 29000 + ((h >> 16) + offset) % 1500
+    if not c["trainer"].get("master_port"):
+        c["trainer"]["master_port"] = 30500 + ((h >> 32) + offset) % 1500
+    return c
+
+
+def to_container(cfg: DictConfig) -> dict:
+    c = OmegaConf.to_container(cfg, resolve=True)
+    c.pop("hydra", None)
+    c.pop("_overrides", None)
+    return c

@@ -1,0 +1,136 @@
+"""Names in the run directory and on node-local disk: one definition each, used by every process.
+
+The run directory (on the shared filesystem) is the only channel between the launcher, the batch
+script and the roles. Step-versioned kinds (`rollouts/`, `weights/`, `checkpoints/`, `assets/`) follow
+the publishing protocol of rl.exchange; the files here are small records written atomically (tmp +
+fsync + rename), read by `launch status`, the router, the orchestrator and the tests. Node-local paths
+(model copies, KV offload files) are derived here too, so the plan, the batch script's cleanup and the
+inference role agree on them. Torch-free.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+PathLike = str | os.PathLike
+
+# Frozen at first submission (launch.rundir); a resume checks config.yaml against the new config.
+CONFIG = "config.yaml"
+PLAN = "plan.json"
+JOB_SCRIPT = "job.sbatch"
+SUBMISSIONS = "submissions.jsonl"
+SLURM_JOBS = "slurm_jobs.jsonl"
+SECRET = "secret"
+# Written while the run runs.
+RESUME = "resume.json"
+DONE = "DONE"
+METRICS = "metrics.jsonl"
+WANDB_ID = "wandb_id"
+LOCAL_PIDS = "local.json"            # the local backend's launcher: host, pid, start time
+# Step-versioned kinds (rl.exchange).
+ROLLOUTS, WEIGHTS, CHECKPOINTS, ASSETS = "rollouts", "weights", "checkpoints", "assets"
+KINDS = (ROLLOUTS, WEIGHTS, CHECKPOINTS, ASSETS)
+CONSUMED = "consumed.jsonl"
+CORRUPT = "corrupt"
+SUBDIRS = ("logs", "roles", ROLLOUTS, WEIGHTS, CHECKPOINTS, "inference")
+
+# Exit status of a role that stopped early because it was asked to (preemption, time limit, Ctrl-C):
+# the batch script and the local backend tell it apart from a crash and requeue / report "stopped".
+EXIT_PREEMPTED = 3
+
+
+def p(run_dir: PathLike, *parts: str) -> Path:
+    return Path(run_dir).joinpath(*parts)
+
+
+def config_file(run_dir: PathLike) -> Path:
+    return p(run_dir, CONFIG)
+
+
+def plan_file(run_dir: PathLike) -> Path:
+    return p(run_dir, PLAN)
+
+
+def resume_file(run_dir: PathLike) -> Path:
+    return p(run_dir, RESUME)
+
+
+def done_file(run_dir: PathLike) -> Path:
+    return p(run_dir, DONE)
+
+
+def secret_file(run_dir: PathLike) -> Path:
+    return p(run_dir, SECRET)
+
+
+def metrics_file(run_dir: PathLike) -> Path:
+    return p(run_dir, METRICS)
+
+
+def logs_dir(run_dir: PathLike) -> Path:
+    return p(run_dir, "logs")
+
+
+def log_file(run_dir: PathLike, role: str) -> Path:
+    """RUN_DIR/logs/<role>.log; role names as in plan.json (trainer, inference_0, router, orchestrator)."""
+    return p(run_dir, "logs", f"{role}.log")
+
+
+def vllm_log_file(run_dir: PathLike, index: int, node_rank: int = 0) -> Path:
+    suffix = "" if node_rank == 0 else f".node{node_rank}"
+    return p(run_dir, "logs", f"inference_{index}{suffix}.vllm.log")
+
+
+def roles_dir(run_dir: PathLike) -> Path:
+    return p(run_dir, "roles")
+
+
+def role_record(run_dir: PathLike, role: str) -> Path:
+    return p(run_dir, "roles", f"{role}.json")
+
+
+def role_history(run_dir: PathLike) -> Path:
+    return p(run_dir, "roles", "history.jsonl")
+
+
+def trainer_exit(run_dir: PathLike) -> Path:
+    """Rank 0's exit status, read by rl.trainer.torchrun (torchrun turns any failure into 1)."""
+    return p(run_dir, "roles", "trainer.exit.json")
+
+
+def server_record(run_dir: PathLike, index: int) -> Path:
+    return p(run_dir, "inference", f"server_{index}.json")
+
+
+def router_record(run_dir: PathLike) -> Path:
+    return p(run_dir, "inference", "router.json")
+
+
+def consumed_log(run_dir: PathLike, kind: str) -> Path:
+    return p(run_dir, kind, CONSUMED)
+
+
+def corrupt_dir(run_dir: PathLike, kind: str) -> Path:
+    return p(run_dir, kind, CORRUPT)
+
+
+# -- node-local disk ---------------------------------------------------------------------------------
+def run_id(run_dir: PathLike) -> str:
+    """Short, stable name of a run for node-local paths and rendezvous ids."""
+    a = Path(run_dir).absolute()
+    return f"{a.name[:40]}-{hashlib.sha1(str(a).encode()).hexdigest()[:8]}"
+
+
+def node_local_dir(base: str, run_dir: PathLike) -> str:
+    """This run's directory under cluster.node_local_dir on every node (plan, cleanup, server)."""
+    return f"{base.rstrip('/')}/{run_id(run_dir)}"
+
+
+def node_model_dir(local_dir: str, index: int) -> str:
+    """Where replica `index` materialises its HF model dir (several replicas may share a node)."""
+    return f"{local_dir}/model{index}"
+
+
+def node_kv_dir(local_dir: str) -> str:
+    return f"{local_dir}/kv"
