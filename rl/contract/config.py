@@ -132,7 +132,6 @@ class RoutingConfig:
 
 @dataclass
 class InferenceConfig:
-    engine: str = "vllm"
     host: Optional[str] = None         # bind address; None: 127.0.0.1 locally, 0.0.0.0 on Slurm
     port: int = 0                      # first server's port, +1 per replica (0 = auto, derived from run_dir)
     dtype: str = "float32"
@@ -303,7 +302,6 @@ _CHOICES = {
     "trainer.dtype": ("float32", "bfloat16"),
     "trainer.mismatch": ("mask", "truncate", "none"),
     "trainer.activation_checkpointing": ("none", "selective", "full"),
-    "inference.engine": ("vllm",),
     "inference.dtype": ("float32", "bfloat16", "auto"),
     "inference.fp8_load": ("auto", "dequantize", "fp8"),
     "inference.kv_offload": (None, "cpu", "cpu+disk"),

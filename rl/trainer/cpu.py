@@ -1,7 +1,7 @@
 """Every CPU workaround of the trainer, in one place, applied only when the trainer runs on the CPU.
 
 torchtitan 0.3.0 is written for GPUs; on this machine's CPU two of its model pieces do not do what the
-trainer needs (see shared/notes/torchtitan-cpu.md for the measurements):
+trainer needs (docs/cpu.md has the measurements):
 
 1. FlexAttention has no backward on the CPU. `DenseAttention` replaces the inner attention of every
    layer with an eager `scaled_dot_product_attention` under a dense boolean mask. The mask is built by

@@ -1,7 +1,7 @@
 """Multi-rank training: `trainer.parallel` (dp_shard x ep x cp = world size) on torchtitan.
 
 Mapping onto torchtitan's `ParallelDims` (legacy "partial_dtensor" SPMD backend, see
-shared/notes/torchtitan-cpu.md): expert parallelism borrows its ranks from data parallelism, as in
+docs/cpu.md): expert parallelism borrows its ranks from data parallelism, as in
 torchtitan, so the trainer's `dp_shard * ep` ranks are torchtitan's `dp_shard`, and its `ep` divides it:
 
     ParallelDims(dp_replicate=1, dp_shard=dp_shard*ep, cp=cp, tp=1, pp=1, ep=ep)
@@ -147,18 +147,33 @@ def init(parallel_cfg, device: torch.device) -> Dist:
                 cp_rank=cp_rank, owns_pg=owns, device=device)
 
 
-def parallelize(model, spec, d: Dist, dtype: torch.dtype):
-    """Apply torchtitan's parallelize function (FSDP2 x EP x CP) to a materialised model."""
+def ac_config(mode: str):
+    """torchtitan's activation-checkpointing policy for trainer.activation_checkpointing."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    if mode == "none":
+        return None
+    return {"full": FullAC.Config, "selective": SelectiveAC.Config}[mode]()
+
+
+def parallelize(model, spec, d: Dist, dtype: torch.dtype, *, activation_checkpointing: str = "none",
+                cpu_offload: bool = False):
+    """Apply torchtitan's parallelize function (FSDP2 x EP x CP, activation checkpointing, FSDP2's CPU
+    offload of parameters, gradients and optimizer states) to a materialised model. One process: only
+    activation checkpointing applies (there is nothing to shard or offload to)."""
+    ac = ac_config(activation_checkpointing)
     if not d.distributed:
+        if ac is not None:
+            ac.build(dump_folder="").apply(model)
         return model
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    training = TrainingConfig(mixed_precision_param=name, mixed_precision_reduce="float32")
+    training = TrainingConfig(mixed_precision_param=name, mixed_precision_reduce="float32",
+                              enable_cpu_offload=cpu_offload)
     parallelism = ParallelismConfig(data_parallel_shard_degree=d.dp_size, context_parallel_degree=d.cp,
                                     expert_parallel_degree=d.ep, spmd_backend=SPMD_BACKEND)
     kwargs = dict(parallel_dims=d.dims, training=training, parallelism=parallelism,
-                  compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
+                  compile_config=CompileConfig(enable=False), ac_config=ac, dump_folder="")
     if d.device.type == "cpu":
         with cpu.patch_cp_for_dense_attention():
             model = spec.parallelize_fn(model, **kwargs)

@@ -194,8 +194,10 @@ class Trainer:
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
                                         parallel={"ep": self.dist.ep} if self.dist.distributed else None,
                                         fp8=bool(cfg.trainer.fp8))
-        self.model = self.built.model = parallel.parallelize(self.built.model, self.built.spec, self.dist,
-                                                              self.built.dtype)
+        self.model = self.built.model = parallel.parallelize(
+            self.built.model, self.built.spec, self.dist, self.built.dtype,
+            activation_checkpointing=str(cfg.trainer.activation_checkpointing),
+            cpu_offload=bool(cfg.trainer.cpu_offload))
         self.optimizer = build_optimizer(self.model, cfg.trainer)
         self.loss_cfg = LossConfig.from_trainer(cfg.trainer)
         self.progress = ckpt.TrainerProgress()

@@ -29,6 +29,23 @@ BAD = [
     (["trainer.keep_weights=1"], "trainer.keep_weights"),
     (["wandb.mode=sometimes"], "wandb.mode"),
     (["seed=1,2"], "-m"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip"),                 # would turn descent into ascent
+    (["orchestrator.max_concurrency=0"], "orchestrator.max_concurrency"),   # would deadlock
+    (["orchestrator.request_timeout_s=0"], "orchestrator.request_timeout_s"),
+    (["model.family=llama"], "model.family"),
+    (["env.name=chess"], "env.name"),
+    (["env.args.x=1"], "env.args"),                                  # env.args is for verifiers:<id>
+    (["env=swe", "env.swe.tasks=/no/such/tasks.jsonl"], "env.swe.tasks"),
+    (["env.digits.warm_start_accuracy=2"], "env.digits.warm_start_accuracy"),
+    (["trainer.activation_checkpointing=some"], "trainer.activation_checkpointing"),
+    (["cluster.time=1h"], "cluster.time"),
+    (["cluster.partition=gpu h100"], "cluster.partition"),
+    (["cluster.gres=gpu 8"], "cluster.gres"),
+    (["cluster.node_local_dir=tmp/x"], "cluster.node_local_dir"),
+    (["inference.routing.policy=random"], "inference.routing.policy"),
+    (["inference.routing.kv_full=2"], "inference.routing.kv_full"),
+    (["inference.gpu_memory_utilization=1.5"], "inference.gpu_memory_utilization"),
+    (["model.kv_lora_rank=512"], "model.qk_nope_head_dim"),          # MLA needs its head sizes
 ]
 
 
@@ -39,6 +56,40 @@ def test_bad_config_is_one_line_error_naming_key(overrides, key):
     msg = str(e.value)
     assert key in msg
     assert "\n" not in msg
+
+
+def test_a_newline_in_a_value_never_reaches_the_batch_script():
+    from rl.contract.config import structured, validate
+    cfg = structured({"run_dir": "/tmp/r", "cluster": {"setup": ["module load x\nrm -rf /"]}})
+    with pytest.raises(ConfigError, match=r"^cluster.setup\[0\]: must not contain a newline"):
+        validate(cfg)
+    cfg = structured({"run_dir": "/tmp/r", "model": {"name": "a\nb"}})
+    with pytest.raises(ConfigError, match=r"^model.name: must not contain a newline"):
+        validate(cfg)
+
+
+def test_unusable_run_dir_is_refused_before_anything_runs(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        compose_points([f"run_dir={f}"], False)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        compose_points([f"run_dir={f}/sub"], False)
+
+
+def test_schema_defaults_are_the_embedded_default():
+    """The schema is the one source of defaults: the base config adds nothing but the env/cluster choice."""
+    from omegaconf import OmegaConf
+    from rl.contract.config import Config
+    (c,) = compose_points(["run_dir=/tmp/hetrl-defaults"], False)
+    c.pop("_overrides")
+    schema = OmegaConf.to_container(OmegaConf.structured(Config))
+    schema["run_dir"] = c["run_dir"]
+    for k in ("inference", "trainer"):  # auto ports are resolved per run
+        for port in ("port", "router_port", "master_port"):
+            if port in c[k]:
+                schema[k][port] = c[k][port]
+    assert c == schema
 
 
 def test_default_config_is_the_debug_experiment(tmp_path):

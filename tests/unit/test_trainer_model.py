@@ -62,3 +62,23 @@ def test_backward_reaches_every_parameter():
     lp.sum().backward()
     no_grad = [n for n, p in built.model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not no_grad, no_grad
+
+
+def test_activation_checkpointing_wraps_blocks_and_keeps_the_step():
+    """trainer.activation_checkpointing (what the memory estimate assumes) is applied, and a checkpointed
+    step computes the same loss and update as the plain one."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from _trainer_helpers import synthetic_batch, tiny_cfg
+    from rl.trainer.train import Trainer
+    out = {}
+    for mode in ("none", "full", "selective"):
+        tr = Trainer(tiny_cfg("/tmp/unused", activation_checkpointing=mode))
+        kinds = {type(b).__name__ for b in tr.model.layers.values()}
+        assert (kinds == {"CheckpointWrapper"}) == (mode != "none"), (mode, kinds)
+        m = tr.train_step(synthetic_batch(0), 0)
+        out[mode] = (m["loss"], next(iter(tr.model.parameters())).detach().clone())
+    for mode in ("full", "selective"):
+        assert abs(out[mode][0] - out["none"][0]) < 1e-6
+        assert torch.allclose(out[mode][1], out["none"][1], atol=1e-6)
