@@ -6,7 +6,8 @@ sessions on one machine do not collide and /etc/slurm is never touched. The meas
 settings are in the shared notes (slurm-local-cluster.md): Debian's build runs several slurmd on one host
 (`-N nX`), components of a heterogeneous job never share a node (hence 4 nodes), `cred_expire=10` makes a
 requeued job start again after ~11 s instead of ~121 s, and two partitions over the same nodes give
-partition preemption (`debug` is preempted by `high`).
+partition preemption (`debug` is preempted by `high`). Each node declares GPUS_PER_NODE GPUs (counted,
+not real: see GRES_CONF) so that plans with GPU replicas can be submitted as they are.
 
 Stopping cancels every job first (killing slurmd would orphan job processes), then kills the daemons and
 any leftover slurmstepd of this cluster by process id, so nothing is left behind.
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 NODES = 4
+GPUS_PER_NODE = 2  # declared per node, no device behind them (GRES_CONF)
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 INSTALL_HINT = "install with .ci/install_slurm.sh (Debian: slurmctld slurmd slurm-client munge)"
 
@@ -79,6 +81,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={d}/jobcomp.log
 MpiDefault=none
+GresTypes=gpu
 SwitchType=switch/none
 MailProg=/bin/true
 ReturnToService=2
@@ -92,9 +95,17 @@ SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf_interval=1,bf_hetjob_immediate,preempt_send_user_signal
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName=n[1-{n}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{p0}-{pn}] CPUs=4 RealMemory=2000 State=UNKNOWN
+NodeName=n[1-{n}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{p0}-{pn}] CPUs=4 RealMemory=2000 Gres=gpu:{gpus} State=UNKNOWN
 PartitionName=debug Nodes=n[1-{n}] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=10 OverSubscribe=NO
 PartitionName=high Nodes=n[1-{n}] Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF OverSubscribe=NO
+"""
+# GPUs by count, with no device behind them: enough for the scheduler to accept and place the GPU requests
+# (--gpus-per-node, --gres=gpu:N) of the plans under test. Slurm 22.05's gres/gpu drops GPUs without a
+# File= ("Removing file-less GPU"), so they are empty regular files in the cluster dir, one set for every
+# node (they share the host; no cgroup binds them). slurmd logs "... is not a valid character or block
+# device" for each and counts them anyway; it sets no CUDA_VISIBLE_DEVICES.
+GRES_CONF = """\
+Name=gpu File={d}/gpu[0-{last}]
 """
 
 
@@ -142,7 +153,10 @@ class SlurmCluster:
         ctld_port, *node_ports = self._contiguous_ports(self.nodes)
         self.conf.write_text(SLURM_CONF.format(
             host=socket.gethostname(), ctld_port=ctld_port, munge_socket=self.munge_socket, d=d,
-            n=self.nodes, p0=node_ports[0], pn=node_ports[-1]))
+            n=self.nodes, p0=node_ports[0], pn=node_ports[-1], gpus=GPUS_PER_NODE))
+        for g in range(GPUS_PER_NODE):
+            (d / f"gpu{g}").touch()
+        (d / "gres.conf").write_text(GRES_CONF.format(d=d, last=GPUS_PER_NODE - 1))
         log = open(d / "daemons.out", "ab")
         self.procs.append(subprocess.Popen([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)],
                                            env=self.env, stdout=log, stderr=log))

@@ -1,65 +1,78 @@
-"""The inference role: one vLLM OpenAI server per `python -m rl.inference --run-dir D --index I`.
+"""The inference role: `python -m rl.inference --run-dir D --index I` executes replica I of the plan.
 
-vLLM is run as a child process (`python -m vllm.entrypoints.openai.api_server`), not imported: its
-engine spawns its own processes, owns signals and logs a lot, and a child we can terminate and whose
-output goes to `D/logs/inference_<I>.vllm.log` is easier to supervise and to restart. This process
-waits for the trainer's first publication, materialises an HF model directory on node-local disk
-(vLLM loads far faster from there than from the shared filesystem, and on the CPU it cannot take the
-FP8 shards, which are dequantized here), starts the server with our worker extension
-(rl.inference.worker_ext) and the endpoints the orchestrator needs (VLLM_SERVER_DEV_MODE=1 for
-pause / collective_rpc / reset_prefix_cache / weight version; `--enable-scale-out` for the
-token-in/token-out endpoint that reports per-token weight versions), labels the engine with the policy
-version it loaded, and advertises itself in `D/inference/server_<I>.json`. Later versions are loaded in
-flight by the orchestrator, never by restarting. It stays up until `D/DONE` appears or it is signalled,
-then stops the child (terminate, wait, kill).
+The plan (`D/plan.json`, rl.contract.plan) says everything about a replica: the nodes it spans, the
+node-local model directory, the complete vLLM command of each node (`Replica.vllm_argv(node_rank)`: the
+head serves the OpenAI API, the other nodes of a multi-node replica run vLLM's headless data-parallel
+ranks) and the environment of the vLLM processes. This module re-derives none of it. The batch script
+starts this role once per node of the replica (one Slurm task per node, so the node rank is the step's
+`SLURM_PROCID`; 0 outside Slurm), and on each node it:
+
+1. waits for the trainer's first publication (`assets/step_000000` and a complete `weights/step_v`);
+   the head picks the newest version, and in a multi-node replica writes it to a start record that the
+   headless nodes wait for, so every data-parallel rank of one replica serves the same policy version;
+2. materialises an HF model directory at the replica's planned `model_dir` (node-local disk: vLLM loads
+   far faster from there than from the shared filesystem, and on the CPU it cannot take the FP8 shards,
+   which are dequantized here);
+3. runs exactly `expand(replica.vllm_argv(node_rank), env)` as a child process (not imported: vLLM's
+   engine spawns its own processes, owns signals and logs a lot; a child we can terminate and whose output
+   goes to `paths.vllm_log_file` is easier to supervise), with `env` = this process's environment +
+   `replica.env` + only what can be decided at run time, nowhere else:
+   - the repository this role runs from, first on PYTHONPATH (vLLM's workers import the worker
+     extension rl.inference.worker_ext from it);
+   - the policy version the engine starts with (`HETRL_POLICY_VERSION`, read by the worker extension);
+   - the run's secret as `VLLM_API_KEY`, which vLLM's API server honours like `--api-key` (its
+     authentication middleware takes `args.api_key or [envs.VLLM_API_KEY]`) without putting the secret
+     on a command line every user of the node can read; unset when the run has no secret.
+4. the head waits for `/health`, labels the engine with the policy version it loaded
+   (`/update_weight_version`) and writes the replica's one server record (rl.contract.records.ServerRecord)
+   with a URL the other het group can reach: this node's hostname when vLLM binds every interface
+   (0.0.0.0 on Slurm), the bind address otherwise. Headless nodes have no API server: they neither poll
+   `/health` nor write a server record, and log to their own `inference_<I>.node<k>.vllm.log`.
+
+Every node then stays up until `D/DONE` appears or it is signalled, and stops its child (terminate, wait,
+kill); the child also gets PR_SET_PDEATHSIG, so a role killed with SIGKILL takes its vLLM with it. Later
+policy versions are loaded in flight by the orchestrator (pause / collective_rpc / resume), never by a
+restart. Model directories of earlier runs left on the node are removed only if this code created them
+(they hold owner records) and every process that owned them on this host is gone.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from omegaconf import OmegaConf
 
 import rl
 from rl import exchange, runtime
+from rl.contract import paths
+from rl.contract.plan import Replica, expand
+from rl.contract.records import ServerRecord
 from rl.inference.worker_ext import VERSION_ENV
 
 ROLE = "inference"
-ASSETS_KIND, WEIGHTS_KIND = "assets", "weights"
-WORKER_EXTENSION = "rl.inference.worker_ext.WeightSyncExtension"
-SERVED_MODEL_NAME = "policy"
 # DeepSeek-V3 / Kimi checkpoint convention for block-scaled e4m3, as vLLM's Fp8Config reads it.
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
+# What a materialised model dir was made from; a dir with the same source is reused, not rewritten.
+SOURCE_FILE = "hetrl_source.json"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def log(msg: str) -> None:
     runtime.log(ROLE, msg)
 
 
-def run_hash(run_dir: str | os.PathLike) -> str:
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-
-
 def fp8_supported() -> bool:
     """Can vLLM compute with block FP8 weights here? CUDA with compute capability >= 8.9 (Ada/Hopper)."""
     import torch
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def resolve_fp8_load(mode: str, supported: bool) -> bool:
@@ -79,10 +92,53 @@ def resolve_fp8_load(mode: str, supported: bool) -> bool:
 def torch_dtype(name: str, assets_config: dict):
     import torch
     if name == "auto":
-        name = assets_config.get("torch_dtype") or "bfloat16"
+        name = assets_config.get("torch_dtype") or "bfloat16"  # an HF config.json, not our config
     return getattr(torch, name)
 
 
+# -- where this process runs ---------------------------------------------------------------------------
+def node_rank_from_env(env) -> int:
+    """This node's rank inside its replica: the Slurm task rank of the replica's step (one task per node
+    of the replica, started by the batch script), 0 outside Slurm (a local run's replicas have one node)."""
+    raw = env.get("SLURM_PROCID", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"SLURM_PROCID={raw!r}: not a task rank") from None
+
+
+def role_name(replica: Replica, node_rank: int) -> str:
+    """The head is the replica's role (`inference_<I>`, as in plan.json); node k > 0 is `inference_<I>.node<k>`."""
+    return replica.name if replica.is_head(node_rank) else f"{replica.name}.node{node_rank}"
+
+
+def advertised_url(host: str, port: int, hostname: str | None = None) -> str:
+    """The URL other processes (another het group included) reach the head at: a server bound to every
+    interface is reached through this node's hostname, one bound to an address through that address."""
+    if host in WILDCARD_HOSTS:
+        host = hostname or socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def vllm_env(replica: Replica, *, version: int, secret: str | None, base) -> dict:
+    """The vLLM processes' environment: `base` (this process's), the plan's `replica.env`, and the three
+    things only known at run time (see the module docstring)."""
+    env = dict(base)
+    env.update(replica.env)
+    repo = str(Path(rl.__file__).resolve().parent.parent)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != repo]
+    env["PYTHONPATH"] = os.pathsep.join([repo, *rest])
+    env[VERSION_ENV] = str(version)
+    if secret:
+        env["VLLM_API_KEY"] = secret
+    else:
+        env.pop("VLLM_API_KEY", None)  # the clients send no key: the server must not ask for one
+    return env
+
+
+# -- node-local disk -----------------------------------------------------------------------------------
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,8 +149,22 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def claim(local_dir: Path, run_dir: Path, role: str) -> Path:
+    """Record that this process uses `local_dir` (one owner record per role process: several replicas,
+    or several nodes of one replica sharing a host's disk, own the same run directory)."""
+    local_dir.mkdir(parents=True, exist_ok=True)
+    p = local_dir / f"owner.{role}.json"
+    exchange.atomic_write_json(p, {"run_dir": str(run_dir), "host": socket.gethostname(), "pid": os.getpid(),
+                                   "role": role, "time": time.time()})
+    return p
+
+
 def clean_stale(base: Path, keep: str) -> list[str]:
-    """Remove model dirs under `base` left by runs whose inference process on this host is gone."""
+    """Remove run directories under `base` (cluster.node_local_dir) that this code created and nobody uses.
+
+    A directory is ours if it holds owner records (`owner*.json`, written by `claim`); it is stale if every
+    one of them names this host and a process that is gone. Anything else is left alone: directories
+    other tools made, and those of processes on other hosts (a node-local dir that is in fact shared)."""
     gone = []
     if not base.is_dir():
         return gone
@@ -102,22 +172,45 @@ def clean_stale(base: Path, keep: str) -> list[str]:
     for d in base.iterdir():
         if d.name == keep or not d.is_dir():
             continue
-        try:
-            owner = json.loads((d / "owner.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            owner = {}
-        if owner.get("host") == host and _alive(int(owner.get("pid", 0) or 0)):
+        owners = []
+        for f in d.glob("owner*.json"):
+            try:
+                owners.append(json.loads(f.read_text()))
+            except (OSError, json.JSONDecodeError):
+                owners.append({})  # unreadable: treat as foreign
+        if not owners:
             continue
-        shutil.rmtree(d, ignore_errors=True)
-        gone.append(d.name)
+        if all(isinstance(o, dict) and "run_dir" in o and o.get("host") == host
+               and isinstance(o.get("pid"), int) and not _alive(o["pid"]) for o in owners):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
     return gone
+
+
+def _source(weights_dir: Path, *, dtype, fp8: bool) -> dict:
+    manifest = hashlib.sha256((weights_dir / exchange.MANIFEST).read_bytes()).hexdigest()
+    return {"weights": str(weights_dir), "manifest_sha256": manifest, "fp8": fp8,
+            "dtype": None if fp8 else str(dtype).removeprefix("torch.")}
+
+
+def _made_from(model_dir: Path, source: dict) -> bool:
+    try:
+        got = json.loads((model_dir / SOURCE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return all(got.get(k) == v for k, v in source.items())
 
 
 def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp8: bool) -> Path:
     """Write an HF model dir: the assets (tokenizer, config) plus the weights of `weights_dir`.
 
-    Dequantized to `dtype` in HF names (one safetensors file per wire shard), or, with `fp8`, the
-    shards as they are and a `quantization_config` in config.json. Written to a temp dir, then renamed.
+    Dequantized to `dtype` in HF names (one safetensors file per wire shard), or, with `fp8`, the shards
+    as they are and a `quantization_config` in config.json. The weights are verified first. Written to a
+    temporary dir and renamed into place; a dir already made from the same published step (same
+    manifest, dtype, fp8) is kept as it is. That also makes concurrent calls safe when several processes
+    share one disk (the nodes of the localhost test cluster): the check and the rename into place happen
+    under a lock file next to `out_dir`, so the first copy wins, the others see it and drop theirs, and
+    nobody replaces a copy of the same step another process's vLLM may be loading.
     """
     from safetensors.torch import save_file
 
@@ -125,7 +218,10 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 
     exchange.verify(weights_dir, checksums=True)
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    source = _source(weights_dir, dtype=dtype, fp8=fp8)
+    if _made_from(out_dir, source):
+        return out_dir
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for p in assets_dir.iterdir():
@@ -154,49 +250,75 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
         config.pop("quantization_config", None)
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    (tmp / "hetrl_source.json").write_text(json.dumps(
-        {"weights": str(weights_dir), "fp8": fp8,
-         "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+    (tmp / SOURCE_FILE).write_text(json.dumps(
+        {**source, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
+    old = out_dir.with_name(f"{out_dir.name}.old-{socket.gethostname()}-{os.getpid()}")
+    with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the swap below is one step for every process on this disk
+        if _made_from(out_dir, source):  # another process sharing this disk finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out_dir
+        try:
+            os.rename(out_dir, old)  # a copy of another version (an earlier start on this node)
+        except FileNotFoundError:
+            old = None
+        os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
-def vllm_command(model_dir: Path, icfg, *, host: str, port: int, python: str = sys.executable,
-                 api_key: str | None = None, routed_experts: bool = False) -> list[str]:
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
-           "--dtype", str(icfg.dtype), "--max-model-len", str(icfg.max_model_len),
-           "--worker-extension-cls", WORKER_EXTENSION, "--generation-config", "vllm",
-           "--enable-scale-out",
-           # Prefix caching explicitly (the router's affinity relies on it) and per-request
-           # usage.prompt_tokens_details.cached_tokens, which rl.inference.router records.
-           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    if icfg.enforce_eager:
-        cmd.append("--enforce-eager")
-    if routed_experts:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
-        cmd.append("--enable-return-routed-experts")
-    if api_key:
-        cmd += ["--api-key", api_key]
-    cmd += [str(a) for a in (icfg.get("extra_args") or [])]
-    return cmd
+# -- what to load ----------------------------------------------------------------------------------------
+def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path, Path, int] | None:
+    """Block until assets/step_000000 and a complete weights step exist; (assets, weights, version)."""
+    announced = False
+    while not stop.is_set() and not runtime.is_done(run_dir):
+        assets = exchange.step_dir(run_dir, paths.ASSETS, 0)
+        version = exchange.latest_complete(run_dir, paths.WEIGHTS) if assets.is_dir() else None
+        if version is not None:
+            return assets, exchange.step_dir(run_dir, paths.WEIGHTS, version), version
+        if not announced:
+            log(f"waiting for {assets} and weights/step_* from the trainer")
+            announced = True
+        time.sleep(0.5)
+    return None
 
 
-def vllm_env(icfg, *, host: str, version: int, cache_root: str, base: dict | None = None) -> dict:
-    env = dict(os.environ if base is None else base)
-    repo = str(Path(rl.__file__).resolve().parent.parent)
-    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([repo] + rest)
-    env.update({
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_HOST_IP": host,
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(float(icfg.kv_cache_gb))))),
-        "VLLM_CACHE_ROOT": cache_root,
-        VERSION_ENV: str(version),
-    })
-    return env
+def start_record(run_dir: Path, index: int) -> Path:
+    """Replica `index`'s start record: the version and load mode its head chose, for its other nodes."""
+    return paths.p(run_dir, "inference", f"replica_{index}.start.json")
 
 
+def _incarnation(run_dir: Path) -> dict:
+    """What tells this incarnation's start record from an earlier one's: prepare's restart count (it
+    runs before the roles of every incarnation) and the Slurm job."""
+    return {"restart": runtime.resume_state(run_dir).restart, "job": os.environ.get("SLURM_JOB_ID")}
+
+
+def write_start(run_dir: Path, index: int, version: int, fp8: bool) -> None:
+    exchange.atomic_write_json(start_record(run_dir, index),
+                               {"version": version, "fp8": fp8, **_incarnation(run_dir)})
+
+
+def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, bool] | None:
+    """(version, fp8) from this incarnation's start record of replica `index`; None if stopped first."""
+    want = _incarnation(run_dir)
+    path, announced = start_record(run_dir, index), False
+    while not stop.is_set() and not runtime.is_done(run_dir):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            rec = {}
+        if rec and all(rec.get(k) == v for k, v in want.items()):
+            return int(rec["version"]), bool(rec["fp8"])
+        if not announced:
+            log(f"waiting for {path} (the version the replica's head loads)")
+            announced = True
+        time.sleep(0.5)
+    return None
+
+
+# -- the vLLM child ------------------------------------------------------------------------------------
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Path,
                  stop: runtime.StopFlag | None = None) -> None:
     deadline = time.monotonic() + timeout
@@ -227,7 +349,7 @@ def _die_with_parent() -> None:
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
+        return s.connect_ex(("127.0.0.1" if host in WILDCARD_HOSTS else host, port)) == 0
 
 
 def stop_child(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
@@ -241,94 +363,89 @@ def stop_child(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
     return proc.returncode
 
 
-def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path, Path, int] | None:
-    """Block until assets/step_000000 and a complete weights step exist; (assets, weights, version)."""
-    announced = False
-    while not stop.is_set() and not runtime.is_done(run_dir):
-        assets = exchange.step_dir(run_dir, ASSETS_KIND, 0)
-        version = exchange.latest_complete(run_dir, WEIGHTS_KIND) if assets.is_dir() else None
-        if version is not None:
-            return assets, exchange.step_dir(run_dir, WEIGHTS_KIND, version), version
-        if not announced:
-            log(f"waiting for {assets} and weights/step_* from the trainer")
-            announced = True
-        time.sleep(0.5)
-    return None
-
-
-def serve(run_dir: Path, index: int = 0) -> int:
+# -- the role ------------------------------------------------------------------------------------------
+def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     run_dir = Path(run_dir).resolve()
     cfg = runtime.load_config(run_dir)
-    icfg = cfg.inference
+    plan = runtime.load_plan(run_dir)
+    replica = plan.replica(index)
+    rank = node_rank_from_env(os.environ) if node_rank is None else node_rank
+    planned = replica.vllm_argv(rank)  # refuses a node rank outside the replica
+    head = replica.is_head(rank)
+    name = role_name(replica, rank)
     stop = runtime.StopFlag()
-    first = wait_first_publication(run_dir, stop)
-    if first is None:
-        log("stopped before the first weights were published")
-        return runtime.EXIT_PREEMPTED if stop.is_set() else 0
-    assets, weights, version = first
 
-    base = Path(cfg.cluster.node_local_dir)
-    rh = run_hash(run_dir)
-    gone = clean_stale(base, keep=rh)
+    if head:
+        first = wait_first_publication(run_dir, stop)
+        if first is None:
+            log("stopped before the first weights were published")
+            return runtime.EXIT_PREEMPTED if stop.is_set() else 0
+        assets, weights, version = first
+        mode = str(cfg.inference.fp8_load)
+        fp8 = resolve_fp8_load(mode, fp8_supported() if mode != "dequantize" else False)
+        if replica.nodes > 1:
+            write_start(run_dir, index, version, fp8)
+    else:
+        started = wait_start(run_dir, index, stop)
+        if started is None:
+            log(f"{name}: stopped before the head chose a version")
+            return runtime.EXIT_PREEMPTED if stop.is_set() else 0
+        version, fp8 = started
+        assets = exchange.step_dir(run_dir, paths.ASSETS, 0)
+        weights = exchange.step_dir(run_dir, paths.WEIGHTS, version)
+
+    local = Path(plan.node_local_dir)
+    gone = clean_stale(local.parent, keep=local.name)
     if gone:
-        log(f"removed stale model dirs of earlier runs: {', '.join(gone)}")
-    work = base / rh
-    work.mkdir(parents=True, exist_ok=True)
-    exchange.atomic_write_json(work / "owner.json", {"run_dir": str(run_dir), "host": socket.gethostname(),
-                                                     "pid": os.getpid()})
-    fp8 = resolve_fp8_load(str(icfg.fp8_load), fp8_supported() if icfg.fp8_load != "dequantize" else False)
-    assets_cfg = json.loads((assets / "config.json").read_text())
-    dtype = torch_dtype(str(icfg.dtype), assets_cfg)
+        log(f"removed stale node-local dirs of earlier runs: {', '.join(gone)}")
+    claim(local, run_dir, name)
+    dtype = torch_dtype(str(cfg.inference.dtype), json.loads((assets / "config.json").read_text()))
     t0 = time.monotonic()
-    model_dir = materialize(assets, weights, work / f"model{index}", dtype=dtype, fp8=fp8)
-    log(f"materialised version {version} ({'fp8' if fp8 else str(dtype)}) in {model_dir} "
+    model_dir = materialize(assets, weights, Path(replica.model_dir), dtype=dtype, fp8=fp8)
+    log(f"{name}: version {version} ({'fp8' if fp8 else str(dtype)}) in {model_dir} "
         f"({time.monotonic() - t0:.1f} s)")
 
-    host = str(icfg.host)
-    port = int(icfg.port) + index
-    url = f"http://{host}:{port}"
-    secret_file = run_dir / "secret"
+    secret_file = paths.secret_file(run_dir)
     secret = secret_file.read_text().strip() if secret_file.exists() else None
-    log_path = run_dir / "logs" / f"inference_{index}.vllm.log"
+    env = vllm_env(replica, version=version, secret=secret, base=os.environ)
+    argv = expand(planned, env)
+    log_path = paths.vllm_log_file(run_dir, index, rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cache_root = tempfile.mkdtemp(prefix="vllm-cache-", dir=work)
-    # vLLM captures routing only with its GPU MoE kernels (0.32 refuses on the CPU); without it the
-    # trainer records routing with its own forward (rl.trainer.replay) and says so in its metrics.
-    capture = bool(OmegaConf.select(cfg, "trainer.router_replay", default=False)) and _cuda_available()
-    cmd = vllm_command(model_dir, icfg, host=host, port=port, api_key=secret, routed_experts=capture)
-    env = vllm_env(icfg, host=host, version=version, cache_root=cache_root)
-    if port_in_use(host, port):
-        raise RuntimeError(f"inference.port: {host}:{port} is already in use (another server, or a leftover "
-                           f"of an earlier run?); pick another inference.port or stop that process")
-    log(f"starting vLLM on {url} (log: {log_path})")
+    url = advertised_url(replica.host, replica.port)
+    if head and port_in_use(replica.host, replica.port):
+        raise RuntimeError(f"inference.port: {replica.host}:{replica.port} is already in use (another server, "
+                           f"or a leftover of an earlier run?); pick another inference.port or stop that process")
+    log(f"{name}: starting vLLM {'on ' + url if head else '(headless data-parallel ranks)'} (log: {log_path})")
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(work),
+        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(local),
                                 start_new_session=True, preexec_fn=_die_with_parent)
     try:
-        t0 = time.monotonic()
-        wait_healthy(url, proc, float(icfg.startup_timeout_s), log_path, stop)
-        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-        httpx.post(f"{url}/update_weight_version", json={"new_version": str(version)}, headers=headers,
-                   timeout=30.0).raise_for_status()
-        log(f"vLLM healthy after {time.monotonic() - t0:.0f} s, policy version {version}")
-        exchange.atomic_write_json(run_dir / "inference" / f"server_{index}.json",
-                                   {"url": url, "version": version, "host": socket.gethostname(),
-                                    "pid": proc.pid, "index": index, "fp8": fp8, "log": str(log_path)})
-        runtime.record_role(run_dir, f"{ROLE}_{index}", url=url, vllm_pid=proc.pid)
+        if head:
+            t0 = time.monotonic()
+            wait_healthy(url, proc, float(cfg.inference.startup_timeout_s), log_path, stop)
+            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+            httpx.post(f"{url}/update_weight_version", json={"new_version": str(version)}, headers=headers,
+                       timeout=30.0).raise_for_status()
+            log(f"vLLM healthy after {time.monotonic() - t0:.0f} s, policy version {version}")
+            ServerRecord(url=url, version=version, host=socket.gethostname(), pid=proc.pid, index=index,
+                         fp8=fp8, log=str(log_path), nodes=replica.nodes).write(run_dir)
+        runtime.record_role(run_dir, name, url=url if head else None, vllm_pid=proc.pid, node_rank=rank)
         while not stop.is_set() and not runtime.is_done(run_dir):
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with status {proc.returncode}; see {log_path}")
+                raise RuntimeError(f"vLLM ({name}) exited with status {proc.returncode}; see {log_path}")
             time.sleep(0.5)
-        log("DONE" if not stop.is_set() else f"stopping ({stop.reason})")
+        log(f"{name}: " + ("DONE" if not stop.is_set() else f"stopping ({stop.reason})"))
     except InterruptedError as e:
         log(str(e))
     finally:
         rc = stop_child(proc)
-        log(f"vLLM stopped (status {rc})")
-        shutil.rmtree(cache_root, ignore_errors=True)
+        log(f"{name}: vLLM stopped (status {rc})")
     return runtime.EXIT_PREEMPTED if stop.is_set() else 0
 
 
 def main(argv=None) -> int:
-    ns = runtime.parse_role_args(ROLE, argv, extra=[(("--index",), {"type": int, "default": 0})])
-    return serve(ns.run_dir, ns.index)
+    ns = runtime.parse_role_args(ROLE, argv, extra=[
+        (("--index",), {"type": int, "default": 0, "help": "replica index in plan.json"}),
+        (("--node-rank",), {"type": int, "default": None,
+                            "help": "node rank inside the replica (default: SLURM_PROCID, 0 outside Slurm)"})])
+    return serve(ns.run_dir, ns.index, ns.node_rank)

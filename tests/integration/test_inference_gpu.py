@@ -1,16 +1,13 @@
 """GPU-only paths of rl.inference: FP8 shards loaded as FP8 (no dequantization), routed-expert capture.
 
 Neither runs on the CPU machine (vLLM's block FP8 kernel needs AMX or CUDA >= 8.9; routed-expert
-capture needs Model Runner V2), so these are skipped without CUDA; they start the real server.
+capture needs Model Runner V2), so these are skipped without CUDA. They start the real role from a run
+directory made like the launcher makes it (one GPU replica on this machine), so the vLLM command,
+including `--enable-return-routed-experts` when `trainer.router_replay` is on, is the plan's.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -18,37 +15,30 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from launch.config import ClusterConfig, InferenceConfig  # noqa: E402
 from rl import exchange  # noqa: E402
-from rl.inference.client import InferenceClient  # noqa: E402
+from rl.contract import paths  # noqa: E402
+from rl.contract.plan import expand  # noqa: E402
 from rl.inference.server import materialize  # noqa: E402
 from rl.model.tiny import write_hf_assets  # noqa: E402
-from test_inference_server import (MODEL, PROMPTS, REPO, _free_port, _publish_weights,  # noqa: E402
-                                   random_hf_state_dict, reference_logprobs)
+from rl.orchestrator.client import InferenceClient  # noqa: E402
+from test_inference_server import (MODEL, PROMPTS, _proc_argv_env, _publish_weights,  # noqa: E402
+                                   make_run_dir, random_hf_state_dict, reference_logprobs, start_role,
+                                   wait_server)
+
+GPU = ["inference.gpus_per_node=1", "inference.dtype=bfloat16", "inference.gpu_memory_utilization=0.5"]
 
 
-def _start(root, extra_args=(), fp8_load="auto"):
-    run_dir = root / "run"
-    run_dir.mkdir()
-    icfg = OmegaConf.structured(InferenceConfig(port=_free_port(), dtype="bfloat16", fp8_load=fp8_load,
-                                                enforce_eager=True, extra_args=list(extra_args)))
-    OmegaConf.save(OmegaConf.create({"run_dir": str(run_dir), "model": MODEL, "inference": icfg,
-                                     "cluster": OmegaConf.structured(
-                                         ClusterConfig(node_local_dir=str(root / "nl")))}),
-                   run_dir / "config.yaml")
+def _start(root, *overrides):
+    run_dir, plan = make_run_dir(root, *GPU, *overrides)
     assets = exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, MODEL), producer="test").path
-    sd = random_hf_state_dict(assets, 1)
-    w0 = _publish_weights(run_dir, 0, sd)
-    proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    info = run_dir / "inference" / "server_0.json"
-    t0 = time.monotonic()
-    while not info.exists():
-        assert proc.poll() is None and time.monotonic() - t0 < 600
-        time.sleep(1)
-    return run_dir, assets, w0, proc, json.loads(info.read_text())
+    w0 = _publish_weights(run_dir, 0, random_hf_state_dict(assets, 1))
+    out = root / "inference.out"
+    proc = start_role(run_dir, plan, open(out, "w"))
+    info = wait_server(run_dir, proc, 600, out)
+    argv, env = _proc_argv_env(info.pid)
+    assert argv == expand(plan.replica(0).vllm_argv(0), env)  # what runs is what was planned
+    secret = paths.secret_file(run_dir).read_text().strip()
+    return run_dir, plan, assets, w0, proc, info, secret
 
 
 def _stop(run_dir, proc):
@@ -59,9 +49,9 @@ def _stop(run_dir, proc):
 def test_fp8_direct_load_and_reload(tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
-    run_dir, assets, w0, proc, info = _start(tmp_path, fp8_load="fp8")
+    run_dir, plan, assets, w0, proc, info, secret = _start(tmp_path, "inference.fp8_load=fp8")
     try:
-        assert info["fp8"] is True
+        assert info.fp8 is True
         ref0 = reference_logprobs(materialize(assets, w0, tmp_path / "ref0", dtype=torch.float32, fp8=False),
                                   PROMPTS)
         w1 = _publish_weights(run_dir, 1, random_hf_state_dict(assets, 2))
@@ -69,7 +59,7 @@ def test_fp8_direct_load_and_reload(tmp_path):
                                   PROMPTS)
 
         async def go():
-            async with InferenceClient(info["url"]) as c:
+            async with InferenceClient(info.url, secret=secret) as c:
                 fresh = [await c.prompt_logprobs(p) for p in PROMPTS]
                 r = await c.update_weights(str(w1), 1)
                 after = [await c.prompt_logprobs(p) for p in PROMPTS]
@@ -87,10 +77,12 @@ def test_fp8_direct_load_and_reload(tmp_path):
 
 
 def test_routed_experts_are_returned(tmp_path):
-    run_dir, assets, w0, proc, info = _start(tmp_path, extra_args=["--enable-return-routed-experts"])
+    run_dir, plan, assets, w0, proc, info, secret = _start(tmp_path, "trainer.router_replay=true")
     try:
+        assert "--enable-return-routed-experts" in plan.replica(0).vllm_command
+
         async def go():
-            async with InferenceClient(info["url"]) as c:
+            async with InferenceClient(info.url, secret=secret) as c:
                 return await c.generate(PROMPTS[0], 8, temperature=1.0, seed=0, ignore_eos=True)
 
         comp = asyncio.run(go())

@@ -1,5 +1,9 @@
-"""One real vLLM CPU server started by `python -m rl.inference`, hot-reloaded A -> B -> A.
+"""One real vLLM CPU server started by `python -m rl.inference` from a run's plan, hot-reloaded A -> B -> A.
 
+The run directory is made the way the launcher makes it (`launch.plan.make_plan` +
+`launch.rundir.freeze_run_dir`: config, plan, secret) and the role is started with the plan's command and
+environment, as the local backend does; the first test checks that the vLLM process it started runs
+exactly the planned argv with the planned environment, and that the run's secret guards the API.
 The reference is transformers in fp32 on the same dequantized weights; the first check shows the
 freshly started engine matches it, so "reloaded engine == reference" means "reloaded == fresh".
 Also: a request in flight across a reload, its per-token versions; a corrupted shard is refused.
@@ -13,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,18 +25,25 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+import httpx  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from launch.config import ClusterConfig, InferenceConfig  # noqa: E402
+from launch.compose import compose  # noqa: E402
+from launch.plan import make_plan  # noqa: E402
+from launch.rundir import freeze_run_dir  # noqa: E402
 from rl import exchange  # noqa: E402
+from rl.contract import paths  # noqa: E402
+from rl.contract.config import ModelConfig  # noqa: E402
+from rl.contract.plan import Plan, expand  # noqa: E402
+from rl.contract.records import ServerRecord  # noqa: E402
 from rl.exchange.weights import write_shards  # noqa: E402
-from rl.inference.client import (InferenceClient, InferenceError, generate_key,
-                                 versions_from_spans, versions_from_updates)  # noqa: E402
 from rl.inference.server import materialize  # noqa: E402
 from rl.model.tiny import write_hf_assets  # noqa: E402
+from rl.orchestrator.client import (InferenceClient, InferenceError, generate_key,  # noqa: E402
+                                    versions_from_spans, versions_from_updates)
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = OmegaConf.load(REPO / "conf" / "model" / "tiny_moe.yaml")
+MODEL = OmegaConf.structured(ModelConfig)  # the schema's default: the tiny Qwen3-MoE
 PROMPTS = [[int(x) for x in torch.randint(10, 500, (24,), generator=torch.Generator().manual_seed(s))]
            for s in range(3)]
 
@@ -89,15 +99,36 @@ def _publish_weights(run_dir: Path, step: int, sd: dict) -> Path:
                             policy_version=step).path
 
 
+def make_run_dir(root: Path, *overrides: str) -> tuple[Path, Plan]:
+    """A run directory as the launcher makes it for the local backend: config, plan, secret."""
+    run_dir = root / "run"
+    cfg = compose([f"run_dir={run_dir}", f"inference.port={_free_port()}", "wandb.mode=disabled",
+                   f"cluster.node_local_dir={root / 'node_local'}", *overrides])
+    assert cfg["model"] == OmegaConf.to_container(MODEL), "the tests' reference model is the default one"
+    freeze_run_dir(cfg, run_dir, make_plan(cfg), backend="local")
+    return run_dir, Plan.read(run_dir)
+
+
+def start_role(run_dir: Path, plan: Plan, out, index: int = 0) -> subprocess.Popen:
+    """The replica's role with the plan's command and environment, as the local backend starts it."""
+    role = plan.role(plan.replica(index).name)
+    env = {**os.environ, **role.env, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(role.command, cwd=plan.workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_server(run_dir: Path, proc: subprocess.Popen, timeout: float, log: Path, index: int = 0) -> ServerRecord:
+    t0 = time.monotonic()
+    while (rec := ServerRecord.read(run_dir, index)) is None:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < timeout, f"server did not come up in {timeout:.0f} s"
+        time.sleep(1)
+    return rec
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference")
-    run_dir = root / "run"
-    run_dir.mkdir()
-    icfg = OmegaConf.structured(InferenceConfig(port=_free_port(), dtype="float32", startup_timeout_s=400))
-    ccfg = OmegaConf.structured(ClusterConfig(node_local_dir=str(root / "node_local")))
-    OmegaConf.save(OmegaConf.create({"run_dir": str(run_dir), "model": MODEL, "inference": icfg,
-                                     "cluster": ccfg}), run_dir / "config.yaml")
+    run_dir, plan = make_run_dir(root, "inference.startup_timeout_s=400")
     assets = exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, MODEL), producer="test").path
     sds = {"A": random_hf_state_dict(assets, 1), "B": random_hf_state_dict(assets, 2)}
     steps = {0: "A", 1: "B", 2: "A", 3: "B"}
@@ -111,21 +142,18 @@ def setup(tmp_path_factory):
         refs[k] = reference_logprobs(ref_dir, PROMPTS)
     # version 1 must not exist when the server starts (it would load the newest): publish it after.
     shutil.rmtree(dirs.pop(1))
-    log = open(root / "inference.out", "w")
+    out = root / "inference.out"
+    log = open(out, "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
-    info_path = run_dir / "inference" / "server_0.json"
+    proc = start_role(run_dir, plan, log)
     try:
-        while not info_path.exists():
-            assert proc.poll() is None, (root / "inference.out").read_text()[-3000:]
-            assert time.monotonic() - t0 < 450, "server did not come up"
-            time.sleep(1)
+        info = wait_server(run_dir, proc, 450, out)
         print(f"server up in {time.monotonic() - t0:.0f} s")
         for v in (1, 2, 3):
             dirs[v] = _publish_weights(run_dir, v, sds[steps[v]])
-        yield {"run_dir": run_dir, "info": json.loads(info_path.read_text()), "refs": refs, "dirs": dirs,
-               "proc": proc, "root": root, "start_s": time.monotonic() - t0}
+        yield {"run_dir": run_dir, "plan": plan, "info": info, "refs": refs, "dirs": dirs, "proc": proc,
+               "root": root, "secret": paths.secret_file(run_dir).read_text().strip(),
+               "start_s": time.monotonic() - t0}
     finally:
         if proc.poll() is None:
             exchange.atomic_write_json(run_dir / "DONE", {})
@@ -137,12 +165,40 @@ def setup(tmp_path_factory):
         log.close()
 
 
+def _client(setup) -> InferenceClient:
+    return InferenceClient(setup["info"].url, secret=setup["secret"])
+
+
+def _proc_argv_env(pid: int) -> tuple[list[str], dict]:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    return argv, env
+
+
+@pytest.mark.slow
+def test_server_runs_the_planned_command_behind_the_secret(setup):
+    plan, info, secret = setup["plan"], setup["info"], setup["secret"]
+    replica = plan.replica(0)
+    argv, env = _proc_argv_env(info.pid)
+    assert argv == expand(replica.vllm_argv(0), env)
+    for k, v in replica.env.items():
+        assert env.get(k) == v, k
+    assert env["VLLM_API_KEY"] == secret and "--api-key" not in argv and secret not in " ".join(argv)
+    assert info.url == f"http://127.0.0.1:{replica.port}" and info.nodes == 1
+    assert (Path(replica.model_dir) / "config.json").is_file()
+    body = {"model": "policy", "prompt": PROMPTS[0], "max_tokens": 1}
+    assert httpx.post(f"{info.url}/v1/completions", json=body, timeout=60).status_code == 401
+    ok = httpx.post(f"{info.url}/v1/completions", json=body, timeout=60,
+                    headers={"Authorization": f"Bearer {secret}"})
+    assert ok.status_code == 200, ok.text
+
+
 def _run(coro):
     return asyncio.run(coro)
 
 
-async def _prompt_lps(url):
-    async with InferenceClient(url) as c:
+async def _prompt_lps(setup):
+    async with _client(setup) as c:
         return [await c.prompt_logprobs(p) for p in PROMPTS]
 
 
@@ -153,15 +209,15 @@ def _close(a, b, atol):
 
 @pytest.mark.slow
 def test_reload_a_b_a_matches_fresh_engine(setup):
-    url, refs, dirs = setup["info"]["url"], setup["refs"], setup["dirs"]
-    assert setup["info"]["version"] == 0
-    fresh = _run(_prompt_lps(url))
+    refs, dirs = setup["refs"], setup["dirs"]
+    assert setup["info"].version == 0
+    fresh = _run(_prompt_lps(setup))
     for got, ref in zip(fresh, refs["A"]):
         ok, err = _close(got, ref, 2e-3)
         assert ok, f"fresh engine vs transformers fp32: max |diff| {err}"
 
     async def reload_and_measure(v):
-        async with InferenceClient(url) as c:
+        async with _client(setup) as c:
             r = await c.update_weights(str(dirs[v]), v)
             assert await c.weight_version() == str(v)
             return r, [await c.prompt_logprobs(p) for p in PROMPTS]
@@ -200,11 +256,11 @@ async def _stream_generate(c: InferenceClient, prompt, n_tok, request_id, on_fir
 
 @pytest.mark.slow
 def test_request_in_flight_across_reload(setup):
-    url, dirs = setup["info"]["url"], setup["dirs"]
+    dirs = setup["dirs"]
     n_tok = 450
 
     async def go():
-        async with InferenceClient(url) as c:
+        async with _client(setup) as c:
             if (await c.weight_version()) != "2":  # run alone: bring the server to version 2 (A)
                 await c.update_weights(str(dirs[2]), 2)
             base = await c.generate(PROMPTS[0], n_tok, temperature=0.0, ignore_eos=True)
@@ -239,7 +295,7 @@ def test_request_in_flight_across_reload(setup):
 
 @pytest.mark.slow
 def test_corrupted_shard_is_refused(setup):
-    url, run_dir, dirs = setup["info"]["url"], setup["run_dir"], setup["dirs"]
+    run_dir, dirs = setup["run_dir"], setup["dirs"]
     bad = exchange.step_dir(run_dir, "weights", 9)
     shutil.copytree(dirs[1], bad)
     shard = sorted(bad.glob("*.safetensors"))[0]
@@ -248,7 +304,7 @@ def test_corrupted_shard_is_refused(setup):
     shard.write_bytes(bytes(data))
 
     async def go():
-        async with InferenceClient(url) as c:
+        async with _client(setup) as c:
             before_v = await c.weight_version()
             before = [await c.prompt_logprobs(p) for p in PROMPTS]
             with pytest.raises(InferenceError, match="sha256"):
@@ -267,10 +323,10 @@ def test_corrupted_shard_is_refused(setup):
 def test_server_stops_on_done(setup):
     run_dir, proc = setup["run_dir"], setup["proc"]
     info = setup["info"]
-    assert set(info) >= {"url", "version", "host", "pid", "index"}
+    assert info.index == 0 and info.host == socket.gethostname()
     assert (run_dir / "roles" / "inference_0.json").exists()
     exchange.atomic_write_json(run_dir / "DONE", {})
     assert proc.wait(90) == 0
     with pytest.raises(ProcessLookupError):
-        os.kill(info["pid"], 0)
-    assert (run_dir / "logs" / "inference_0.vllm.log").stat().st_size > 0
+        os.kill(info.pid, 0)
+    assert paths.vllm_log_file(run_dir, 0).stat().st_size > 0 and info.log == str(paths.vllm_log_file(run_dir, 0))

@@ -1,4 +1,6 @@
-"""Pure parts of rl.inference: request keys, version spans, the update protocol, server plumbing."""
+"""Pure parts of the inference path: request keys, version spans, the update protocol (the orchestrator's
+client), and the server role's plumbing around the plan (environment, node rank, URL, node-local disk,
+the start record of a multi-node replica)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +11,8 @@ import httpx
 import pytest
 from omegaconf import OmegaConf
 
-from launch.config import InferenceConfig
-from rl.inference import client as C
+from rl.contract.config import InferenceConfig
+from rl.orchestrator import client as C
 from rl.inference.worker_ext import external_request_id
 
 
@@ -112,7 +114,7 @@ def test_generate_parses_completions_endpoint():
 def test_client_module_is_light():
     import subprocess
     import sys
-    code = "import sys, rl.inference.client; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    code = "import sys, rl.orchestrator.client; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
@@ -126,31 +128,123 @@ def test_resolve_fp8_load():
         resolve_fp8_load("int4", True)
 
 
-def test_vllm_command_and_env(tmp_path):
-    from rl.inference.server import VERSION_ENV, WORKER_EXTENSION, vllm_command, vllm_env
-    icfg = OmegaConf.structured(InferenceConfig(extra_args=["--seed", 3]))
-    cmd = vllm_command(tmp_path, icfg, host="127.0.0.1", port=8001, python="py")
-    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
-    for flag in ("--enforce-eager", "--enable-scale-out"):
-        assert flag in cmd
-    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
-    assert cmd[cmd.index("--served-model-name") + 1] == "policy" and cmd[-2:] == ["--seed", "3"]
-    env = vllm_env(icfg, host="127.0.0.1", version=7, cache_root="/c", base={"PYTHONPATH": "/x"})
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CACHE_ROOT"] == "/c" and env[VERSION_ENV] == "7"
-    assert env["PYTHONPATH"].endswith(os.pathsep + "/x")
+def _replica(tmp_path, *overrides):
+    from launch.compose import compose
+    from launch.plan import make_plan
+    from rl.contract.plan import Plan
+    cfg = compose([f"run_dir={tmp_path / 'run'}", f"cluster.node_local_dir={tmp_path / 'nl'}", *overrides])
+    return Plan.from_dict(make_plan(cfg)).replica(0)
 
 
-def test_clean_stale_keeps_live_and_current(tmp_path):
+def test_vllm_env_is_the_plans_plus_what_only_run_time_knows(tmp_path):
+    import rl
+    from pathlib import Path
+    from rl.inference.server import VERSION_ENV, vllm_env
+    replica = _replica(tmp_path)
+    repo = str(Path(rl.__file__).resolve().parent.parent)
+    base = {"PYTHONPATH": os.pathsep.join(["/x", repo]), "HOME": "/h", "VLLM_API_KEY": "inherited",
+            "VLLM_SERVER_DEV_MODE": "0"}
+    env = vllm_env(replica, version=7, secret="s3cret", base=base)
+    assert {k: env[k] for k in replica.env} == replica.env  # the plan wins over the inherited value
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HOME"] == "/h"
+    assert env["PYTHONPATH"] == os.pathsep.join([repo, "/x"])  # the repo first, once
+    assert env[VERSION_ENV] == "7" and env["VLLM_API_KEY"] == "s3cret"
+    assert set(env) == set(base) | set(replica.env) | {VERSION_ENV}
+    # a run without a secret: the server must not demand the key the user's shell happens to hold
+    assert "VLLM_API_KEY" not in vllm_env(replica, version=0, secret=None, base=base)
+    assert base["VLLM_API_KEY"] == "inherited"  # the caller's mapping is not modified
+
+
+def test_node_rank_role_name_and_url(tmp_path):
+    import socket
+    from rl.contract.plan import PlanFormatError
+    from rl.inference.server import advertised_url, node_rank_from_env, role_name
+    assert node_rank_from_env({}) == 0 and node_rank_from_env({"SLURM_PROCID": "3"}) == 3
+    with pytest.raises(ValueError, match="SLURM_PROCID"):
+        node_rank_from_env({"SLURM_PROCID": "x"})
+    replica = _replica(tmp_path, "cluster=slurm", "inference.nodes=2", "inference.gpus_per_node=2",
+                       "inference.dp=4")
+    assert [role_name(replica, k) for k in range(2)] == ["inference_0", "inference_0.node1"]
+    with pytest.raises(PlanFormatError, match="node rank 2"):
+        replica.vllm_argv(2)
+    assert advertised_url("0.0.0.0", 8000, "n7") == "http://n7:8000"
+    assert advertised_url("0.0.0.0", 8000) == f"http://{socket.gethostname()}:8000"
+    assert advertised_url("127.0.0.1", 8000, "n7") == "http://127.0.0.1:8000"
+    assert advertised_url("::1", 8000) == "http://[::1]:8000"
+
+
+def test_clean_stale_removes_only_our_dead_dirs(tmp_path):
     import socket
     from rl.exchange import atomic_write_json
-    from rl.inference.server import clean_stale
-    for name, pid in (("cur", 1), ("live", os.getpid()), ("dead", 2 ** 22 + 12345), ("noowner", None)):
+    from rl.inference.server import claim, clean_stale
+    host, dead = socket.gethostname(), 2 ** 22 + 12345
+    owners = {"cur": [(host, dead)], "live": [(host, os.getpid())], "dead": [(host, dead)],
+              "mixed": [(host, dead), (host, os.getpid())], "elsewhere": [("other-host", dead)],
+              "legacy": [(host, dead)], "notours": []}
+    for name, recs in owners.items():
         (tmp_path / name).mkdir()
-        if pid:
-            atomic_write_json(tmp_path / name / "owner.json", {"host": socket.gethostname(), "pid": pid})
-    assert sorted(clean_stale(tmp_path, keep="cur")) == ["dead", "noowner"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cur", "live"]
+        for i, (h, pid) in enumerate(recs):
+            f = "owner.json" if name == "legacy" else f"owner.inference_{i}.json"
+            atomic_write_json(tmp_path / name / f, {"run_dir": "/r", "host": h, "pid": pid})
+    (tmp_path / "notours" / "data").write_text("x")
+    assert sorted(clean_stale(tmp_path, keep="cur")) == ["dead", "legacy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cur", "elsewhere", "live", "mixed", "notours"]
+    rec = claim(tmp_path / "new", tmp_path / "run", "inference_0.node1")
+    assert rec.name == "owner.inference_0.node1.json" and clean_stale(tmp_path, keep="cur") == []
+
+
+def test_start_record_pins_the_heads_version_for_this_incarnation(tmp_path):
+    from rl.contract.records import ResumeState
+    from rl.inference.server import runtime, start_record, wait_start, write_start
+    run_dir = tmp_path / "run"
+    (run_dir / "inference").mkdir(parents=True)
+    stop = runtime.StopFlag(install=False)
+    ResumeState(restart=0).write(run_dir)
+    write_start(run_dir, 0, 5, True)
+    assert wait_start(run_dir, 0, stop) == (5, True)
+    ResumeState(restart=1).write(run_dir)  # the next incarnation: the old record is not its head's
+    (run_dir / "DONE").write_text("{}")
+    assert wait_start(run_dir, 0, stop) is None
+    (run_dir / "DONE").unlink()
+    write_start(run_dir, 0, 6, False)
+    assert json.loads(start_record(run_dir, 0).read_text())["restart"] == 1
+    assert wait_start(run_dir, 0, stop) == (6, False)
+
+
+def _materialize_in_child(args):
+    from rl.inference.server import materialize
+    import torch
+    assets, w, out = args
+    return str(materialize(assets, w, out, dtype=torch.float32, fp8=False))
+
+
+def test_materialize_reuses_and_tolerates_a_shared_disk(tmp_path):
+    torch = pytest.importorskip("torch")
+    import multiprocessing
+    from rl import exchange
+    from rl.exchange.weights import write_shards
+    from rl.inference.server import SOURCE_FILE, materialize
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    sd = {"model.layers.0.self_attn.q_proj.weight": torch.randn(256, 128)}
+    w0 = exchange.publish(tmp_path, "weights", 0, lambda d: write_shards(d, sd), producer="t").path
+    w1 = exchange.publish(tmp_path, "weights", 1, lambda d: write_shards(d, {k: v + 1 for k, v in sd.items()}),
+                          producer="t").path
+    out = tmp_path / "model0"
+    materialize(assets, w0, out, dtype=torch.float32, fp8=False)
+    ino = (out / SOURCE_FILE).stat().st_ino
+    materialize(assets, w0, out, dtype=torch.float32, fp8=False)  # same step: kept as it is
+    assert (out / SOURCE_FILE).stat().st_ino == ino
+    materialize(assets, w0, out, dtype=torch.bfloat16, fp8=False)  # another dtype: rewritten
+    assert json.loads((out / SOURCE_FILE).read_text())["dtype"] == "bfloat16"
+    # the nodes of one replica sharing a disk materialise the same step at once
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        got = pool.map(_materialize_in_child, [(assets, w1, out)] * 4)
+    assert got == [str(out)] * 4
+    src = json.loads((out / SOURCE_FILE).read_text())
+    assert src["weights"] == str(w1) and src["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model0.lock", "assets", "model0", "weights"]
 
 
 def test_materialize_dequantizes_in_hf_names(tmp_path):
