@@ -134,3 +134,9 @@ def node_model_dir(local_dir: str, index: int) -> str:
 
 def node_kv_dir(local_dir: str) -> str:
     return f"{local_dir}/kv"
+
+
+def replica_start_record(run_dir: PathLike, index: int) -> Path:
+    """A multi-node replica's start record: the version and load mode its head chose, for its other
+    nodes (they must load the same weights; written by the head, tagged with the incarnation)."""
+    return p(run_dir, "inference", f"replica_{index}.start.json")

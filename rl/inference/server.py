@@ -284,9 +284,7 @@ def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path,
     return None
 
 
-def start_record(run_dir: Path, index: int) -> Path:
-    """Replica `index`'s start record: the version and load mode its head chose, for its other nodes."""
-    return paths.p(run_dir, "inference", f"replica_{index}.start.json")
+start_record = paths.replica_start_record
 
 
 def _incarnation(run_dir: Path) -> dict:
