@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.slow]
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from rl.contract.config import Config  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.metrics import read_metrics  # noqa: E402
 from rl.contract.batch import RolloutBatch  # noqa: E402
@@ -93,16 +92,14 @@ def server(tmp_path_factory):
     from rl.trainer.train import Trainer
 
     root = tmp_path_factory.mktemp("mt")
+    from builders import make_run_dir
+    from rl.contract.config import load
     run_dir = root / "run"
-    run_dir.mkdir()
-    cfg = OmegaConf.structured(Config(run_dir=str(run_dir)))
-    cfg.model.max_seq_len = 2048
-    cfg.inference.max_model_len = 2048
-    cfg.inference.port = _free_port()
-    cfg.inference.startup_timeout_s = 500
-    cfg.cluster.node_local_dir = str(root / "node_local")
-    cfg.wandb.mode = "disabled"
-    OmegaConf.save(cfg, run_dir / "config.yaml")
+    make_run_dir(run_dir, "model.max_seq_len=2048", "inference.max_model_len=2048",
+                 f"inference.port={_free_port()}", "inference.startup_timeout_s=500",
+                 f"cluster.node_local_dir={root / 'node_local'}", "wandb.mode=disabled")
+    (run_dir / "secret").unlink()  # the test's client talks to the server without the run's token
+    cfg = load(run_dir)
     exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, cfg.model), producer="test")
     Trainer(cfg).publish_weights(run_dir, 0)
     log = open(root / "inference.out", "w")
