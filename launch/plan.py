@@ -314,16 +314,12 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
         "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
         "roles": roles,
     }
-    try:
-        from launch import memory
-    except ImportError:  # TEMP: launch.memory lands in a parallel change
-        memory = None
-    if memory is not None:
-        import dataclasses
-        report = memory.estimate(cfg, plan)
-        plan["memory"] = dataclasses.asdict(report)
+    import dataclasses
+    from launch import memory
+    report = memory.estimate(cfg, plan)
+    plan["memory"] = dataclasses.asdict(report)
     Plan.from_dict(plan)  # what the roles will read: the typed contract accepts it
-    if check_memory and memory is not None:
+    if check_memory:
         memory.check(report)
     return plan
 

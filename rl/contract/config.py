@@ -235,6 +235,7 @@ class ClusterConfig:
     python: Optional[str] = None       # interpreter the roles run with (default: the launcher's)
     node_local_dir: str = "/tmp/hetrl"
     gpu_memory_gib: float = 140.0      # usable memory of one GPU (H200: about 140 GiB)
+    host_memory_gib: float = 0.0       # usable host memory of one node (offloaded state, KV tier); 0 = unchecked
 
 
 @dataclass
@@ -453,6 +454,7 @@ def validate(cfg: DictConfig | dict) -> None:
     need(c.gres is None or bool(_GRES.match(str(c.gres))), "cluster.gres",
          "must be a Slurm GRES spec like gpu:8 or gpu:h200:8")
     need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be positive")
+    need(c.host_memory_gib >= 0, "cluster.host_memory_gib", "must be >= 0 (0 = not checked)")
     need(str(c.node_local_dir).startswith("/"), "cluster.node_local_dir", "must be an absolute path")
     need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
          "must be an absolute path or a command name on PATH")
