@@ -53,7 +53,8 @@ def make_model(out_dir: Path, max_len: int, seed: int = 0) -> Path:
     from rl.model.tiny import write_hf_assets
 
     out_dir = Path(out_dir)
-    m = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "tiny_moe.yaml"))
+    from rl.contract.config import ModelConfig
+    m = OmegaConf.to_container(OmegaConf.structured(ModelConfig))  # the embedded default's model
     m["max_seq_len"] = max_len
     write_hf_assets(out_dir, m, seed=seed)
     cfg = AutoConfig.from_pretrained(out_dir)
