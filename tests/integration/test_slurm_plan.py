@@ -107,7 +107,8 @@ def test_multi_node_replica_runs_the_plan_on_every_node(slurm, tmp_path):
             assert ("--headless" in r["argv"]) == (rank != 0), (rank, r["argv"])
             assert r["env"]["VLLM_API_KEY"] == secret and "--api-key" not in r["argv"]
             assert r["model_materialised"], f"node {rank}: {replica.model_dir} missing when vLLM started"
-            assert r["argv"][r["argv"].index("--model") + 1] == replica.model_dir
+            # multi-node replicas run `vllm serve MODEL_DIR` (only that entry point knows --headless)
+            assert r["argv"][1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", replica.model_dir], r["argv"][:6]
         nodes = [by_rank[k]["slurm"]["SLURMD_NODENAME"] for k in range(n)]
         assert len(set(nodes)) == n, nodes
         steps = {(r["slurm"]["SLURM_JOB_ID"], r["slurm"]["SLURM_STEP_ID"]) for r in recs}

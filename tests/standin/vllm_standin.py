@@ -9,7 +9,7 @@ vLLM server the inference role starts) to this file. This file then
 - records what it was started with into `$HETRL_RUN_DIR/standin/vllm-<node>-<pid>.json`: the full argv
   as the role executed it (the interpreter path included), the whole environment, the hostname, the
   `SLURM_*` ids of the task it runs in (SLURM_PROCID: its node rank in the replica's step) and whether
-  the model directory named by `--model` was materialised when it started;
+  the model directory (`--model DIR` or `serve DIR`) was materialised when it started;
 - acts just enough like vLLM for the role: without `--headless` it serves HTTP on the `--host`/`--port`
   of its argv, answering `GET /health` with 200 and `POST /update_weight_version` (recording the label,
   as `label-<pid>.json`); any other request (the orchestrator's generation) is held open until the
@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
     out = Path(os.environ["HETRL_RUN_DIR"]) / "standin"
     out.mkdir(parents=True, exist_ok=True)
-    model = _flag(argv, "--model")
+    # the model dir: `--model DIR` (the OpenAI server module) or `serve DIR` (vllm's CLI, multi-node)
+    model = _flag(argv, "--model") or (argv[argv.index("serve") + 1] if "serve" in argv[:5] else None)
     rec = {"argv": argv, "env": dict(os.environ), "hostname": socket.gethostname(), "pid": os.getpid(),
            "cwd": os.getcwd(), "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM")},
            "node_rank": int(os.environ.get("SLURM_PROCID", "0")),
