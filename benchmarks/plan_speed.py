@@ -41,6 +41,7 @@ def main() -> None:
     print(f"launch plan +experiment={a.experiment} cluster=slurm: median {mp:.3f} s (min {min(tp):.3f})")
     print(f"python -c 'import hydra':                  median {mb:.3f} s (min {min(tb):.3f})")
     print(f"ratio plan / import hydra: {mp / mb:.2f}x; target < 1 s: {'met' if mp < 1.0 else 'NOT met'}")
+    print(f"plan_s={mp:.3f} import_hydra_s={mb:.3f} ratio={mp / mb:.2f} target_met={int(mp < 1.0)}")
 
 
 if __name__ == "__main__":
