@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rl.contract.config import SandboxLimitsConfig as _DEFAULTS
+
 _INIT = Path(__file__).with_name("_sandbox_init.py")
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 _NAMESPACES = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
@@ -56,13 +58,13 @@ class Limits:
     """Per-command limits. cpu_s is CPU seconds (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later);
     memory_bytes is address space (RLIMIT_AS, so allocations beyond it fail with ENOMEM/MemoryError);
     nproc counts processes of the sandbox uid; fsize_bytes caps any file written, stdout included."""
-    cpu_s: int = 60
-    memory_bytes: int = 2 << 30
-    nproc: int = 64
-    fsize_bytes: int = 64 << 20
-    nofile: int = 256
-    tmp_bytes: int = 64 << 20
-    output_chars: int = 1 << 20
+    cpu_s: int = _DEFAULTS.cpu_s          # defaults: the config's env.swe.limits (one set)
+    memory_bytes: int = _DEFAULTS.memory_bytes
+    nproc: int = _DEFAULTS.nproc
+    fsize_bytes: int = _DEFAULTS.fsize_bytes
+    nofile: int = _DEFAULTS.nofile
+    tmp_bytes: int = _DEFAULTS.tmp_bytes
+    output_chars: int = _DEFAULTS.output_chars
 
 
 @dataclass(frozen=True)
