@@ -64,10 +64,25 @@ def compose(overrides: list[str]) -> dict:
     if OmegaConf.is_missing(cfg, "run_dir"):
         cfg.run_dir = ""
     try:
-        validate_cfg = cfg
-        c = to_container(validate_cfg)
+        c = to_container(cfg)
     except Exception as e:  # noqa: BLE001 - interpolation errors name the key
         raise ConfigError(_one_line(e)) from None
+    return with_checkpoint(c)
+
+
+def with_checkpoint(c: dict) -> dict:
+    """The family and sizes of `model.hf_path`'s config.json written into the config (rl.contract.hf)."""
+    import dataclasses
+    from rl.contract import hf
+    from rl.contract.config import ModelConfig
+    m = c.get("model") or {}
+    if not m.get("hf_path"):
+        return c
+    m = dict(m, hf_path=str(Path(m["hf_path"]).expanduser().absolute()))
+    try:
+        c["model"] = hf.resolve_model(m, dataclasses.asdict(ModelConfig()))
+    except hf.CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return c
 
 

@@ -1,0 +1,191 @@
+"""What an HF checkpoint directory says about the network: family, sizes, quantization (torch-free).
+
+An experiment names its checkpoint (`model.hf_path`), not hand-copied sizes: `launch` reads the
+checkpoint's config.json once, at composition, and writes the sizes into the run's frozen config, so the
+memory estimate, the plan and every role see the checkpoint's architecture. The trainer builds its network
+from the same config.json (rl.trainer.model), so the yaml sizes matter only for models created locally.
+
+Families and the config.json shapes they accept:
+- `qwen3`: `model_type` qwen3_moe (Qwen3MoeForCausalLM);
+- `deepseek_v3`: `model_type` deepseek_v3 (DeepseekV3ForCausalLM);
+- `kimi_k2_7`: Kimi's text tower, a DeepSeek-V3 network: `model_type` kimi_k2 (text-only releases),
+  kimi_k25 (multimodal releases: the text tower's config is `text_config` and its tensors are named
+  `language_model.*`; the trainer trains the text tower only), or a deepseek_v3 config with
+  `model.family=kimi_k2_7` given explicitly (the tiny twin, written with transformers' DeepseekV3Config);
+- `glm_moe_dsa`: `model_type` glm_moe_dsa (GLM-5, GlmMoeDsaForCausalLM).
+
+A value the yaml sets that contradicts the checkpoint is an error naming both; a value left at the
+schema default is replaced. `model.max_seq_len` is a usage limit, not a size: it may be set below the
+checkpoint's `max_position_embeddings`, never above.
+
+Quantization: block-FP8 checkpoints (`quant_method: fp8`, e4m3, 128x128 `weight_block_size`, the format
+DeepSeek, Kimi and GLM-5.1-FP8 publish) load; any other `quant_method` is a one-line error naming it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+# model_type -> family
+_FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2_7",
+              "kimi_k25": "kimi_k2_7", "glm_moe_dsa": "glm_moe_dsa"}
+# families that may be asked for explicitly on a checkpoint of another family's config format
+_COMPATIBLE = {"deepseek_v3": {"deepseek_v3", "kimi_k2_7"}, "kimi_k2_7": {"kimi_k2_7"},
+               "qwen3": {"qwen3"}, "glm_moe_dsa": {"glm_moe_dsa"}}
+CONFIG = "config.json"
+SUPPORTED_QUANT = ("fp8",)
+# ModelConfig keys that come from the checkpoint (everything but name, family, hf_path, max_seq_len)
+DERIVED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
+           "num_experts", "top_k", "rope_theta", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+           "qk_rope_head_dim", "v_head_dim", "n_shared_experts", "n_dense_layers", "dense_hidden_dim",
+           "index_n_heads", "index_head_dim", "index_topk")
+
+
+class CheckpointError(ValueError):
+    """An HF checkpoint directory the trainer cannot start from (one line, naming file and key)."""
+
+
+def read_config(hf_path: str | Path) -> dict:
+    f = Path(hf_path) / CONFIG
+    if not f.is_file():
+        raise CheckpointError(f"model.hf_path={hf_path}: no {CONFIG} there")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not JSON ({e})") from None
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict:
+    """The language model's config: `text_config` of a multimodal checkpoint, else the config itself."""
+    if cfg.get("model_type") == "kimi_k25" or ("text_config" in cfg and "hidden_size" not in cfg):
+        tc = dict(cfg.get("text_config") or {})
+        if not tc:
+            raise CheckpointError(f"model_type={cfg.get('model_type')!r} has no text_config")
+        tc.setdefault("quantization_config", cfg.get("quantization_config"))
+        return tc
+    return dict(cfg)
+
+
+def weight_prefix(cfg: Mapping[str, Any]) -> str:
+    """Prefix of the text tower's tensor names in the checkpoint ('' for text-only checkpoints)."""
+    return "language_model." if cfg.get("model_type") == "kimi_k25" else ""
+
+
+def family_of(cfg: Mapping[str, Any], requested: str | None = None) -> str:
+    mt = cfg.get("model_type")
+    fam = _FAMILY_OF.get(mt)
+    if fam is None:
+        raise CheckpointError(f"config.json model_type={mt!r} is not a known family (known model types: "
+                              f"{', '.join(sorted(_FAMILY_OF))})")
+    if requested and requested != fam:
+        if requested not in _COMPATIBLE[fam]:
+            raise CheckpointError(f"model.family={requested!r} does not fit the checkpoint (model_type={mt!r}, "
+                                  f"family {fam!r})")
+        return requested
+    return fam
+
+
+def rope_theta(tc: Mapping[str, Any]) -> float:
+    rp = tc.get("rope_parameters") or {}
+    theta = rp.get("rope_theta", tc.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
+def rope_scaling(tc: Mapping[str, Any]) -> dict:
+    """The rope scaling settings, whichever spelling the config uses ({} = none)."""
+    rp = dict(tc.get("rope_parameters") or {})
+    rs = dict(tc.get("rope_scaling") or {})
+    merged = {**rs, **{k: v for k, v in rp.items() if k != "rope_theta"}}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind in (None, "default"):
+        return {}
+    merged["rope_type"] = kind
+    return merged
+
+
+def quantization(cfg: Mapping[str, Any]) -> dict | None:
+    """The checkpoint's quantization_config if it is one the loader reads; None if unquantized."""
+    q = text_config(cfg).get("quantization_config") or cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method not in SUPPORTED_QUANT:
+        raise CheckpointError(f"config.json quantization_config.quant_method={method!r} is not supported "
+                              f"(the loader reads {', '.join(SUPPORTED_QUANT)}: block-scaled e4m3)")
+    block = q.get("weight_block_size")
+    if block is not None and list(block) != [128, 128]:
+        raise CheckpointError(f"config.json quantization_config.weight_block_size={block}: only [128, 128]")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"config.json quantization_config.fmt={q.get('fmt')!r}: only e4m3")
+    return dict(q)
+
+
+def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
+    """The ModelConfig values the checkpoint determines."""
+    tc = text_config(cfg)
+
+    def need(k):
+        if tc.get(k) is None:
+            raise CheckpointError(f"config.json: {k} is missing (needed for family {family})")
+        return tc[k]
+
+    out = dict(vocab_size=int(need("vocab_size")), dim=int(need("hidden_size")),
+               n_layers=int(need("num_hidden_layers")), n_heads=int(need("num_attention_heads")),
+               top_k=int(need("num_experts_per_tok")), rope_theta=rope_theta(tc),
+               moe_hidden_dim=int(need("moe_intermediate_size")))
+    zero = dict(q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+                n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0,
+                index_head_dim=0, index_topk=0)
+    if family == "qwen3":
+        if tc.get("mlp_only_layers") or int(tc.get("decoder_sparse_step", 1)) != 1:
+            raise CheckpointError("config.json: Qwen3-MoE with dense layers (mlp_only_layers / "
+                                  "decoder_sparse_step) is not supported")
+        out.update(zero, n_kv_heads=int(need("num_key_value_heads")),
+                   head_dim=int(tc.get("head_dim") or out["dim"] // out["n_heads"]),
+                   num_experts=int(need("num_experts")))
+        return out
+    nope, rope = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
+    out.update(zero, n_kv_heads=out["n_heads"], head_dim=nope + rope, num_experts=int(need("n_routed_experts")),
+               q_lora_rank=int(tc.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(need("v_head_dim")),
+               n_shared_experts=int(tc.get("n_shared_experts") or 0),
+               n_dense_layers=int(tc.get("first_k_dense_replace") or 0),
+               dense_hidden_dim=int(need("intermediate_size")))
+    if family == "glm_moe_dsa":
+        out.update(index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
+                   index_topk=int(need("index_topk")))
+    return out
+
+
+def resolve_model(model: dict, defaults: Mapping[str, Any]) -> dict:
+    """`model` (a config group as composed) with family and sizes taken from its `hf_path` checkpoint.
+
+    `defaults` is the schema's ModelConfig as a dict: a value equal to its default was not asked for and
+    is replaced; any other value must agree with the checkpoint.
+    """
+    path = model.get("hf_path")
+    if not path:
+        return model
+    cfg = read_config(path)
+    quantization(cfg)  # an unknown format fails here, before anything is submitted
+    requested = model.get("family")
+    family = family_of(cfg, None if requested == defaults.get("family") else requested)
+    fields = model_fields(cfg, family)
+    out = dict(model, family=family)
+    for k, v in fields.items():
+        have = model.get(k)
+        if have is not None and have != defaults.get(k) and have != v:
+            raise CheckpointError(f"model.{k}={have} contradicts {Path(path) / CONFIG} ({v}); sizes come from "
+                                  f"the checkpoint: remove model.{k}")
+        out[k] = v
+    limit = text_config(cfg).get("max_position_embeddings")
+    if limit is not None:
+        if model.get("max_seq_len") in (None, defaults.get("max_seq_len")):
+            out["max_seq_len"] = int(limit)
+        elif int(model["max_seq_len"]) > int(limit):
+            raise CheckpointError(f"model.max_seq_len={model['max_seq_len']} exceeds the checkpoint's "
+                                  f"max_position_embeddings={limit}")
+    return out
