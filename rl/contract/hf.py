@@ -145,10 +145,10 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
                                   "decoder_sparse_step) is not supported")
         out.update(zero, n_kv_heads=int(need("num_key_value_heads")),
                    head_dim=int(tc.get("head_dim") or out["dim"] // out["n_heads"]),
-                   num_experts=int(need("num_experts")))
+                   num_experts=int(tc.get("num_experts") or need("num_local_experts")))
         return out
     nope, rope = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
-    out.update(zero, n_kv_heads=out["n_heads"], head_dim=nope + rope, num_experts=int(need("n_routed_experts")),
+    out.update(zero, n_kv_heads=out["n_heads"], head_dim=nope + rope, num_experts=int(tc.get("n_routed_experts") or need("num_local_experts")),
                q_lora_rank=int(tc.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(need("v_head_dim")),
                n_shared_experts=int(tc.get("n_shared_experts") or 0),
