@@ -123,6 +123,29 @@ def quantization(cfg: Mapping[str, Any]) -> dict | None:
     return dict(q)
 
 
+def ignored_modules(cfg: Mapping[str, Any]) -> list[str]:
+    """Modules the checkpoint's quantization_config keeps unquantized (its ignore list), as written."""
+    q = text_config(cfg).get("quantization_config") or cfg.get("quantization_config") or {}
+    out = []
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
+        out += [str(x) for x in (q.get(key) or [])]
+    return out
+
+
+def is_ignored(tensor_name: str, ignored: list[str]) -> bool:
+    """Whether HF tensor `tensor_name` belongs to a module of the ignore list (exact module, a module
+    prefix, or a `re:` pattern as compressed-tensors writes them)."""
+    import re
+    module = tensor_name.rsplit(".", 1)[0]
+    for ig in ignored:
+        if ig.startswith("re:"):
+            if re.fullmatch(ig[3:], module):
+                return True
+        elif module == ig or module.startswith(ig + ".") or module.endswith("." + ig):
+            return True
+    return False
+
+
 def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
     """The ModelConfig values the checkpoint determines."""
     tc = text_config(cfg)

@@ -34,6 +34,14 @@ def default_quantize(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not _KEEP_HIGH.search(name)
 
 
+def quantize_except(ignored: list[str]) -> Callable[[str, torch.Tensor], bool]:
+    """`default_quantize`, minus the modules a checkpoint's quantization_config keeps high-precision."""
+    if not ignored:
+        return default_quantize
+    from rl.contract.hf import is_ignored
+    return lambda name, t: default_quantize(name, t) and not is_ignored(name, ignored)
+
+
 def quantize_state_dict(tensors: Mapping[str, torch.Tensor], fp8_enabled: bool = True,
                         wire_dtype: torch.dtype = torch.bfloat16,
                         quantize: Callable[[str, torch.Tensor], bool] = default_quantize,

@@ -73,7 +73,22 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0):
 
 
 def hf_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
-    """config.json of a Qwen3MoeForCausalLM with the sizes of the `model` config group."""
+    """config.json of the family's HF architecture with the sizes of the `model` config group."""
+    if m["family"] != "qwen3":
+        from rl.model.twins import hf_config_dict
+        sizes = dict(hidden_size=m["dim"], num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
+                     q_lora_rank=m["q_lora_rank"] or None, kv_lora_rank=m["kv_lora_rank"],
+                     qk_rope_head_dim=m["qk_rope_head_dim"], qk_nope_head_dim=m["qk_nope_head_dim"],
+                     v_head_dim=m["v_head_dim"], n_routed_experts=m["num_experts"],
+                     n_shared_experts=m["n_shared_experts"], num_experts_per_tok=m["top_k"],
+                     moe_intermediate_size=m["moe_hidden_dim"], intermediate_size=m["dense_hidden_dim"],
+                     first_k_dense_replace=m["n_dense_layers"], max_position_embeddings=m["max_seq_len"],
+                     n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
+        if m["family"] == "glm_moe_dsa":
+            sizes.update(index_n_heads=m["index_n_heads"], index_head_dim=m["index_head_dim"],
+                         index_topk=m["index_topk"])
+        return hf_config_dict(m["family"], sizes, vocab_size, eos_token_id, pad_token_id, "bfloat16")
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",

@@ -30,41 +30,180 @@ from rl.trainer import cpu, replay
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _flavor(m: Mapping[str, Any]):
-    """A qwen3 flavor function (attn_backend, moe_comm_backend) -> Qwen3Model.Config for `m`."""
+def network_config(m: Mapping[str, Any]) -> dict:
+    """The HF config.json (text tower) that defines the network of model config `m`.
+
+    With `model.hf_path` it is the checkpoint's; otherwise the one `rl.model.tiny.write_hf_assets` writes
+    for a model created here (the same architecture keys; token ids do not change the network).
+    """
+    from rl.contract import hf
+    if m.get("hf_path"):
+        return hf.text_config(hf.read_config(m["hf_path"]))
+    from rl.model.tiny import hf_config
+    return hf_config(m, int(m["vocab_size"]), 0, 0)
+
+
+def _rms_eps(cfg, eps: float) -> None:
+    """Every RMSNorm config under `cfg` gets the checkpoint's epsilon (torchtitan defaults to 1e-5)."""
+    import dataclasses
+    from torchtitan.models.common import RMSNorm
+    seen = set()
+
+    def walk(c):
+        if id(c) in seen or not dataclasses.is_dataclass(c):
+            return
+        seen.add(id(c))
+        if isinstance(c, RMSNorm.Config):
+            c.eps = eps
+        for f in dataclasses.fields(c):
+            v = getattr(c, f.name, None)
+            for x in (v if isinstance(v, (list, tuple)) else [v]):
+                walk(x)
+    walk(cfg)
+
+
+def _qwen3(m: Mapping[str, Any], h: Mapping[str, Any]):
+    """torchtitan qwen3 flavor function (attn_backend, moe_comm_backend) -> Qwen3Model.Config for HF `h`."""
+    from rl.contract.hf import model_fields, rope_scaling, rope_theta
     from torchtitan.models import qwen3 as q3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
+    if rope_scaling(h):
+        raise ValueError(f"config.json rope scaling {rope_scaling(h)} is not supported for family qwen3")
+    f = model_fields(h, "qwen3")
+
     def build(attn_backend: str, moe_comm_backend: str = "standard"):
-        dim, vocab = int(m["dim"]), int(m["vocab_size"])
+        dim, vocab = f["dim"], f["vocab_size"]
         cfg = q3.Qwen3Model.Config(
-            vocab_size=vocab, dim=dim, norm=q3._qwen3_norm(dim), enable_weight_tying=False,
+            vocab_size=vocab, dim=dim, norm=q3._qwen3_norm(dim), enable_weight_tying=bool(h.get("tie_word_embeddings")),
             tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
                                             param_init=q3._EMBEDDING_INIT),
             lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=q3._LINEAR_INIT),
             layers=q3._build_qwen3_moe_layers(
-                n_layers=int(m["n_layers"]), dim=dim, n_heads=int(m["n_heads"]),
-                n_kv_heads=int(m["n_kv_heads"]), head_dim=int(m["head_dim"]),
-                moe_hidden_dim=int(m["moe_hidden_dim"]), num_experts=int(m["num_experts"]),
-                top_k=int(m["top_k"]), attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
-                rope=CosSinRoPE.Config(dim=int(m["head_dim"]), max_seq_len=int(m["max_seq_len"]),
-                                       theta=float(m["rope_theta"]))))
+                n_layers=f["n_layers"], dim=dim, n_heads=f["n_heads"], n_kv_heads=f["n_kv_heads"],
+                head_dim=f["head_dim"], moe_hidden_dim=f["moe_hidden_dim"], num_experts=f["num_experts"],
+                top_k=f["top_k"], attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
+                rope=CosSinRoPE.Config(dim=f["head_dim"], max_seq_len=int(m["max_seq_len"]),
+                                       theta=rope_theta(h))))
         for layer in cfg.layers:
+            # HF Qwen3-MoE has no expert bias: one only the trainer saw would route unlike inference
             layer.moe.load_balance_coeff = None
+            layer.moe.router.route_norm = bool(h.get("norm_topk_prob", True))
+        _rms_eps(cfg, float(h.get("rms_norm_eps", 1e-6)))
         return cfg
     return build
 
 
-def model_spec(m: Mapping[str, Any], attn_backend: str = "flex"):
-    """Register the flavor of model config `m` with torchtitan's qwen3 family; return its ModelSpec."""
-    from torchtitan.models.qwen3 import model_registry, qwen3_configs
+def mla_rope(m: Mapping[str, Any], h: Mapping[str, Any], rope_dim: int):
+    """torchtitan's ComplexRoPE config (interleaved pairs, as HF's rope_interleave) and the softmax mscale."""
+    from rl.contract.hf import rope_scaling, rope_theta
+    from torchtitan.models.common import ComplexRoPE
+    if h.get("rope_interleave") is False:
+        raise ValueError("config.json rope_interleave=false is not supported for the MLA families")
+    rs = rope_scaling(h)
+    kind = rs.get("rope_type")
+    if kind is None:
+        return ComplexRoPE.Config(dim=rope_dim, max_seq_len=int(m["max_seq_len"]), theta=rope_theta(h)), 1.0
+    if kind != "yarn":
+        raise ValueError(f"config.json rope scaling rope_type={kind!r} is not supported (known: default, yarn)")
+    if rs.get("attention_factor") is not None or rs.get("mscale") is None or rs.get("mscale") != rs.get("mscale_all_dim"):
+        # HF then scales cos/sin by an attention factor that torchtitan's ComplexRoPE does not apply
+        raise ValueError(f"config.json yarn rope scaling needs mscale == mscale_all_dim and no attention_factor "
+                         f"(as DeepSeek-V3 and Kimi write it), got {rs}")
+    rope = ComplexRoPE.Config(
+        dim=rope_dim, max_seq_len=int(m["max_seq_len"]), theta=rope_theta(h), scaling="yarn",
+        rope_factor=float(rs["factor"]), beta_fast=float(rs.get("beta_fast", 32.0)),
+        beta_slow=float(rs.get("beta_slow", 1.0)),
+        original_seq_len=int(rs.get("original_max_position_embeddings", 4096)),
+        truncate=bool(rs.get("truncate", True)))
+    # HF scales the softmax by yarn_get_mscale(factor, mscale_all_dim)^2, torchtitan by its `mscale` the same way
+    return rope, float(rs.get("mscale_all_dim") or 0.0)
 
-    if m["family"] != "qwen3":
-        raise NotImplementedError(f"model.family={m['family']!r}: the trainer builds qwen3 only so far "
-                                  f"(the MLA families are not wired into the trainer yet)")
-    name = f"hetrl:{m['name']}"
-    qwen3_configs[name] = _flavor(m)  # re-registering the same name replaces it (tests use several sizes)
-    return model_registry(name, attn_backend=attn_backend)
+
+def _deepseek(m: Mapping[str, Any], h: Mapping[str, Any]):
+    """DeepSeek-V3 / Kimi text tower (torchtitan's DeepSeekV3Model) for HF config `h`."""
+    from rl.contract.hf import model_fields
+    from torchtitan.models import deepseek_v3 as ds
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    f = model_fields(h, "deepseek_v3")
+    if h.get("scoring_func", "sigmoid") not in ("sigmoid", "softmax"):
+        raise ValueError(f"config.json scoring_func={h.get('scoring_func')!r} is not supported")
+    if h.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise ValueError(f"config.json topk_method={h.get('topk_method')!r} is not supported")
+    rope, mscale = mla_rope(m, h, f["qk_rope_head_dim"])
+    n_group, topk_group = int(h.get("n_group") or 1), int(h.get("topk_group") or 1)
+
+    def build(attn_backend: str, moe_comm_backend: str = "standard"):
+        dim, vocab = f["dim"], f["vocab_size"]
+        layers = ds._build_dsv3_layers(
+            n_layers=f["n_layers"], n_dense_layers=f["n_dense_layers"], dim=dim, n_heads=f["n_heads"],
+            q_lora_rank=f["q_lora_rank"], kv_lora_rank=f["kv_lora_rank"],
+            qk_nope_head_dim=f["qk_nope_head_dim"], qk_rope_head_dim=f["qk_rope_head_dim"],
+            v_head_dim=f["v_head_dim"], mscale=mscale,
+            dense_hidden_dim=f["dense_hidden_dim"], moe_hidden_dim=f["moe_hidden_dim"],
+            num_experts=f["num_experts"], num_shared_experts=max(f["n_shared_experts"], 1),
+            router_top_k=f["top_k"], router_score_func=h.get("scoring_func", "sigmoid"),
+            router_num_expert_groups=n_group if n_group > 1 else None,
+            router_num_limited_groups=topk_group if n_group > 1 else None,
+            router_route_scale=float(h.get("routed_scaling_factor", 1.0)),
+            router_route_norm=bool(h.get("norm_topk_prob", True)),
+            attn_backend=attn_backend, moe_comm_backend=moe_comm_backend, non_blocking_capacity_factor=None,
+            rope=rope)
+        for layer in layers:
+            if layer.moe is not None:
+                if f["n_shared_experts"] == 0:
+                    layer.moe.shared_experts = None
+                # noaux_tc: the checkpoint's e_score_correction_bias is the expert bias; it is loaded and
+                # published, never updated by the trainer (no load-balancing hook is registered)
+                if h.get("topk_method", "noaux_tc") != "noaux_tc":
+                    layer.moe.load_balance_coeff = None
+        cfg = ds.DeepSeekV3Model.Config(
+            vocab_size=vocab, dim=dim,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=ds._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=dim, param_init=ds._NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=ds._output_linear_init(dim)),
+            layers=layers, mtp_layers=[])
+        _rms_eps(cfg, float(h.get("rms_norm_eps", 1e-6)))
+        return cfg
+    return build
+
+
+def model_spec(m: Mapping[str, Any], attn_backend: str = "flex", hf_config: Mapping[str, Any] | None = None):
+    """The torchtitan ModelSpec (model config, parallelize function, HF adapter) of `m`'s family.
+
+    The network comes from `hf_config` (default: `network_config(m)`): a checkpoint's config.json, or the
+    one written for a model created here.
+    """
+    from rl.contract.config import FAMILIES
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    fam = m["family"]
+    if fam not in FAMILIES:
+        raise ValueError(f"model.family={fam!r} is not known (known: {', '.join(FAMILIES)})")
+    h = dict(hf_config) if hf_config is not None else network_config(m)
+    if fam == "qwen3":
+        from torchtitan.models.qwen3 import model_registry, qwen3_configs
+        name = f"hetrl:{m['name']}"
+        qwen3_configs[name] = _qwen3(m, h)  # re-registering the same name replaces it (tests use several sizes)
+        return model_registry(name, attn_backend=attn_backend)
+    if fam == "glm_moe_dsa":
+        from rl.trainer import glm5
+        return glm5.model_spec(h, attn_backend=attn_backend, max_seq_len=int(m["max_seq_len"]))
+    from torchtitan.models.deepseek_v3 import DeepSeekV3StateDictAdapter, parallelize_deepseekv3
+    return ModelSpec(name=fam, flavor=f"hetrl:{m['name']}", model=_deepseek(m, h)(attn_backend),
+                     parallelize_fn=parallelize_deepseekv3, pipelining_fn=None, post_optimizer_build_fn=None,
+                     state_dict_adapter=DeepSeekV3StateDictAdapter)
+
+
+def set_sharding(spec, ep: int) -> None:
+    """torchtitan's sharding configs for the family (its Trainer does this in update_from_config)."""
+    if spec.name == "qwen3":
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        set_qwen3_sharding_config(spec.model, enable_sp=False, enable_ep=ep > 1)
+    else:
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+        set_deepseek_v3_sharding_config(spec.model, enable_sp=False, enable_ep=ep > 1)
 
 
 @dataclass
@@ -72,39 +211,54 @@ class Built:
     model: torch.nn.Module
     spec: Any                      # torchtitan ModelSpec (parallelize_fn, state_dict_adapter, ...)
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype             # compute dtype; the parameters (masters) are always fp32
 
 
 def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = "float32", parallel: Mapping[str, int] | None = None,
-                fp8: bool = False) -> Built:
-    """Build and initialise the model of config `m` with torch's RNG seeded by `seed`.
+                fp8: bool = False, hf_config: Mapping[str, Any] | None = None,
+                materialize: bool = True) -> Built:
+    """Build the model of config `m`; with `materialize`, initialise it with torch's RNG seeded by `seed`.
+
+    Parameters are fp32 master weights whatever `dtype` is: `dtype` is the compute dtype (FSDP2's
+    mixed-precision param dtype on several ranks, autocast on one; rl.trainer.train). bf16 masters would
+    lose most small updates to rounding: at lr 1e-6 one Adam step changes ~1e-6 relative, far below
+    bf16's 2^-8 spacing.
 
     `parallel` ({"ep": ...}, given for multi-rank runs): fill torchtitan's sharding configs first, as its
     Trainer does through `update_from_config`, so that `parallelize_fn` can shard experts over ep.
     `fp8`: block-scaled FP8 GEMMs in attention and experts (rl.trainer.fp8; emulated on the CPU).
+    `materialize=False` leaves the model on the meta device, to be parallelized first and then filled by
+    `materialize_empty` + rl.trainer.hf_load (a checkpoint start: no rank holds the whole model).
     """
-    from torchtitan.tools.utils import set_default_dtype
-
     device = torch.device(device)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    spec = model_spec(m)
+    spec = model_spec(m, hf_config=hf_config)
     if parallel is not None:
-        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
-        set_qwen3_sharding_config(spec.model, enable_sp=False, enable_ep=int(parallel["ep"]) > 1)
+        set_sharding(spec, int(parallel["ep"]))
     replay.apply(spec.model)  # routers that can replay recorded expert ids (a no-op until asked to)
     if device.type == "cpu":
         cpu.apply(spec.model)
     if fp8:
         from rl.trainer import fp8 as fp8_training
         fp8_training.apply(spec.model)
-    with set_default_dtype(dtype), torch.device("meta"):
+    from torchtitan.tools.utils import set_default_dtype
+    with set_default_dtype(torch.float32), torch.device("meta"):
         model = spec.model.build()
+    built = Built(model, spec, device, dtype)
+    if materialize:
+        torch.manual_seed(seed)
+        materialize_empty(model, device)
+    return built
+
+
+def materialize_empty(model, device: str | torch.device, buffer_device: str | torch.device | None = None) -> None:
+    """Meta -> `device` storage, initialised by torchtitan's `init_weights` (buffers such as the RoPE cache
+    are computed there; under set_default_dtype, since casting afterwards breaks the RoPE cache)."""
+    from torchtitan.tools.utils import set_default_dtype
     model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with set_default_dtype(dtype), torch.no_grad():
-        model.init_weights(buffer_device=device)
-    return Built(model, spec, device, dtype)
+    with set_default_dtype(torch.float32), torch.no_grad():
+        model.init_weights(buffer_device=buffer_device or device)
 
 
 def attention_masks(model, positions: torch.Tensor):

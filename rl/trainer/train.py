@@ -191,13 +191,22 @@ class Trainer:
     def __init__(self, cfg, device: str = "cpu", dist: parallel.Dist | None = None):
         self.cfg = cfg
         self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
+        hf_path = cfg.model.hf_path
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
                                         parallel={"ep": self.dist.ep} if self.dist.distributed else None,
-                                        fp8=bool(cfg.trainer.fp8))
+                                        fp8=bool(cfg.trainer.fp8), materialize=not hf_path)
         self.model = self.built.model = parallel.parallelize(
             self.built.model, self.built.spec, self.dist, self.built.dtype,
             activation_checkpointing=str(cfg.trainer.activation_checkpointing),
             cpu_offload=bool(cfg.trainer.cpu_offload))
+        self.load_stats: dict = {}
+        if hf_path:  # parallelized on meta, then each rank reads only its own slices of the checkpoint
+            from rl.trainer import hf_load
+            from rl.trainer.model import materialize_empty
+            offload = bool(cfg.trainer.cpu_offload) and self.dist.distributed
+            materialize_empty(self.model, "cpu" if offload else device, buffer_device=device)
+            self.load_stats = hf_load.load(self.model, self.built.spec, hf_path,
+                                           log=(lambda msg: log(ROLE, msg)) if self.dist.is_main else None)
         self.optimizer = build_optimizer(self.model, cfg.trainer)
         self.loss_cfg = LossConfig.from_trainer(cfg.trainer)
         self.progress = ckpt.TrainerProgress()
@@ -211,8 +220,16 @@ class Trainer:
     def _clip(self) -> float:
         return parallel.clip_grad_norm(self.model, float(self.cfg.trainer.grad_clip), self.dist)
 
+    def _autocast(self):
+        """One process computing in bf16: autocast over fp32 masters (several ranks: FSDP2's
+        mixed-precision policy casts the parameters instead)."""
+        import contextlib
+        if self.built.dtype == torch.float32 or self.dist.distributed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.built.device.type, dtype=self.built.dtype)
+
     def _forward(self, row: Row, replay_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        with replay.replaying(self.model, row.routed if replay_routing else None):
+        with replay.replaying(self.model, row.routed if replay_routing else None), self._autocast():
             return position_logprobs(self.model, row.tokens, row.positions, row.targets, row.masks)
 
     def _routing_for(self, row: Row) -> None:
@@ -304,18 +321,32 @@ class Trainer:
         return out
 
     # -- run-directory side ---------------------------------------------------------------------------
+    def _checkpoint_naming(self) -> tuple[str, list[str]]:
+        """(prefix of the text tower's names, the quantization ignore list) of the start checkpoint."""
+        if not self.cfg.model.hf_path:
+            return "", []
+        from rl.contract import hf
+        c = hf.read_config(self.cfg.model.hf_path)
+        return hf.weight_prefix(c), hf.ignored_modules(c)
+
     def full_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights on rank 0 ({} on the others, which still take part in the gathers)."""
-        if not self.dist.distributed:
-            return hf_state_dict(self.built)
-        full = parallel.full_state_dict(self.model, self.dist)
-        if not self.dist.is_main:
-            return {}
+        """HF-named full weights on rank 0 ({} on the others, which still take part in the gathers),
+        named as the start checkpoint names them (so vLLM's loader for that architecture reads them)."""
+        prefix, _ = self._checkpoint_naming()
         adapter = self.built.spec.state_dict_adapter(self.built.spec.model, None)
-        return {k: v.detach() for k, v in adapter.to_hf(full).items()}
+        if not self.dist.distributed:
+            sd = self.model.state_dict()
+        else:
+            sd = parallel.full_state_dict(self.model, self.dist)
+            if not self.dist.is_main:
+                return {}
+        return {prefix + k: v.detach() for k, v in adapter.to_hf(sd).items()}
 
     def publish_weights(self, run_dir, version: int) -> exchange.Published | None:
-        """`weights/step_<version>`: FP8 block-scaled linears, the rest in the trainer's dtype (rank 0)."""
+        """`weights/step_<version>`: FP8 block-scaled linears, the rest in the trainer's compute dtype (rank 0).
+
+        The router gate, the expert-bias correction, norms, embeddings and the LM head stay high-precision,
+        and so does every module the start checkpoint's quantization_config ignores."""
         exists = self.dist.broadcast(exchange.step_dir(run_dir, "weights", version).is_dir()
                                      if self.dist.is_main else None)
         if exists:  # republishing is a no-op: skip the gathers too
@@ -323,8 +354,9 @@ class Trainer:
         sd = self.full_hf_state_dict()
         if not self.dist.is_main:
             return None
+        quantize = wire.quantize_except(self._checkpoint_naming()[1])
         return exchange.publish(run_dir, "weights", version,
-                                lambda d: wire.write_shards(d, sd, wire_dtype=self.built.dtype),
+                                lambda d: wire.write_shards(d, sd, wire_dtype=self.built.dtype, quantize=quantize),
                                 producer=ROLE, policy_version=version)
 
     def save(self, run_dir, step: int) -> None:
@@ -359,6 +391,24 @@ def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[R
                 pass  # someone else moved it already
             log(ROLE, f"CORRUPT rollouts/step_{step:06d}, not consumed ({e}); moved to {dest}, "
                       f"waiting for it to be published again")
+
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def write_assets(out_dir: Path, m) -> None:
+    """`assets/step_000000`: tokenizer, chat template and config.json the orchestrator, the environments
+    and vLLM use. From `model.hf_path`: the checkpoint's own files (everything but the weights);
+    otherwise the tiny model's, created here (rl.model.tiny)."""
+    if not m.hf_path:
+        from rl.model.tiny import write_hf_assets
+        write_hf_assets(out_dir, m)
+        return
+    import shutil
+    src = Path(m.hf_path)
+    for p in sorted(src.iterdir()):
+        if p.is_file() and not p.name.endswith(_WEIGHT_FILES) and p.name != wire.INDEX:
+            shutil.copy2(p, Path(out_dir) / p.name)
 
 
 def _default_examples(run_dir, cfg) -> Examples:
@@ -425,8 +475,6 @@ def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples |
     cfg = load_config(run_dir) if cfg is None else cfg
     stop = StopFlag(install=False) if stop is None else stop
     max_steps = int(cfg.trainer.max_steps)
-    if cfg.model.hf_path:
-        raise NotImplementedError("model.hf_path: starting from an HF checkpoint is not implemented yet")
     device = device or planned_device(run_dir)
     d = parallel.init(cfg.trainer.parallel, torch.device(device))
     try:
@@ -444,8 +492,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
     if main:
         record_role(run_dir, ROLE, world_size=d.world)
         if not exchange.step_dir(run_dir, "assets", 0).is_dir():
-            from rl.model.tiny import write_hf_assets
-            exchange.publish(run_dir, "assets", 0, lambda p: write_hf_assets(p, cfg.model), producer=ROLE)
+            exchange.publish(run_dir, "assets", 0, lambda p: write_assets(p, cfg.model), producer=ROLE)
     d.barrier()
 
     tr = Trainer(cfg, device=device, dist=d)
