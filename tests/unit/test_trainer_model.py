@@ -82,3 +82,32 @@ def test_activation_checkpointing_wraps_blocks_and_keeps_the_step():
     for mode in ("full", "selective"):
         assert abs(out[mode][0] - out["none"][0]) < 1e-6
         assert torch.allclose(out[mode][1], out["none"][1], atol=1e-6)
+
+
+def test_bf16_compute_keeps_fp32_masters_so_a_tiny_lr_step_changes_them(tmp_path):
+    """trainer.dtype=bfloat16 is the compute dtype; parameters and AdamW states stay fp32. At lr=1e-6 a
+    bf16 master would keep almost none of the update (its spacing near 0.02 is ~1e-4)."""
+    import sys
+    from pathlib import Path
+    from omegaconf import OmegaConf
+    from builders import compose_cfg
+    from rl.trainer.train import Trainer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from _trainer_helpers import synthetic_batch
+
+    cfg = OmegaConf.create(compose_cfg(tmp_path, "trainer.dtype=bfloat16", "trainer.lr=1e-6",
+                                       "trainer.warm_start.steps=0"))
+    tr = Trainer(cfg)
+    assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+    before = {k: v.clone() for k, v in tr.model.named_parameters()}
+    m = tr.train_step(synthetic_batch(0), 0)
+    assert m["loss"] == m["loss"]
+    total = changed = 0
+    for k, v in tr.model.named_parameters():
+        if v.grad is None or "tok_embeddings" in k:  # rows of tokens not in the batch get no gradient
+            continue
+        total += v.numel()
+        changed += int((v.detach() != before[k]).sum())
+    assert changed / total > 0.9, changed / total
+    assert all(s.dtype == torch.float32 for st in tr.optimizer.optimizers[0].state.values()
+               for s in st.values() if torch.is_tensor(s) and s.dim() > 0)
