@@ -30,7 +30,10 @@ def main() -> None:
     ap.add_argument("--experiment", default="kimi_swe")
     a = ap.parse_args()
     py = sys.executable
-    plan = [py, "-m", "launch", "plan", f"+experiment={a.experiment}", "cluster=slurm", "run_dir=/tmp/hetrl-plan-bench"]
+    plan = [py, "-m", "launch", "plan", f"+experiment={a.experiment}", "cluster=slurm", "run_dir=/tmp/hetrl-plan-bench",
+            # the checkpoint's config.json as an architecture card (the site path does not exist here)
+            f"model.hf_path={Path(__file__).resolve().parents[1]}/conf/checkpoints/"
+            f"{'kimi_k2_7' if a.experiment.startswith('kimi') else 'glm_moe_dsa'}"]
     base = [py, "-c", "import hydra"]
     _time(plan), _time(base)  # warm the page cache
     tp, tb = [], []

@@ -78,12 +78,23 @@ def cmd_plan(ns) -> int:
         for row in summary_rows(plan):
             t.add_row(*map(str, row))
         console.print(t)
+        print(_model_line(c))
         report = _print_memory(console, c, plan)
         if c["cluster"]["backend"] == "slurm":
             from launch.slurm import render_script
             print(render_script(plan, c))
         memory.check(report)
     return 0
+
+
+def _model_line(cfg: dict) -> str:
+    """What the trainer builds: family, where its architecture comes from, its size."""
+    from launch import memory
+    m = cfg["model"]
+    p = memory.count_params(memory.Shape.from_cfg(m))
+    src = f"{m['hf_path']}/config.json" if m.get("hf_path") else "the model group (created here, random init)"
+    return (f"model: {m['name']} family {m['family']} from {src}: {p.total / 1e9:.1f}B parameters, "
+            f"{p.active / 1e9:.1f}B active, {m['num_experts']} experts top-{m['top_k']}, {m['n_layers']} layers")
 
 
 def _print_memory(console, cfg: dict, plan: dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -49,8 +50,15 @@ def test_parameter_counts_match_published_totals(m, total, active):
 
 def test_experiment_yamls_hold_the_published_architectures():
     for name, ref in (("kimi_swe", KIMI_K2), ("glm5_swe", GLM5)):
-        (cfg,) = compose_points([f"+experiment={name}", "run_dir=/tmp/hetrl-memory-test"], multirun=False)
+        (cfg,) = compose_points([f"+experiment={name}", "run_dir=/tmp/hetrl-memory-test", card(name)],
+                                multirun=False)
         assert {k: cfg["model"][k] for k in ref} == ref, name
+
+
+def card(experiment: str) -> str:
+    """The experiment's checkpoint as an architecture card (config.json only; rl.contract.hf)."""
+    fam = "kimi_k2_7" if experiment.startswith("kimi") else "glm_moe_dsa"
+    return f"model.hf_path={Path(__file__).resolve().parents[2]}/conf/checkpoints/{fam}"
 
 
 def cfg_of(over: dict) -> dict:
@@ -199,7 +207,7 @@ def test_table_rows_and_report_json():
 
 @pytest.mark.parametrize("name", ["kimi_swe", "glm5_swe", "glm5_seed"])
 def test_real_cluster_experiments_fit(name):
-    (cfg,) = compose_points([f"+experiment={name}", "run_dir=/tmp/hetrl-memory-test"], multirun=False)
+    (cfg,) = compose_points([f"+experiment={name}", "run_dir=/tmp/hetrl-memory-test", card(name)], multirun=False)
     plan = make_plan(cfg)                        # refuses what does not fit
     rep = memory.estimate(cfg, plan)
     for r in rep.roles:

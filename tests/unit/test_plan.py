@@ -12,8 +12,9 @@ from launch.plan import PlanError, make_plan
 from launch.slurm import render_script, shell_word
 
 REPO = Path(__file__).resolve().parents[2]
-KIMI = ["+experiment=kimi_swe", "cluster=slurm"]
-GLM = ["+experiment=glm5_swe", "cluster=slurm"]
+# the checkpoints' config.json as architecture cards (no weights): the site paths do not exist here
+KIMI = ["+experiment=kimi_swe", "cluster=slurm", f"model.hf_path={REPO}/conf/checkpoints/kimi_k2_7"]
+GLM = ["+experiment=glm5_swe", "cluster=slurm", f"model.hf_path={REPO}/conf/checkpoints/glm_moe_dsa"]
 GPU = ["cluster=slurm", "trainer.nodes=2", "trainer.gpus_per_node=8", "trainer.parallel.dp_shard=4",
        "trainer.parallel.ep=4", "inference.nodes=2", "inference.gpus_per_node=8", "inference.tp=2",
        "inference.dp=4", "inference.ep=8", "inference.replicas=2", "model.num_experts=16",
@@ -222,3 +223,26 @@ def test_vllm_parses_every_planned_argv_as_planned():
     ns = parse(single.vllm_argv(0))
     assert ns.model == single.model_dir and ns.host == "127.0.0.1" and ns.enforce_eager
     assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
+
+
+@pytest.mark.parametrize("name,family,card", [("kimi_swe", "kimi_k2_7", KIMI[2]), ("glm5_swe", "glm_moe_dsa", GLM[2])])
+def test_real_experiments_name_the_checkpoint_not_its_sizes(name, family, card):
+    """The yaml holds no architecture sizes; family and sizes come from the checkpoint's config.json."""
+    import yaml
+    from rl.contract import hf
+    model = yaml.safe_load((REPO / "conf" / "experiment" / f"{name}.yaml").read_text())["model"]
+    assert set(model) <= {"name", "family", "hf_path", "max_seq_len"}, sorted(model)
+    (cfg,) = compose_points([f"+experiment={name}", "cluster=slurm", card, "run_dir=/tmp/hetrl-plan-test"],
+                            multirun=False)
+    path = card.split("=", 1)[1]
+    assert cfg["model"]["family"] == family
+    assert {k: cfg["model"][k] for k in hf.DERIVED} == hf.model_fields(hf.read_config(path), family)
+
+
+def test_a_size_contradicting_the_checkpoint_or_a_missing_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.dim=1024 contradicts .*config.json \(7168\)"):
+        compose_points([*KIMI, "model.dim=1024", f"run_dir={tmp_path}"], multirun=False)
+    with pytest.raises(ConfigError, match=r"^model.hf_path=.*nowhere: no config.json there$"):
+        compose_points([*KIMI[:2], f"model.hf_path={tmp_path}/nowhere", f"run_dir={tmp_path}"], multirun=False)
+    with pytest.raises(ConfigError, match=r"model.family='kimi_k2_7' does not fit the checkpoint"):
+        compose_points([*GLM, "model.family=kimi_k2_7", f"run_dir={tmp_path}"], multirun=False)
