@@ -1,0 +1,334 @@
+"""GLM-5 (transformers' `GlmMoeDsaForCausalLM`) for the trainer, built from torchtitan's DeepSeek-V3 pieces.
+
+torchtitan 0.3.0 has no GLM-5. GLM-5 is a DeepSeek-V3 network (MLA attention, sigmoid-routed MoE with a
+shared expert and the noaux_tc expert-bias correction, `first_k_dense_replace` dense layers) plus
+DeepSeek Sparse Attention (DSA): in every layer a small *indexer* scores all keys per query and the MLA
+attention of that query only sees the `index_topk` best-scoring keys inside its causal window.
+
+What is reused, unchanged: torchtitan's `build_mla_moe_layers` (the DeepSeek-V3 layer builder: MLA
+`Attention.Config`, `MoE` with `TokenChoiceTopKRouter.Config` routers: score_func sigmoid, expert bias
+`moe.expert_bias_E` = HF `e_score_correction_bias`, route_scale = routed_scaling_factor, route_norm =
+norm_topk_prob, group-limited routing from n_group/topk_group; Embedding/Linear/RMSNorm/ComplexRoPE
+configs), `DeepSeekV3TransformerBlock`, the `DeepSeekV3Model` decoder, torchtitan's deepseek_v3
+parallelize function and state-dict adapter. So `rl.trainer.replay.apply` (router swap),
+`rl.trainer.cpu.apply` (dense eager attention, fp32 looped experts), the meta build + `to_empty` +
+`init_weights` of rl.trainer.model, FSDP2 and EP all see the same config shapes as for DeepSeek-V3.
+
+What is new: `GlmAttention`, a subclass of torchtitan's MLA `Attention` with an `Indexer` submodule, and
+the adapter entries of the indexer's weights. The indexer (as HF's `GlmMoeDsaIndexer`): q from the MLA
+query latent (`wq_b(q_norm(wq_a(x)))` input, its own `wq_b`), one shared key `LayerNorm(wk(x))`, RoPE on the
+*first* `qk_rope_head_dim` dims of both (interleaved pairs, the same ComplexRoPE as the MLA rope part; HF
+writes the rotated pairs de-interleaved, which permutes q and k alike and leaves every dot product equal),
+score = sum_h w_h(x) * relu(q_h . k * index_head_dim^-0.5), w = weights_proj(x) * index_n_heads^-0.5, in
+fp32. Keys outside the allowed mask get -inf, `topk(min(index_topk, L))` picks keys, and the selection is
+a boolean mask ANDed with the allowed mask (so a query never sees a key the model's mask forbids, even
+when fewer than index_topk keys are allowed). The allowed mask is the one the model is given: causal and
+same-document from `positions` (packed rows), a dense [B, 1, L, L] bool on the CPU
+(`rl.trainer.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
+densely; in that case the attention runs as dense SDPA under the combined mask instead of the flex kernel
+(flex has no per-query top-k key list). Softmax scale = qk_head_dim^-0.5 (times yarn mscale^2 when the
+checkpoint uses yarn), as HF.
+
+Training of the indexer: HF runs the indexer under `torch.no_grad()` and the selection is discrete, so
+no gradient reaches the indexer's weights (wq_b, wk, k_norm, weights_proj) from the language-model loss;
+the same here. They are loaded, kept and published unchanged (DeepSeek's separate indexer KL warm-up loss
+is not part of HF's model and not implemented). Everything else trains.
+
+Differences from HF / limits:
+- `q_a_layernorm` and `kv_a_layernorm` use HF's RMSNorm default eps 1e-6 (not rms_norm_eps), as HF does;
+- only `indexer_types` all "full" (GLM-5's release): "shared" layers reuse the previous layer's top-k in
+  HF, which torchtitan's decoder has no channel for; that config is a ValueError;
+- the dense mask is O(L^2) per row: fine for the CPU and moderate GPU lengths, not for 128k contexts
+  (that needs a sparse MLA kernel such as FlashMLA's, which torchtitan does not have);
+- context parallelism and tensor parallelism are NotImplementedError in `parallelize_fn` (the indexer
+  needs every key of the row; torchtitan gathers K/V only inside the inner attention);
+  VarlenAttention masks are NotImplementedError;
+- the MTP layer GLM-5 checkpoints carry after the last layer is dropped by `from_hf`, as HF drops it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from torchtitan.models.common import Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.nn_modules import LayerNorm
+from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+from torchtitan.protocols.module import Module
+
+NAME = "glm_moe_dsa"
+# HF's GlmMoeDsaRMSNorm default (q_a_layernorm, kv_a_layernorm) and the indexer's LayerNorm eps
+_LORA_NORM_EPS = 1e-6
+_INDEXER_NORM_EPS = 1e-6
+
+
+class Indexer(Module):
+    """DSA lightning indexer: which keys each query may attend to (no gradient, as HF)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        n_heads: int
+        head_dim: int
+        rope_head_dim: int
+        topk: int
+        wq_b: Linear.Config
+        wk: Linear.Config
+        k_norm: LayerNorm.Config
+        weights_proj: Linear.Config
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.rope_head_dim, self.topk = config.rope_head_dim, config.topk
+        self.wq_b = config.wq_b.build()
+        self.wk = config.wk.build()
+        self.k_norm = config.k_norm.build()
+        self.weights_proj = config.weights_proj.build()
+        self.softmax_scale = self.head_dim ** -0.5
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope, positions: torch.Tensor | None,
+                allowed_BLL: torch.Tensor) -> torch.Tensor:
+        """[B, L, L] bool: True where query i selected key j (always inside `allowed_BLL`)."""
+        b, n, _ = x.shape
+        r = self.rope_head_dim
+        q = self.wq_b(q_resid).view(b, n, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).unsqueeze(2)                      # one key head shared by all
+        # the indexer ropes its *first* r dims (the MLA query ropes its last ones)
+        q_pe, k_pe = rope(q[..., :r], k[..., :r], positions)
+        q = torch.cat([q_pe, q[..., r:]], dim=-1)                     # [B, L, H, D]
+        k = torch.cat([k_pe, k[..., r:]], dim=-1).squeeze(2)          # [B, L, D]
+        # same op order as HF: fp32 scores [B, L, H, T], relu, head-weighted sum -> [B, L, T]
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+        index_scores = index_scores.masked_fill(~allowed_BLL, float("-inf"))
+        # Exact ties are common (a key whose every head's relu is 0 scores exactly 0). torch.topk orders
+        # ties by its own algorithm, which depends on the row length, so a document packed with others
+        # could select other keys than alone; a stable sort keeps the earlier key: the same choice at
+        # any length or offset.
+        idx = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :min(self.topk, n)]
+        # rows with fewer than topk allowed keys also pick -inf keys: the AND with allowed drops them
+        return torch.zeros_like(allowed_BLL).scatter_(-1, idx, True) & allowed_BLL
+
+
+def dense_allowed_mask(attention_masks, batch: int, length: int, device) -> torch.Tensor:
+    """The model's attention mask as a dense [B, 1, L, L] bool (True = may attend)."""
+    if isinstance(attention_masks, torch.Tensor):
+        if attention_masks.dtype != torch.bool:
+            raise TypeError("GLM-5 attention needs a boolean mask (rl.trainer.cpu.document_mask)")
+        return attention_masks.expand(batch, 1, length, length)
+    if isinstance(attention_masks, BlockMask):
+        # torchtitan's causal + packed-document mask_mods index tensors, so they evaluate on a grid
+        ar = partial(torch.arange, device=device)
+        m = attention_masks.mask_mod(ar(batch)[:, None, None], ar(1)[:, None, None], ar(length)[None, :, None],
+                                     ar(length)[None, None, :])
+        return m.expand(batch, length, length).unsqueeze(1)
+    raise NotImplementedError(f"GLM-5 sparse attention with attention masks of type "
+                              f"{type(attention_masks).__name__} (varlen) is not implemented")
+
+
+class GlmAttention(Attention):
+    """torchtitan's DeepSeek-V3 MLA attention with GLM-5's DSA indexer selecting the keys per query."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Attention.Config):
+        indexer: Indexer.Config
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if self.q_lora_rank == 0:
+            raise ValueError("GLM-5 attention needs q_lora_rank > 0 (the indexer reads the query latent)")
+        self.indexer = config.indexer.build()
+
+    def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
+        bsz, seqlen, _ = x.size()
+        q_resid = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_resid).view(bsz, seqlen, -1, self.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_a(x)
+        kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(2), positions)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
+
+        allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device)
+        mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0]).unsqueeze(1)
+        if isinstance(self.inner_attention, FlexAttention):
+            # flex takes no per-query key list: dense SDPA under the combined mask (GPU path)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, scale=self.softmax_scale).transpose(1, 2)
+        else:  # rl.trainer.cpu.DenseAttention (or any inner attention taking a dense bool mask)
+            out = self.inner_attention(q, k, v, attention_masks=mask, scale=self.softmax_scale)
+        return self.wo(out.contiguous().view(bsz, seqlen, -1))
+
+
+class GlmMoeDsaModel(DeepSeekV3Model):
+    """torchtitan's DeepSeek-V3 decoder whose layers carry GlmAttention (a distinct name for GLM-5)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeepSeekV3Model.Config):
+        pass
+
+
+# -- config.json -> torchtitan config ---------------------------------------------------------------------
+def _check(h: Mapping[str, Any]) -> None:
+    """One-line ValueError naming the first config.json key this implementation does not follow."""
+    def bad(key, why):
+        raise ValueError(f"config.json {key}={h.get(key)!r} is not supported for GLM-5 ({why})")
+    if h.get("model_type", NAME) != NAME:
+        bad("model_type", f"expected {NAME!r}")
+    if h.get("hidden_act", "silu") != "silu":
+        bad("hidden_act", "silu only")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if h.get(key):
+            bad(key, "false only")
+    if not h.get("q_lora_rank"):
+        bad("q_lora_rank", "the indexer reads the query latent: > 0 needed")
+    if h.get("scoring_func", "sigmoid") != "sigmoid":
+        bad("scoring_func", "sigmoid only")
+    if h.get("topk_method", "noaux_tc") != "noaux_tc":
+        bad("topk_method", "noaux_tc only")
+    if any(t != "full" for t in (h.get("indexer_types") or [])):
+        bad("indexer_types", "every layer runs its own indexer ('full'); 'shared' top-k reuse is not built")
+    if h.get("indexer_types") is None and (h.get("index_topk_pattern") or int(h.get("index_topk_freq") or 1) > 1):
+        bad("index_topk_pattern" if h.get("index_topk_pattern") else "index_topk_freq", "'full' layers only")
+    n, k = int(h["num_hidden_layers"]), int(h.get("first_k_dense_replace") or 0)
+    if h.get("mlp_layer_types") is not None and list(h["mlp_layer_types"]) != ["dense"] * min(k, n) + ["sparse"] * (n - min(k, n)):
+        bad("mlp_layer_types", "first_k_dense_replace dense layers, then sparse")
+    if int(h.get("index_head_dim", 0)) < int(h["qk_rope_head_dim"]):
+        bad("index_head_dim", "must hold the qk_rope_head_dim rope part")
+
+
+def _indexer_config(h: Mapping[str, Any]) -> Indexer.Config:
+    dim, n_heads, head_dim = int(h["hidden_size"]), int(h["index_n_heads"]), int(h["index_head_dim"])
+    lin = ds_model_inits()["linear"]
+    return Indexer.Config(
+        n_heads=n_heads, head_dim=head_dim, rope_head_dim=int(h["qk_rope_head_dim"]), topk=int(h["index_topk"]),
+        wq_b=Linear.Config(in_features=int(h["q_lora_rank"]), out_features=n_heads * head_dim, param_init=lin),
+        wk=Linear.Config(in_features=dim, out_features=head_dim, param_init=lin),
+        k_norm=LayerNorm.Config(normalized_shape=head_dim, eps=_INDEXER_NORM_EPS,
+                                param_init={"weight": nn.init.ones_, "bias": nn.init.zeros_}),
+        weights_proj=Linear.Config(in_features=dim, out_features=n_heads, param_init=lin))
+
+
+def ds_model_inits() -> dict:
+    from torchtitan.models import deepseek_v3 as ds
+    return dict(linear=ds._LINEAR_INIT, norm=ds._NORM_INIT, embedding=ds._EMBEDDING_INIT,
+                output=ds._output_linear_init)
+
+
+def model_config(hf: Mapping[str, Any], attn_backend: str = "flex",
+                 max_seq_len: int | None = None) -> GlmMoeDsaModel.Config:
+    """The torchtitan model config of GLM-5 config.json `hf` (layers from torchtitan's MLA/MoE builder)."""
+    from torchtitan.models import deepseek_v3 as ds
+    from rl.trainer.model import mla_rope  # default / yarn ComplexRoPE and the yarn softmax mscale
+    h = dict(hf)
+    _check(h)
+    seq = int(max_seq_len or h.get("max_position_embeddings") or 4096)
+    rope, mscale = mla_rope({"max_seq_len": seq}, h, int(h["qk_rope_head_dim"]))
+    dim, vocab = int(h["hidden_size"]), int(h["vocab_size"])
+    n_group, topk_group = int(h.get("n_group") or 1), int(h.get("topk_group") or 1)
+    n_shared = int(h.get("n_shared_experts") or 0)
+    inits = ds_model_inits()
+    layers = ds._build_dsv3_layers(
+        n_layers=int(h["num_hidden_layers"]), n_dense_layers=int(h.get("first_k_dense_replace") or 0),
+        dim=dim, n_heads=int(h["num_attention_heads"]), q_lora_rank=int(h["q_lora_rank"]),
+        kv_lora_rank=int(h["kv_lora_rank"]), qk_nope_head_dim=int(h["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(h["qk_rope_head_dim"]), v_head_dim=int(h["v_head_dim"]), mscale=mscale,
+        dense_hidden_dim=int(h["intermediate_size"]), moe_hidden_dim=int(h["moe_intermediate_size"]),
+        num_experts=int(h["n_routed_experts"]), num_shared_experts=max(n_shared, 1),
+        router_top_k=int(h["num_experts_per_tok"]), router_score_func="sigmoid",
+        # HF always runs its group-limited path; with one group it selects every expert (a no-op)
+        router_num_expert_groups=n_group if n_group > 1 else None,
+        router_num_limited_groups=topk_group if n_group > 1 else None,
+        router_route_scale=float(h.get("routed_scaling_factor", 1.0)),
+        router_route_norm=bool(h.get("norm_topk_prob", True)),
+        attn_backend=attn_backend, moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=rope)
+    eps = float(h.get("rms_norm_eps", 1e-5))
+    for layer in layers:
+        att = layer.attention
+        fields = {f.name: getattr(att, f.name) for f in dataclasses.fields(att) if f.init}
+        layer.attention = att = GlmAttention.Config(**fields, indexer=_indexer_config(h))
+        att.q_norm.eps = att.kv_norm.eps = _LORA_NORM_EPS
+        layer.attention_norm.eps = layer.ffn_norm.eps = eps
+        if layer.moe is not None and n_shared == 0:
+            layer.moe.shared_experts = None
+        # noaux_tc: moe.expert_bias_E (load_balance_coeff set) holds the checkpoint's e_score_correction_bias;
+        # it is loaded and published, never updated (the spec registers no load-balancing hook)
+    return GlmMoeDsaModel.Config(
+        vocab_size=vocab, dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=inits["embedding"]),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=inits["norm"]),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=inits["output"](dim)),
+        layers=layers, mtp_layers=[])
+
+
+# -- parallelism -----------------------------------------------------------------------------------------
+def parallelize_glm5(model, *, parallel_dims, **kwargs):
+    """torchtitan's DeepSeek-V3 parallelize (FSDP2 per block, EP over routed experts, AC): the indexer is
+    plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a."""
+    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+    if parallel_dims.cp_enabled:
+        raise NotImplementedError("GLM-5 with context parallelism: the DSA indexer needs every key of the row "
+                                  "(torchtitan gathers K/V only inside the inner attention)")
+    if parallel_dims.tp_enabled:
+        raise NotImplementedError("GLM-5 with tensor parallelism: the DSA indexer has no TP sharding plan")
+    return parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
+
+
+# -- HF names ----------------------------------------------------------------------------------------------
+_INDEXER_KEYS = {f"model.layers.{{}}.self_attn.indexer.{n}": f"layers.{{}}.attention.indexer.{n}"
+                 for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")}
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class GlmMoeDsaStateDictAdapter(DeepSeekV3StateDictAdapter):
+    """DeepSeek-V3's adapter plus the indexer's weights. `to_hf` writes the checkpoint layout (experts
+    split per expert); `from_hf` also takes transformers' in-memory fused experts (gate_up_proj [E, 2F, D],
+    down_proj [E, D, F]) and drops layers beyond num_hidden_layers (the checkpoint's MTP layer)."""
+
+    def __init__(self, model_config, hf_assets_path: str | None):
+        super().__init__(model_config, hf_assets_path)
+        self.from_hf_map.update(_INDEXER_KEYS)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        n_layers, out, rest = len(self.model_config.layers), {}, {}
+        for key, value in hf_state_dict.items():
+            m = re.match(r"model\.layers\.(\d+)\.", key)
+            if m and int(m.group(1)) >= n_layers and not self.model_config.mtp_layers:
+                continue
+            f = _FUSED.match(key)
+            if f is None:
+                rest[key] = value
+                continue
+            prefix = f"layers.{f.group(1)}.moe.routed_experts.inner_experts."
+            if f.group(2) == "down_proj":
+                out[prefix + "w2_EDF"] = value
+            else:
+                w1, w3 = value.chunk(2, dim=1)  # HF: gate, up = linear(x, gate_up_proj[e]).chunk(2)
+                out[prefix + "w1_EFD"], out[prefix + "w3_EFD"] = w1.contiguous(), w3.contiguous()
+        out.update(super().from_hf(rest))
+        return out
+
+
+def model_spec(hf: Mapping[str, Any], attn_backend: str = "flex", max_seq_len: int | None = None):
+    """torchtitan ModelSpec of GLM-5 config.json `hf` (a dict, e.g. `GlmMoeDsaConfig(...).to_dict()`).
+
+    `max_seq_len`: the RoPE cache length (default: the checkpoint's max_position_embeddings).
+    """
+    from torchtitan.protocols.model_spec import ModelSpec
+    return ModelSpec(name=NAME, flavor=f"hetrl:{NAME}", model=model_config(hf, attn_backend, max_seq_len),
+                     parallelize_fn=parallelize_glm5, pipelining_fn=None, post_optimizer_build_fn=None,
+                     state_dict_adapter=GlmMoeDsaStateDictAdapter)

@@ -1,0 +1,248 @@
+"""GLM-5 (rl.trainer.glm5) equals transformers 5.19's GlmMoeDsaForCausalLM, and its sparse attention works.
+
+The outside reference is transformers' own implementation (random init, fp32, seed fixed), with the
+expert-bias correction made non-zero and the router weights scaled up so that the bias and the routing
+both matter. Sequences are longer than index_topk, so the DSA indexer really drops keys.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl.trainer import cpu, glm5, replay
+from rl.trainer.model import materialize_empty
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SIZES = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, q_lora_rank=64, kv_lora_rank=64,
+             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_topk=8, index_head_dim=32,
+             # 8 indexer heads: exact ties in index score (every head's relu 0) are then absent here, so
+             # the comparison does not hinge on how torch.topk orders ties (see the packing test)
+             index_n_heads=8, moe_intermediate_size=32, intermediate_size=128, max_position_embeddings=512,
+             routed_scaling_factor=2.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+N = 32  # tokens per row: > index_topk
+
+
+def _hf(seed=0, **over):
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    cfg = GlmMoeDsaConfig(**{**SIZES, **over})
+    torch.manual_seed(seed)
+    ref = GlmMoeDsaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for m in ref.modules():
+            if type(m).__name__ == "GlmMoeDsaTopkRouter":
+                m.weight.normal_(0.0, cfg.hidden_size ** -0.5)  # logits O(1): scores far from sigmoid(0)
+                m.e_score_correction_bias.normal_(0.0, 0.1)       # large enough to change the choice
+    return cfg, ref
+
+
+def _ours(cfg, sd, flex=False):
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.tools.utils import set_default_dtype
+    spec = glm5.model_spec(cfg.to_dict(), max_seq_len=512)
+    replay.apply(spec.model)
+    cpu.apply(spec.model)
+    if flex:  # the GPU's inner attention; the experts stay fp32 (torchtitan's grouped ones cast to bf16)
+        for layer in spec.model.layers:
+            layer.attention.inner_attention = FlexAttention.Config()
+    with set_default_dtype(torch.float32), torch.device("meta"):
+        model = spec.model.build()
+    materialize_empty(model, "cpu")
+    missing, unexpected = model.load_state_dict(spec.state_dict_adapter(spec.model, None).from_hf(sd), strict=False)
+    assert not unexpected and all(k.endswith("tokens_per_expert_E") for k in missing), (missing, unexpected)
+    return spec, model
+
+
+def _tokens(b=2, n=N, seed=1):
+    tok = torch.randint(0, SIZES["vocab_size"], (b, n), generator=torch.Generator().manual_seed(seed))
+    return tok, torch.arange(n)[None].expand(b, -1)
+
+
+def _logits(model, tok, pos):
+    masks = cpu.document_mask(pos) if cpu.uses_dense_attention(model) else model.get_attention_masks(pos)
+    return model(tok, positions=pos, attention_masks=masks)
+
+
+def test_logits_equal_transformers():
+    cfg, ref = _hf()
+    _, model = _ours(cfg, ref.state_dict())
+    tok, pos = _tokens()
+    with torch.no_grad():
+        ours, theirs = _logits(model, tok, pos), ref(input_ids=tok).logits
+    assert theirs.abs().max() > 0.1
+    torch.testing.assert_close(ours, theirs, **TOL)
+    # the expert-bias correction is loaded (not zeroed) and changes the routing
+    biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
+    assert biases and all(b.abs().sum() > 0 for b in biases)
+
+
+def test_flex_config_uses_the_combined_mask_through_sdpa():
+    """The GPU configuration (flex inner attention, BlockMask from positions) runs the same network: the
+    BlockMask is evaluated densely and attention is SDPA under allowed AND selected (here on the CPU)."""
+    cfg, ref = _hf()
+    _, model = _ours(cfg, ref.state_dict(), flex=True)
+    assert not cpu.uses_dense_attention(model)
+    tok, pos = _tokens(b=1)
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(model, tok, pos), ref(input_ids=tok).logits, **TOL)
+
+
+def test_round_trip_of_checkpoint_names(tmp_path):
+    from safetensors.torch import load_file
+    cfg, ref = _hf()
+    ref.save_pretrained(tmp_path)  # transformers' checkpoint layout: experts split per expert
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in sd)
+    assert any(".self_attn.indexer.k_norm.bias" in k for k in sd)
+    spec = glm5.model_spec(cfg.to_dict(), max_seq_len=512)
+    adapter = spec.state_dict_adapter(spec.model, None)
+    tt = adapter.from_hf(sd)
+    assert "layers.1.moe.expert_bias_E" in tt and "layers.2.attention.indexer.weights_proj.weight" in tt
+    back = adapter.to_hf(tt)
+    assert set(back) == set(sd)
+    for k in sd:
+        assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
+    # the in-memory fused experts give the same torchtitan tensors as the split checkpoint layout
+    fused = adapter.from_hf(ref.state_dict())
+    assert set(fused) == set(tt) and all(torch.equal(fused[k], tt[k]) for k in tt)
+
+
+def test_packed_documents_equal_each_document_alone():
+    """With 2 indexer heads many keys score exactly 0; ties are broken toward the earlier key, which is the
+    same choice in a packed row as alone (torch.topk, as HF uses, orders ties by row length)."""
+    cfg, ref = _hf(index_n_heads=2)
+    _, model = _ours(cfg, ref.state_dict())
+    a, _ = _tokens(b=1, n=20, seed=2)
+    b, _ = _tokens(b=1, n=N - 20, seed=3)
+    packed = torch.cat([a, b], dim=1)
+    pos = torch.cat([torch.arange(20), torch.arange(N - 20)])[None]
+    with torch.no_grad():
+        both = _logits(model, packed, pos)
+        alone_a = _logits(model, a, torch.arange(20)[None])
+        alone_b = _logits(model, b, torch.arange(N - 20)[None])
+    torch.testing.assert_close(both[:, :20], alone_a, **TOL)
+    torch.testing.assert_close(both[:, 20:], alone_b, **TOL)
+
+
+def test_backward_reaches_every_parameter_but_the_indexer():
+    """HF runs the indexer under no_grad and its selection is discrete: the LM loss gives the indexer's
+    weights no gradient (as HF); every other parameter gets one."""
+    cfg, ref = _hf()
+    _, model = _ours(cfg, ref.state_dict())
+    model.train()
+    tok, pos = _tokens()
+    logp = torch.log_softmax(_logits(model, tok, pos)[:, :-1], dim=-1)
+    (-logp.gather(-1, tok[:, 1:, None]).mean()).backward()
+    no_grad = {n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
+    assert no_grad == {n for n, _ in model.named_parameters() if ".attention.indexer." in n}
+    assert len(no_grad) == 5 * SIZES["num_hidden_layers"]
+    # HF agrees on the split
+    ref.train()
+    logp = torch.log_softmax(ref(input_ids=tok).logits[:, :-1], dim=-1)
+    (-logp.gather(-1, tok[:, 1:, None]).mean()).backward()
+    hf_no_grad = {n for n, p in ref.named_parameters() if p.grad is None}
+    assert hf_no_grad == {n for n, _ in ref.named_parameters() if ".indexer." in n}
+
+
+def test_index_selection_is_not_a_no_op_and_full_topk_is_dense_mla():
+    from torchtitan.models.deepseek_v3.model import Attention
+    cfg, ref = _hf()
+    sd = ref.state_dict()
+    tok, pos = _tokens()
+    _, sparse = _ours(cfg, sd)
+    cfg_full, _ = _hf(index_topk=N)
+    _, full = _ours(cfg_full, sd)
+    with torch.no_grad():
+        ls, lf = _logits(sparse, tok, pos), _logits(full, tok, pos)
+        assert (ls - lf).abs().max() > 1e-3  # dropping keys changes the network
+        # with topk >= length the selection keeps every allowed key: torchtitan's plain MLA forward
+        for layer in full.layers.values():
+            layer.attention.forward = Attention.forward.__get__(layer.attention)
+        torch.testing.assert_close(_logits(full, tok, pos), lf, **TOL)
+
+
+def test_unsupported_config_values_name_the_key():
+    from transformers import GlmMoeDsaConfig
+    base = GlmMoeDsaConfig(**SIZES).to_dict()
+    for over, key in [(dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+                      (dict(indexer_types=["full", "shared", "full"]), "indexer_types"),
+                      (dict(q_lora_rank=None), "q_lora_rank"),
+                      (dict(hidden_act="gelu"), "hidden_act")]:
+        with pytest.raises(ValueError, match=key):
+            glm5.model_spec({**base, **over})
+
+
+# -- two gloo ranks ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loss(model, tok, pos, total):
+    logp = torch.log_softmax(_logits(model, tok, pos)[:, :-1], dim=-1)
+    return -logp.gather(-1, tok[:, 1:, None]).sum() / total
+
+
+def _worker(rank, world, port, dims, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from torch.distributed.tensor import DTensor
+    from rl.trainer import parallel
+    from rl.trainer.model import build_model, load_hf_state_dict
+    data = torch.load(path)
+    dp, ep = dims
+    d = parallel.init(SimpleNamespace(dp_shard=dp, ep=ep, cp=1), torch.device("cpu"))
+    try:
+        built = build_model(dict(name="glm5", family="glm_moe_dsa", max_seq_len=512), seed=0,
+                            parallel={"ep": ep}, hf_config=data["config"])
+        load_hf_state_dict(built, data["hf"])
+        model = parallel.parallelize(built.model, built.spec, d, torch.float32)
+        tok, pos = data["tokens"], data["positions"]
+        with torch.no_grad():
+            lg = _logits(model, tok, pos)
+        # each rank its own row, loss normalised by the batch-wide count: summed grads = one process's
+        loss = _loss(model, tok[rank:rank + 1], pos[rank:rank + 1], tok[:, 1:].numel())
+        loss.backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad
+                grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        if rank == 0:
+            torch.save(dict(logits=lg, loss=float(d.sum(loss.detach())), grads=grads), path + ".out")
+    finally:
+        d.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dims", [(2, 1), (1, 2)], ids=["dp_shard2", "ep2"])
+def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, dims):
+    import torch.multiprocessing as mp
+    from rl.trainer.model import build_model, load_hf_state_dict
+    cfg, ref = _hf()
+    h = cfg.to_dict()
+    tok, pos = _tokens()
+    path = str(tmp_path / "in.pt")
+    torch.save(dict(config=h, hf=ref.state_dict(), tokens=tok, positions=pos), path)
+    built = build_model(dict(name="glm5", family="glm_moe_dsa", max_seq_len=512), seed=0, hf_config=h)
+    load_hf_state_dict(built, ref.state_dict())
+    single = built.model
+    loss = _loss(single, tok, pos, tok[:, 1:].numel())
+    loss.backward()
+    with torch.no_grad():
+        lg = _logits(single, tok, pos)
+    mp.start_processes(_worker, args=(2, _free_port(), dims, path), nprocs=2, start_method="spawn")
+    out = torch.load(path + ".out")
+    torch.testing.assert_close(out["logits"], lg, **TOL)
+    assert out["loss"] == pytest.approx(float(loss), rel=1e-5)
+    want = {n: p.grad for n, p in single.named_parameters() if p.grad is not None}
+    assert set(out["grads"]) >= set(want)
+    for n, g in want.items():
+        torch.testing.assert_close(out["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
