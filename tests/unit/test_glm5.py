@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,29 @@ def test_logits_equal_transformers():
     # the expert-bias correction is loaded (not zeroed) and changes the routing
     biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
     assert biases and all(b.abs().sum() > 0 for b in biases)
+
+
+def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path):
+    """The trainer's own path: config.json -> build_model (family glm_moe_dsa) -> rl.trainer.hf_load
+    through this adapter's names; published names are the checkpoint's, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from rl.model.twins import write_twin
+    from rl.trainer import hf_load
+    from rl.trainer.model import build_model, hf_state_dict, logits
+    path = write_twin(tmp_path / "glm5", "glm_moe_dsa", seed=2, sizes=dict(index_n_heads=8))
+    b = build_model(dict(name="t", family="glm_moe_dsa", hf_path=str(path), max_seq_len=512), seed=0,
+                    materialize=False)
+    materialize_empty(b.model, "cpu")
+    assert hf_load.load(b.model, b.spec, path)["tensors"] > 0
+    tok, pos = _tokens()
+    with torch.no_grad():
+        ours = logits(b.model, tok, pos)
+        theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(input_ids=tok).logits
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ref = load_file(str(path / "model.safetensors"))
+    pub = hf_state_dict(b)
+    assert set(pub) == set(ref) and all(torch.equal(pub[k], ref[k]) for k in ref)
 
 
 def test_flex_config_uses_the_combined_mask_through_sdpa():
@@ -204,6 +228,8 @@ def _worker(rank, world, port, dims, path):
                             parallel={"ep": ep}, hf_config=data["config"])
         load_hf_state_dict(built, data["hf"])
         model = parallel.parallelize(built.model, built.spec, d, torch.float32)
+        w1 = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
+        local_experts = w1.to_local().shape[0] if ep > 1 else w1.shape[0]
         tok, pos = data["tokens"], data["positions"]
         with torch.no_grad():
             lg = _logits(model, tok, pos)
@@ -215,8 +241,9 @@ def _worker(rank, world, port, dims, path):
             if p.grad is not None:
                 g = p.grad
                 grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        total = float(d.sum(loss.detach()))  # a collective: every rank
         if rank == 0:
-            torch.save(dict(logits=lg, loss=float(d.sum(loss.detach())), grads=grads), path + ".out")
+            torch.save(dict(logits=lg, loss=total, grads=grads, local_experts=local_experts), path + ".out")
     finally:
         d.close()
 
@@ -238,10 +265,19 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
     loss.backward()
     with torch.no_grad():
         lg = _logits(single, tok, pos)
-    mp.start_processes(_worker, args=(2, _free_port(), dims, path), nprocs=2, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(2, _free_port(), dims, path), nprocs=2, start_method="spawn",
+                             join=False)
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=2):  # raises if a rank failed
+        if time.monotonic() > deadline:  # a rank stuck in a collective: end both, fail
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("two-rank GLM-5 run did not finish in 180 s")
     out = torch.load(path + ".out")
+    if dims[1] == 2:  # the routed experts are split over the ep ranks
+        assert out["local_experts"] == SIZES["n_routed_experts"] // 2
     torch.testing.assert_close(out["logits"], lg, **TOL)
-    assert out["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
     want = {n: p.grad for n, p in single.named_parameters() if p.grad is not None}
     assert set(out["grads"]) >= set(want)
     for n, g in want.items():
