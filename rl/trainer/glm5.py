@@ -15,13 +15,14 @@ parallelize function and state-dict adapter. So `rl.trainer.replay.apply` (route
 `init_weights` of rl.trainer.model, FSDP2 and EP all see the same config shapes as for DeepSeek-V3.
 
 What is new: `GlmAttention`, a subclass of torchtitan's MLA `Attention` with an `Indexer` submodule, and
-the adapter entries of the indexer's weights. The indexer (as HF's `GlmMoeDsaIndexer`): q from the MLA
-query latent (`wq_b(q_norm(wq_a(x)))` input, its own `wq_b`), one shared key `LayerNorm(wk(x))`, RoPE on the
+the adapter entries of the indexer's weights. The indexer (as HF's `GlmMoeDsaIndexer`): per-head queries
+from the MLA query latent by its own projection, `indexer.wq_b(q_norm(wq_a(x)))`, one key shared by all
+heads, `LayerNorm(wk(x))` (weight and bias, eps 1e-6), RoPE on the
 *first* `qk_rope_head_dim` dims of both (interleaved pairs, the same ComplexRoPE as the MLA rope part; HF
 writes the rotated pairs de-interleaved, which permutes q and k alike and leaves every dot product equal),
 score = sum_h w_h(x) * relu(q_h . k * index_head_dim^-0.5), w = weights_proj(x) * index_n_heads^-0.5, in
-fp32. Keys outside the allowed mask get -inf, `topk(min(index_topk, L))` picks keys, and the selection is
-a boolean mask ANDed with the allowed mask (so a query never sees a key the model's mask forbids, even
+fp32. Keys outside the allowed mask get -inf, the best min(index_topk, L) keys are picked, and the selection
+is a boolean mask ANDed with the allowed mask (so a query never sees a key the model's mask forbids, even
 when fewer than index_topk keys are allowed). The allowed mask is the one the model is given: causal and
 same-document from `positions` (packed rows), a dense [B, 1, L, L] bool on the CPU
 (`rl.trainer.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
@@ -35,7 +36,12 @@ the same here. They are loaded, kept and published unchanged (DeepSeek's separat
 is not part of HF's model and not implemented). Everything else trains.
 
 Differences from HF / limits:
-- `q_a_layernorm` and `kv_a_layernorm` use HF's RMSNorm default eps 1e-6 (not rms_norm_eps), as HF does;
+- ties in index score: keys often score exactly 0 (every head's relu is 0). HF picks with `torch.topk`,
+  whose order among ties depends on the row length, so a document packed with others could attend to
+  other keys than alone; here a stable descending sort keeps the earlier key, the same choice at any
+  length or offset. Without exact ties at the top-k boundary the selection equals HF's (the parity test);
+- (not a difference, easy to miss) `q_a_layernorm` / `kv_a_layernorm` use eps 1e-6, HF's RMSNorm default,
+  not rms_norm_eps;
 - only `indexer_types` all "full" (GLM-5's release): "shared" layers reuse the previous layer's top-k in
   HF, which torchtitan's decoder has no channel for; that config is a ValueError;
 - the dense mask is O(L^2) per row: fine for the CPU and moderate GPU lengths, not for 128k contexts
@@ -108,7 +114,8 @@ class Indexer(Module):
         q = torch.cat([q_pe, q[..., r:]], dim=-1)                     # [B, L, H, D]
         k = torch.cat([k_pe, k[..., r:]], dim=-1).squeeze(2)          # [B, L, D]
         # same op order as HF: fp32 scores [B, L, H, T], relu, head-weighted sum -> [B, L, T]
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+        scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1))
+        scores = F.relu(scores * self.softmax_scale)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
         index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
         index_scores = index_scores.masked_fill(~allowed_BLL, float("-inf"))
@@ -130,8 +137,8 @@ def dense_allowed_mask(attention_masks, batch: int, length: int, device) -> torc
     if isinstance(attention_masks, BlockMask):
         # torchtitan's causal + packed-document mask_mods index tensors, so they evaluate on a grid
         ar = partial(torch.arange, device=device)
-        m = attention_masks.mask_mod(ar(batch)[:, None, None], ar(1)[:, None, None], ar(length)[None, :, None],
-                                     ar(length)[None, None, :])
+        m = attention_masks.mask_mod(ar(batch)[:, None, None], ar(1)[:, None, None],
+                                     ar(length)[None, :, None], ar(length)[None, None, :])
         return m.expand(batch, length, length).unsqueeze(1)
     raise NotImplementedError(f"GLM-5 sparse attention with attention masks of type "
                               f"{type(attention_masks).__name__} (varlen) is not implemented")
@@ -202,10 +209,13 @@ def _check(h: Mapping[str, Any]) -> None:
         bad("topk_method", "noaux_tc only")
     if any(t != "full" for t in (h.get("indexer_types") or [])):
         bad("indexer_types", "every layer runs its own indexer ('full'); 'shared' top-k reuse is not built")
-    if h.get("indexer_types") is None and (h.get("index_topk_pattern") or int(h.get("index_topk_freq") or 1) > 1):
-        bad("index_topk_pattern" if h.get("index_topk_pattern") else "index_topk_freq", "'full' layers only")
+    pattern, freq = h.get("index_topk_pattern"), int(h.get("index_topk_freq") or 1)
+    if h.get("indexer_types") is None and (pattern or freq > 1):
+        bad("index_topk_pattern" if pattern else "index_topk_freq", "'full' layers only")
     n, k = int(h["num_hidden_layers"]), int(h.get("first_k_dense_replace") or 0)
-    if h.get("mlp_layer_types") is not None and list(h["mlp_layer_types"]) != ["dense"] * min(k, n) + ["sparse"] * (n - min(k, n)):
+    k = min(k, n)
+    types = h.get("mlp_layer_types")
+    if types is not None and list(types) != ["dense"] * k + ["sparse"] * (n - k):
         bad("mlp_layer_types", "first_k_dense_replace dense layers, then sparse")
     if int(h.get("index_head_dim", 0)) < int(h["qk_rope_head_dim"]):
         bad("index_head_dim", "must hold the qk_rope_head_dim rope part")
@@ -215,8 +225,10 @@ def _indexer_config(h: Mapping[str, Any]) -> Indexer.Config:
     dim, n_heads, head_dim = int(h["hidden_size"]), int(h["index_n_heads"]), int(h["index_head_dim"])
     lin = ds_model_inits()["linear"]
     return Indexer.Config(
-        n_heads=n_heads, head_dim=head_dim, rope_head_dim=int(h["qk_rope_head_dim"]), topk=int(h["index_topk"]),
-        wq_b=Linear.Config(in_features=int(h["q_lora_rank"]), out_features=n_heads * head_dim, param_init=lin),
+        n_heads=n_heads, head_dim=head_dim, rope_head_dim=int(h["qk_rope_head_dim"]),
+        topk=int(h["index_topk"]),
+        wq_b=Linear.Config(in_features=int(h["q_lora_rank"]), out_features=n_heads * head_dim,
+                           param_init=lin),
         wk=Linear.Config(in_features=dim, out_features=head_dim, param_init=lin),
         k_norm=LayerNorm.Config(normalized_shape=head_dim, eps=_INDEXER_NORM_EPS,
                                 param_init={"weight": nn.init.ones_, "bias": nn.init.zeros_}),
@@ -269,7 +281,8 @@ def model_config(hf: Mapping[str, Any], attn_backend: str = "flex",
         # it is loaded and published, never updated (the spec registers no load-balancing hook)
     return GlmMoeDsaModel.Config(
         vocab_size=vocab, dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=inits["embedding"]),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=inits["embedding"]),
         norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=inits["norm"]),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=inits["output"](dim)),
         layers=layers, mtp_layers=[])
@@ -281,8 +294,8 @@ def parallelize_glm5(model, *, parallel_dims, **kwargs):
     plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a."""
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
     if parallel_dims.cp_enabled:
-        raise NotImplementedError("GLM-5 with context parallelism: the DSA indexer needs every key of the row "
-                                  "(torchtitan gathers K/V only inside the inner attention)")
+        raise NotImplementedError("GLM-5 with context parallelism: the DSA indexer needs every key of the "
+                                  "row (torchtitan gathers K/V only inside the inner attention)")
     if parallel_dims.tp_enabled:
         raise NotImplementedError("GLM-5 with tensor parallelism: the DSA indexer has no TP sharding plan")
     return parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)

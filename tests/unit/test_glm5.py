@@ -18,8 +18,9 @@ from rl.trainer import cpu, glm5, replay
 from rl.trainer.model import materialize_empty
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-SIZES = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
-             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, q_lora_rank=64, kv_lora_rank=64,
+SIZES = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1,
+             num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+             q_lora_rank=64, kv_lora_rank=64,
              qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_topk=8, index_head_dim=32,
              # 8 indexer heads: exact ties in index score (every head's relu 0) are then absent here, so
              # the comparison does not hinge on how torch.topk orders ties (see the packing test)
@@ -54,7 +55,8 @@ def _ours(cfg, sd, flex=False):
     with set_default_dtype(torch.float32), torch.device("meta"):
         model = spec.model.build()
     materialize_empty(model, "cpu")
-    missing, unexpected = model.load_state_dict(spec.state_dict_adapter(spec.model, None).from_hf(sd), strict=False)
+    adapter = spec.state_dict_adapter(spec.model, None)
+    missing, unexpected = model.load_state_dict(adapter.from_hf(sd), strict=False)
     assert not unexpected and all(k.endswith("tokens_per_expert_E") for k in missing), (missing, unexpected)
     return spec, model
 
@@ -98,7 +100,8 @@ def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path)
     tok, pos = _tokens()
     with torch.no_grad():
         ours = logits(b.model, tok, pos)
-        theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()(input_ids=tok).logits
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        theirs = ref(input_ids=tok).logits
     torch.testing.assert_close(ours, theirs, **TOL)
     ref = load_file(str(path / "model.safetensors"))
     pub = hf_state_dict(b)
@@ -193,7 +196,8 @@ def test_index_selection_is_not_a_no_op_and_full_topk_is_dense_mla():
 def test_unsupported_config_values_name_the_key():
     from transformers import GlmMoeDsaConfig
     base = GlmMoeDsaConfig(**SIZES).to_dict()
-    for over, key in [(dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+    linear = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+    for over, key in [(dict(rope_parameters=linear), "rope_type"),
                       (dict(indexer_types=["full", "shared", "full"]), "indexer_types"),
                       (dict(q_lora_rank=None), "q_lora_rank"),
                       (dict(hidden_act="gelu"), "hidden_act")]:
@@ -282,3 +286,21 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
     assert set(out["grads"]) >= set(want)
     for n, g in want.items():
         torch.testing.assert_close(out["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_indexer_selects_only_allowed_keys_topk_of_them():
+    cfg, ref = _hf(index_n_heads=2)
+    _, model = _ours(cfg, ref.state_dict())
+    att = model.layers["1"].attention
+    x = torch.randn(1, N, SIZES["hidden_size"], generator=torch.Generator().manual_seed(4))
+    pos = torch.cat([torch.arange(12), torch.arange(N - 12)])[None]
+    allowed = cpu.document_mask(pos)[:, 0]
+    sel = att.indexer(x, att.q_norm(att.wq_a(x)), att.rope, pos, allowed)
+    assert not (sel & ~allowed).any()
+    assert torch.equal(sel.sum(-1), allowed.sum(-1).clamp(max=SIZES["index_topk"]))
+
+
+def test_context_and_tensor_parallel_are_refused_by_name():
+    for cp, tp, what in [(True, False, "context parallelism"), (False, True, "tensor parallelism")]:
+        with pytest.raises(NotImplementedError, match=what):
+            glm5.parallelize_glm5(None, parallel_dims=SimpleNamespace(cp_enabled=cp, tp_enabled=tp))
