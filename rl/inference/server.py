@@ -89,11 +89,67 @@ def resolve_fp8_load(mode: str, supported: bool) -> bool:
     raise ValueError(f"inference.fp8_load must be auto|dequantize|fp8, got {mode!r}")
 
 
+def checkpoint_dtype(config: dict) -> str | None:
+    """The dtype an HF config.json declares: `dtype` (transformers >= 4.56 writes it) or the older
+    `torch_dtype`; of a multimodal checkpoint, its text tower's."""
+    for c in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(c.get(key), str):
+                return c[key]
+    return None
+
+
 def torch_dtype(name: str, assets_config: dict):
     import torch
     if name == "auto":
-        name = assets_config.get("torch_dtype") or "bfloat16"  # an HF config.json, not our config
+        name = checkpoint_dtype(assets_config) or "bfloat16"  # an HF config.json, not our config
     return getattr(torch, name)
+
+
+def _quant_holder(config: dict) -> dict:
+    """The dict whose `quantization_config` vLLM reads: the top level, unless only a multimodal
+    checkpoint's text tower has one."""
+    tc = config.get("text_config")
+    if "quantization_config" not in config and isinstance(tc, dict) and "quantization_config" in tc:
+        return tc
+    return config
+
+
+def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> dict:
+    """The `quantization_config` for serving the published FP8 shards as they are (pure function).
+
+    From the checkpoint's own block-FP8 quantization_config when it has one (its keys kept, its ignore
+    list kept under the key it uses: `ignored_layers`, `modules_to_not_convert`), else
+    FP8_QUANT_CONFIG. Added to the ignore list: every module whose 2-D weight the publisher kept in high
+    precision (in `weight_names`, the index's tensors, but not in fp8.json's `quantized`), named as a
+    module path (the tensor name without `.weight`), the form vLLM's `is_layer_skipped` compares
+    (exact match; it expands fused layers such as qkv_proj / gate_up_proj into these unfused names, and
+    `Fp8Config.apply_vllm_mapper` maps checkpoint prefixes such as `language_model.`). Without that a
+    layer vLLM builds with the quant config (Qwen3-MoE's router gate, for one) would expect FP8 values
+    and a `weight_scale_inv` the shards do not have.
+    vLLM's Fp8Config reads `ignored_layers` and falls back to `modules_to_not_convert` only when the
+    former is empty, so a checkpoint that uses neither gets `ignored_layers`.
+    """
+    from rl.exchange.weights import SCALE_SUFFIX
+    own = _quant_holder(checkpoint_config).get("quantization_config") or {}
+    if own and own.get("quant_method") != "fp8":
+        own = {}  # another format: the shards are ours (block FP8), not the checkpoint's
+    q = {k: (list(v) if isinstance(v, list) else v) for k, v in own.items()} if own else dict(FP8_QUANT_CONFIG)
+    for k, v in FP8_QUANT_CONFIG.items():
+        q.setdefault(k, v)
+    q["weight_block_size"] = [int(fp8_meta.get("block", 128))] * 2
+    if q.get("ignored_layers"):
+        key = "ignored_layers"
+    elif "modules_to_not_convert" in q:
+        key = "modules_to_not_convert"
+    else:
+        key = "ignored_layers"
+    ignored = list(q.get(key) or [])
+    quantized = set(fp8_meta.get("quantized") or [])
+    kept = sorted({n.removesuffix(".weight") for n in weight_names
+                   if n.endswith(".weight") and n not in quantized and not n.endswith(SCALE_SUFFIX)})
+    q[key] = ignored + [m for m in kept if m not in ignored]
+    return q
 
 
 # -- where this process runs ---------------------------------------------------------------------------
@@ -201,11 +257,26 @@ def _made_from(model_dir: Path, source: dict) -> bool:
     return all(got.get(k) == v for k, v in source.items())
 
 
+def _two_dim_weights(weights_dir: Path, index: dict) -> list[str]:
+    """Names of the 2-D tensors of a published step (the linear weights and embeddings), from the
+    safetensors headers only."""
+    from safetensors import safe_open
+    out = []
+    for fname in dict.fromkeys(index["weight_map"].values()):
+        with safe_open(str(weights_dir / fname), framework="pt") as f:
+            out += [n for n in f.keys() if len(f.get_slice(n).get_shape()) == 2]
+    return out
+
+
 def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp8: bool) -> Path:
     """Write an HF model dir: the assets (tokenizer, config) plus the weights of `weights_dir`.
 
-    Dequantized to `dtype` in HF names (one safetensors file per wire shard), or, with `fp8`, the shards
-    as they are and a `quantization_config` in config.json. The weights are verified first. Written to a
+    Dequantized to `dtype` in HF names (one safetensors file per wire shard; any `quantization_config`
+    the checkpoint's config.json declared is dropped and `dtype` / `torch_dtype` name the new dtype), or,
+    with `fp8`, the shards as they are and a `quantization_config` derived from the checkpoint's
+    (`fp8_quant_config`). The assets' config.json is the checkpoint's own for an `hf_path` run (with
+    `dtype` or `torch_dtype`, possibly a quantization_config, possibly a multimodal `text_config`).
+    The weights are verified first. Written to a
     temporary dir and renamed into place; a dir already made from the same published step (same
     manifest, dtype, fp8) is kept as it is. That also makes concurrent calls safe when several processes
     share one disk (the nodes of the localhost test cluster): the check and the rename into place happen
@@ -232,7 +303,11 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
         for p in weights_dir.iterdir():
             if p.suffix == ".safetensors" or p.name == INDEX:
                 shutil.copy2(p, tmp / p.name)
-        config["quantization_config"] = FP8_QUANT_CONFIG
+        index = json.loads((weights_dir / INDEX).read_text())
+        shapes_2d = _two_dim_weights(weights_dir, index)
+        holder = _quant_holder(config)
+        holder["quantization_config"] = fp8_quant_config(
+            config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
     else:
         index = json.loads((weights_dir / INDEX).read_text())
         shard_of: dict[str, str] = {}
@@ -247,8 +322,13 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shard_of},
                                             indent=1, sort_keys=True))
-        config.pop("quantization_config", None)
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        # dequantized: whatever quantization the checkpoint declared no longer describes these tensors
+        name = str(dtype).removeprefix("torch.")
+        for c in (config, config.get("text_config")):
+            if isinstance(c, dict):
+                c.pop("quantization_config", None)
+                if c is config or "dtype" in c or "torch_dtype" in c:
+                    c["torch_dtype"] = c["dtype"] = name  # transformers 5 reads dtype, older ones torch_dtype
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     (tmp / SOURCE_FILE).write_text(json.dumps(
         {**source, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))

