@@ -5,7 +5,9 @@ layout the trainer's sequence packing wants anyway. Per token it carries the los
 policy generated and is trained on; 0 = prompt, tool output, observation), the logprob the inference
 engine assigned when sampling it and the policy version that produced it (-1 for tokens the policy did
 not generate). Per sample: reward, advantage, group id. Optionally routed expert ids recorded at
-inference, [tokens, layers, top_k] as uint8.
+inference, [tokens, layers, top_k], as uint8 while every id fits (up to 256 experts) and as uint16
+beyond (Kimi-K2 routes to 384 experts, GLM-5 to 256): the narrowest width that holds the family's ids,
+since for a long SWE episode these ids outweigh every other per-token field.
 
 On disk it is one safetensors file of numpy arrays (no pickle, no torch needed) plus `meta.json`.
 """
@@ -34,9 +36,15 @@ def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | N
         r = np.concatenate([r, r[-1:]], axis=0)
     if r.shape[0] != n_tokens:
         raise ValueError(f"routed experts cover {r.shape[0]} tokens, the sample has {n_tokens}")
-    if r.max(initial=0) > 255:
-        raise ValueError("expert ids above 255 do not fit the uint8 layout")
-    return r.astype(np.uint8)
+    return expert_ids(r)
+
+
+def expert_ids(r: np.ndarray) -> np.ndarray:
+    """Expert ids in the batch layout: uint8 when they all fit, else uint16 (up to 65536 experts)."""
+    r = np.asarray(r)
+    if r.size and (r.min() < 0 or r.max() > np.iinfo(np.uint16).max):
+        raise ValueError(f"expert ids must lie in [0, 65535], got [{r.min()}, {r.max()}]")
+    return r.astype(np.uint8 if r.max(initial=0) <= np.iinfo(np.uint8).max else np.uint16)
 
 
 @dataclass
@@ -64,7 +72,7 @@ class RolloutBatch:
     rewards: np.ndarray         # float32 [B]
     advantages: np.ndarray      # float32 [B]
     groups: np.ndarray          # int32 [B]
-    routed_experts: np.ndarray | None = None  # uint8 [T, layers, top_k]
+    routed_experts: np.ndarray | None = None  # uint8/uint16 [T, layers, top_k] (expert_ids)
     meta: dict = field(default_factory=dict)
 
     @property
@@ -93,7 +101,7 @@ class RolloutBatch:
         if rex:
             if len(rex) != len(samples):
                 raise ValueError("routed experts recorded for some samples only")
-            routed = np.concatenate(rex).astype(np.uint8)
+            routed = expert_ids(np.concatenate(rex))
         return cls(
             tokens=np.asarray(toks, np.int32), offsets=np.asarray(offs, np.int64),
             loss_mask=np.asarray(mask, np.uint8), logprobs=np.asarray(lps, np.float32),

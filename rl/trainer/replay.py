@@ -4,7 +4,7 @@ A MoE policy trained asynchronously has a second source of trainer/inference mis
 numerics: a token whose router scores are nearly tied can go to other experts in the trainer than it
 went to in the engine (FP8 weights, other kernels), and its logprob then differs by much more than
 rounding. Rollouts therefore carry the routed expert ids recorded at inference
-(`RolloutBatch.routed_experts`, uint8 [tokens, moe layers, top_k]), and with `trainer.router_replay`
+(`RolloutBatch.routed_experts`, uint8 or uint16 [tokens, moe layers, top_k]), and with `trainer.router_replay`
 the trainer's routers use those ids instead of their own top-k.
 
 The gate keeps learning: the weights of the replayed experts are the *live* router's scores gathered
@@ -140,8 +140,7 @@ def record_routing(model, tokens: torch.Tensor, positions: torch.Tensor, masks=N
     return rec[0]
 
 
-def to_uint8(ids: torch.Tensor) -> np.ndarray:
-    """Rollout-batch storage of expert ids (uint8 where the expert count allows)."""
-    if int(ids.max()) > 255:
-        raise ValueError("more than 256 experts: routed experts do not fit uint8")
-    return ids.to(torch.uint8).cpu().numpy()
+def to_batch_ids(ids: torch.Tensor) -> np.ndarray:
+    """Rollout-batch storage of expert ids: the narrowest of uint8/uint16 that holds them."""
+    from rl.contract.batch import expert_ids
+    return expert_ids(ids.to(torch.int64).cpu().numpy())

@@ -41,3 +41,24 @@ def test_routed_experts_get_one_row_per_token():
     assert routed_per_token(None, 4) is None
     with pytest.raises(ValueError, match="cover"):
         routed_per_token(r, 7)
+
+
+def test_routed_expert_ids_of_384_experts_survive_the_batch_file(tmp_path):
+    """Kimi-K2 routes to 384 experts: ids above 255 widen the stored layout instead of wrapping."""
+    from rl.contract.batch import RolloutBatch, Sample
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, (5, 2, 8))
+    big = rng.integers(0, 384, (5, 2, 8))
+    big[0, 0, 0] = 383
+    samples = [Sample(prompt_ids=[1, 2], completion_ids=[3, 4, 5], completion_logprobs=[-1.0] * 3,
+                      completion_versions=[0] * 3, reward=1.0, group=0, routed_experts=r) for r in (small, big)]
+    batch = RolloutBatch.from_samples(samples)
+    assert batch.routed_experts.dtype == np.uint16
+    batch.save(tmp_path)
+    back = RolloutBatch.load(tmp_path).routed_experts
+    assert back.dtype == np.uint16 and (back == np.concatenate([small, big])).all()
+    assert RolloutBatch.from_samples(samples[:1]).routed_experts.dtype == np.uint8
+    with pytest.raises(ValueError, match="expert ids"):
+        RolloutBatch.from_samples([Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0],
+                                          completion_versions=[0], reward=0.0, group=0,
+                                          routed_experts=np.full((2, 1, 1), 70000))])

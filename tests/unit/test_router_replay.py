@@ -90,7 +90,7 @@ def test_replaying_recorded_routing_reproduces_the_live_forward():
     tokens, pos = _inputs(seed=5)
     rec = replay.record_routing(built.model, tokens, pos)
     assert rec.shape == (1, tokens.shape[1], M["n_layers"], M["top_k"])
-    stored = replay.to_uint8(rec[0])
+    stored = replay.to_batch_ids(rec[0])
     assert stored.dtype == np.uint8
     with torch.no_grad():
         live = logits(built.model, tokens, pos)
