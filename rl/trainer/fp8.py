@@ -1,8 +1,23 @@
 """Block-scaled FP8 training (`trainer.fp8`), DeepSeek-V3's recipe, with rl.fp8's quantizer.
 
-Which GEMMs: exactly the weights the publisher stores in FP8 (rl.exchange.weights.default_quantize):
-the attention projections (q, k, v, o) and the routed experts (gate/up/down per expert). The router
-gate, embeddings, norms and LM head stay in the trainer's dtype, as in the published shards.
+Which GEMMs: exactly the weights the publisher stores in FP8 (rl.exchange.weights.default_quantize: every
+2-D `.weight` but embeddings, LM head, norms and the router gate), per family:
+- qwen3: the attention projections q, k, v, o (torchtitan's fused `wqkv` and `wo`) and the routed experts;
+- deepseek_v3 / kimi_k2_7 (torchtitan's MLA attention): `wq` (HF q_proj) or `wq_a`/`wq_b` (q_a_proj,
+  q_b_proj), `wkv_a` (kv_a_proj_with_mqa), `wkv_b` (kv_b_proj), `wo` (o_proj); the dense layers'
+  FeedForward and the MoE shared experts (w1/w3/w2 = gate/up/down_proj); the routed experts;
+- glm_moe_dsa: as DeepSeek-V3, plus the DSA indexer's `wq_b` and `wk` (indexer.wq_b / indexer.wk).
+High precision (the trainer's dtype), as in the published shards: embeddings, LM head, every norm (the MLA
+latent norms, the indexer's k_norm), the router gate and its `e_score_correction_bias` (expert_bias_E),
+and GLM-5's indexer `weights_proj`. That one is high precision on purpose: vLLM fuses it with `wk` into
+an unquantized `wk_weights_proj` (it can only upcast an FP8 `wk`), GLM-5's own FP8 checkpoint keeps it
+in bf16 (tests/integration/test_inference_gpu.py), and the indexer reads its weight in fp32 (glm5.py).
+The publisher keeps it high precision when the start checkpoint's quantization_config ignores it (GLM-5's
+does); `default_quantize` on its own (a checkpoint without one, e.g. the twins) still writes it as FP8,
+the one weight where shards and trainer then differ. More generally the trainer does not read the start
+checkpoint's ignore list: a checkpoint that keeps other projections unquantized is not followed here.
+The indexer runs without gradients (as HF's), so its FP8 GEMMs only make its key selection the one
+inference makes from the dequantized shards.
 
 Per GEMM y = x W^T: weights quantized in 128x128 blocks, activations in 1x128 tiles along the reduction
 dim, fp32 scales (rl.fp8.quantize_block / quantize_act). The master weights stay fp32 and the optimizer
@@ -12,7 +27,15 @@ Bit-exactness with inference: the quantization blocks follow the *HF tensors* th
 torchtitan's parameters. torchtitan fuses q/k/v into one `wqkv` (rows interleaved per kv group), whose
 128-row blocks would straddle q, k and v when head counts are small; `weight_fp8` splits it into the
 HF q/k/v, quantizes each like the publisher, and puts them back. Experts are quantized per expert.
-So what inference dequantizes from `weights/step_N` is bit for bit the W_q the trainer computed with.
+Every MLA parameter (and the indexer's, the FeedForwards') is its HF tensor as it is: torchtitan's
+DeepSeek-V3 adapter copies wq_a/wq_b/wkv_a/wkv_b/wo/w1-3 without fusing, splitting or permuting (wkv_a is
+kv_a_proj_with_mqa row for row, latent then rope part; HF's rope_interleave de-interleaves activations,
+not weights), so they are blocked directly. So what inference dequantizes from `weights/step_N` is bit for
+bit the W_q the trainer computed with (tests/unit/test_fp8_training.py checks it per family).
+
+`apply(model_config)` is a separate step on the model config, after rl.trainer.cpu.apply and before the
+build: Linear configs become `Fp8Linear.Config`, routed experts `Fp8Experts.Config`. Attention types it
+does not know are a NotImplementedError naming the type (never a silent high-precision projection).
 
 Backends:
 - CPU (and any device without FP8 GEMMs): emulated, quantize-dequantize in fp32 then an fp32 matmul;
@@ -110,39 +133,79 @@ class Fp8Linear(Linear):
 
 
 def _fp8_linear_config(c: Linear.Config, qkv=None) -> Fp8Linear.Config:
-    return Fp8Linear.Config(in_features=c.in_features, out_features=c.out_features, bias=c.bias,
-                            param_init=c.param_init, sharding_config=c.sharding_config, qkv=qkv)
+    """`c` as an Fp8Linear config (all its fields kept); an Fp8Linear config stays as it is."""
+    import dataclasses
+    if isinstance(c, Fp8Linear.Config):
+        return c
+    if type(c) is not Linear.Config:
+        raise NotImplementedError(f"FP8 for a {type(c).__name__} projection")
+    return Fp8Linear.Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.init}, qkv=qkv)
+
+
+def _fp8_attention(att) -> None:
+    """The FP8 projections of one attention config: GQA (qkv_linear + wo) or DeepSeek-V3's MLA (+ DSA)."""
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
+    from torchtitan.models.deepseek_v3.model import Attention as MLA
+    from rl.trainer.glm5 import GlmAttention
+
+    if isinstance(att, GQAttention.Config):
+        qc = att.qkv_linear
+        if isinstance(qc, FusedQKVLinear.Config):
+            qc.wqkv = _fp8_linear_config(
+                qc.wqkv, qkv=(qc.n_kv_heads, qc.n_heads // qc.n_kv_heads, qc.head_dim))
+        elif type(qc) is QKVLinear.Config:
+            qc.wq, qc.wk, qc.wv = (_fp8_linear_config(c) for c in (qc.wq, qc.wk, qc.wv))
+        else:
+            raise NotImplementedError(f"FP8 for {type(qc).__name__}")
+    elif type(att) in (MLA.Config, GlmAttention.Config):
+        # HF q_proj | q_a_proj, q_b_proj; kv_a_proj_with_mqa; kv_b_proj (each its HF tensor as it is)
+        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
+            if getattr(att, name) is not None:
+                setattr(att, name, _fp8_linear_config(getattr(att, name)))
+        if type(att) is GlmAttention.Config:
+            # weights_proj stays high precision (module docstring); k_norm is a norm
+            ix = att.indexer
+            ix.wq_b, ix.wk = _fp8_linear_config(ix.wq_b), _fp8_linear_config(ix.wk)
+    else:
+        raise NotImplementedError(f"FP8 for attention {type(att).__name__} (known: GQA, DeepSeek-V3 MLA, "
+                                  f"GLM-5 MLA + DSA indexer)")
+    att.wo = _fp8_linear_config(att.wo)
+
+
+def _fp8_feed_forward(ff) -> None:
+    """A SwiGLU FeedForward (dense layer, shared experts): w1, w2, w3 = HF gate_proj, down_proj, up_proj."""
+    from torchtitan.models.common.feed_forward import FeedForward
+    if type(ff) is not FeedForward.Config:
+        raise NotImplementedError(f"FP8 for feed-forward {type(ff).__name__}")
+    ff.w1, ff.w2, ff.w3 = (_fp8_linear_config(c) for c in (ff.w1, ff.w2, ff.w3))
 
 
 def apply(model_config) -> None:
-    """Route the attention projections and the experts of a Decoder config through FP8 GEMMs.
-
-    The experts (GroupedExperts, or the CPU's LoopedExperts) become Fp8Experts on every device.
-    """
-    from torchtitan.models.common.attention import FusedQKVLinear, QKVLinear
+    """Route every GEMM the publisher stores in FP8 through `gemm`: attention projections, dense and
+    shared-expert FeedForwards, routed experts (GroupedExperts, or the CPU's LoopedExperts, become
+    Fp8Experts on every device). In place, on a Decoder config; applying twice changes nothing."""
     from torchtitan.models.common.moe import GroupedExperts
     from rl.trainer import cpu
 
     for layer in model_config.layers:
-        att = getattr(layer, "attention", None)
-        if att is not None:
-            qc = att.qkv_linear
-            if isinstance(qc, FusedQKVLinear.Config):
-                qc.wqkv = _fp8_linear_config(
-                    qc.wqkv, qkv=(qc.n_kv_heads, qc.n_heads // qc.n_kv_heads, qc.head_dim))
-            elif type(qc) is QKVLinear.Config:
-                qc.wq, qc.wk, qc.wv = (_fp8_linear_config(c) for c in (qc.wq, qc.wk, qc.wv))
-            else:
-                raise NotImplementedError(f"FP8 for {type(qc).__name__}")
-            att.wo = _fp8_linear_config(att.wo)
+        if getattr(layer, "attention", None) is not None:
+            _fp8_attention(layer.attention)
+        if getattr(layer, "feed_forward", None) is not None:
+            _fp8_feed_forward(layer.feed_forward)
         moe = getattr(layer, "moe", None)
         if moe is not None:
+            if moe.shared_experts is not None:
+                _fp8_feed_forward(moe.shared_experts)
             ie = moe.routed_experts.inner_experts
+            if type(ie) is Fp8Experts.Config:
+                continue
             if type(ie) not in (GroupedExperts.Config, cpu.LoopedExperts.Config):
                 raise NotImplementedError(f"FP8 for {type(ie).__name__}")
             moe.routed_experts.inner_experts = Fp8Experts.Config(
                 dim=ie.dim, hidden_dim=ie.hidden_dim, num_experts=ie.num_experts,
                 param_init=ie.param_init, sharding_config=ie.sharding_config)
+    if getattr(model_config, "mtp_layers", None):
+        raise NotImplementedError("FP8 for multi-token-prediction layers")
 
 
 def fp8_modules(model):
