@@ -90,6 +90,8 @@ def _qwen3(m: Mapping[str, Any], h: Mapping[str, Any]):
             layer.moe.load_balance_coeff = None
             layer.moe.router.route_norm = bool(h.get("norm_topk_prob", True))
         _rms_eps(cfg, float(h.get("rms_norm_eps", 1e-6)))
+        for layer in layers:  # the MLA latent norms keep 1e-6 whatever rms_norm_eps says (see LATENT_NORM_EPS)
+            layer.attention.q_norm.eps = layer.attention.kv_norm.eps = LATENT_NORM_EPS
         return cfg
     return build
 
@@ -118,6 +120,12 @@ def mla_rope(m: Mapping[str, Any], h: Mapping[str, Any], rope_dim: int):
         truncate=bool(rs.get("truncate", True)))
     # HF scales the softmax by yarn_get_mscale(factor, mscale_all_dim)^2, torchtitan by its `mscale` the same way
     return rope, float(rs.get("mscale_all_dim") or 0.0)
+
+
+# q_a_layernorm / kv_a_layernorm of DeepSeek-V3-style attention: DeepSeek's reference code and
+# transformers build them with RMSNorm's default eps 1e-6, not config.rms_norm_eps (vLLM 0.32 uses
+# rms_norm_eps; the two agree only for checkpoints with rms_norm_eps 1e-6). transformers is the reference.
+LATENT_NORM_EPS = 1e-6
 
 
 def _deepseek(m: Mapping[str, Any], h: Mapping[str, Any]):
@@ -165,6 +173,8 @@ def _deepseek(m: Mapping[str, Any], h: Mapping[str, Any]):
             lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=ds._output_linear_init(dim)),
             layers=layers, mtp_layers=[])
         _rms_eps(cfg, float(h.get("rms_norm_eps", 1e-6)))
+        for layer in layers:  # the MLA latent norms keep 1e-6 whatever rms_norm_eps says (see LATENT_NORM_EPS)
+            layer.attention.q_norm.eps = layer.attention.kv_norm.eps = LATENT_NORM_EPS
         return cfg
     return build
 

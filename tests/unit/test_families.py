@@ -68,11 +68,12 @@ def test_published_names_are_the_checkpoint_names(twin, family):
 
 def test_deepseek_with_yarn_rope_group_routing_and_no_q_lora_matches_transformers(tmp_path):
     """The config.json knobs Kimi/DeepSeek checkpoints use beyond the twin: yarn rope with mscale (softmax
-    scale), group-limited routing, q_lora_rank 0 (direct q projection)."""
+    scale), group-limited routing, q_lora_rank 0 (direct q projection), an rms_norm_eps that the MLA
+    latent norm does not take (it keeps 1e-6; 1e-2 here so that taking it would show)."""
     from rl.model.twins import write_twin
     path = write_twin(tmp_path / "ds", "deepseek_v3", seed=3, sizes=dict(
         q_lora_rank=None, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+        rms_norm_eps=1e-2, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "original_max_position_embeddings": 128}))
     b, _ = _from_checkpoint("deepseek_v3", path)
