@@ -27,7 +27,10 @@ FP8_META = "fp8.json"
 SCALE_SUFFIX = "_scale_inv"
 
 # DeepSeek-V3's choice: every projection inside attention and the MLP/experts is FP8, the rest is not.
-_KEEP_HIGH = re.compile(r"(embed_tokens|lm_head|norm|mlp\.gate\.weight$|\.bias$)")
+# GLM-5's sparse-attention indexer `weights_proj` stays high precision too: vLLM fuses it with the
+# indexer's `wk` into one unquantized weight and can only upcast an FP8 `wk`, and GLM-5's own FP8
+# release keeps it in bf16.
+_KEEP_HIGH = re.compile(r"(embed_tokens|lm_head|norm|mlp\.gate\.weight$|\.bias$|indexer\.weights_proj\.)")
 
 
 def default_quantize(name: str, t: torch.Tensor) -> bool:

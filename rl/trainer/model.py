@@ -90,8 +90,6 @@ def _qwen3(m: Mapping[str, Any], h: Mapping[str, Any]):
             layer.moe.load_balance_coeff = None
             layer.moe.router.route_norm = bool(h.get("norm_topk_prob", True))
         _rms_eps(cfg, float(h.get("rms_norm_eps", 1e-6)))
-        for layer in layers:  # the MLA latent norms keep 1e-6 whatever rms_norm_eps says (see LATENT_NORM_EPS)
-            layer.attention.q_norm.eps = layer.attention.kv_norm.eps = LATENT_NORM_EPS
         return cfg
     return build
 

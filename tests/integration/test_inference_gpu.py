@@ -110,14 +110,6 @@ GPU_TWIN_SIZES = {
 }
 
 
-def _glm_wire_quantize(name, t):
-    """The trainer's FP8 choice, except GLM-5's indexer `weights_proj`: vLLM fuses it with `wk` into an
-    unquantized `wk_weights_proj` and only knows how to upcast an FP8 `wk` (deepseek_v2.py
-    `_try_load_fp8_indexer_wk`); GLM-5's own FP8 checkpoint keeps weights_proj in bf16."""
-    from rl.exchange.weights import default_quantize
-    return default_quantize(name, t) and not name.endswith("indexer.weights_proj.weight")
-
-
 def _start_twin(root, family, fp8_load, twin):
     from test_inference_mla import copy_assets, twin_state_dict
     from rl.exchange.weights import write_shards
@@ -125,10 +117,8 @@ def _start_twin(root, family, fp8_load, twin):
     run_dir, plan = make_run_dir_hf(root, f"model.hf_path={twin}", f"model.family={family}",
                                     f"inference.fp8_load={fp8_load}")
     assets = exchange.publish(run_dir, "assets", 0, lambda d: copy_assets(twin, d), producer="test").path
-    quantize = _glm_wire_quantize if family == "glm_moe_dsa" else None
-    sd = twin_state_dict(twin)
-    w0 = exchange.publish(run_dir, "weights", 0,
-                          lambda d: write_shards(d, sd, **({"quantize": quantize} if quantize else {})),
+    sd = twin_state_dict(twin)  # the publisher's default FP8 choice (GLM's indexer weights_proj kept bf16)
+    w0 = exchange.publish(run_dir, "weights", 0, lambda d: write_shards(d, sd),
                           producer="test", policy_version=0).path
     out = root / "inference.out"
     proc = start_role(run_dir, plan, open(out, "w"))
