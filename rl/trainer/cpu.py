@@ -24,7 +24,10 @@ Multi-rank runs on gloo (`trainer.parallel`, see rl.trainer.parallel) need three
    head-tail) and SDPA (ring attention, causal only, no document mask). `DenseAttention` is neither;
    `dense_cp(...)` is the same algorithm as torchtitan's Flex path on the dense mask: K/V
    all-gathered with the same op (reduce-scatter in backward), the query rows this rank holds and the
-   mask built for exactly those rows against the gathered keys (`cp_document_mask`).
+   mask built for exactly those rows against the gathered keys (`cp_document_mask`). This one piece
+   also runs on GPUs: with `trainer.parallel.cp > 1` every device uses `dense_attention` + `dense_cp`
+   (rl.trainer.model.build_model), so the CP path a cluster runs is the one tested here. Its cost
+   is the dense mask, [L/cp, L] booleans per micro-batch row (2 GiB at 128K tokens and cp 8).
 
 `apply(model_config)` rewrites a model config in place before the model is built; the modules keep
 torchtitan's parameter names and shapes, so checkpoints and the HF adapter are unaffected.
@@ -113,12 +116,18 @@ class LoopedExperts(GroupedExperts):
         return torch.cat(outs).type_as(x_RD)
 
 
-def apply(model_config) -> None:
-    """Swap flex attention and bf16 grouped experts for their CPU versions in a Decoder config."""
+def dense_attention(model_config) -> None:
+    """Swap flex attention for DenseAttention in a Decoder config (the CPU, and context parallel anywhere)."""
     for layer in model_config.layers:
         att = getattr(layer, "attention", None)
-        if att is not None and isinstance(att.inner_attention, FlexAttention.Config):
+        if att is not None and isinstance(getattr(att, "inner_attention", None), FlexAttention.Config):
             att.inner_attention = DenseAttention.Config(sharding_config=att.inner_attention.sharding_config)
+
+
+def apply(model_config) -> None:
+    """Swap flex attention and bf16 grouped experts for their CPU versions in a Decoder config."""
+    dense_attention(model_config)
+    for layer in model_config.layers:
         moe = getattr(layer, "moe", None)
         if moe is not None:
             ie = moe.routed_experts.inner_experts
@@ -178,24 +187,34 @@ def dense_cp(attention_modules, cp_mesh) -> None:
         mod.forward = cp_forward
 
 
+# torchtitan parallelize modules whose CP step (`apply_cp_to_forward`, imported by name) is redirected
+_CP_PARALLELIZE = ("torchtitan.models.qwen3.parallelize", "torchtitan.models.deepseek_v3.parallelize")
+
+
 def patch_cp_for_dense_attention():
-    """A context in which torchtitan's qwen3 parallelize applies `dense_cp` to DenseAttention layers."""
+    """A context in which torchtitan's qwen3 and deepseek_v3 parallelize functions apply `dense_cp` to
+    DenseAttention layers (and torchtitan's own CP to anything else)."""
     import contextlib
-    import torchtitan.models.qwen3.parallelize as qp
+    import importlib
 
     @contextlib.contextmanager
     def ctx():
-        orig = qp.apply_cp_to_forward
+        mods = [importlib.import_module(n) for n in _CP_PARALLELIZE]
+        origs = [m.apply_cp_to_forward for m in mods]
 
-        def apply(mods, mesh):
-            mods = list(mods)
-            if mods and isinstance(mods[0], DenseAttention):
-                return dense_cp(mods, mesh)
-            return orig(mods, mesh)
+        def redirect(orig):
+            def apply(attention, mesh, *args, **kwargs):
+                attention = list(attention)
+                if attention and isinstance(attention[0], DenseAttention):
+                    return dense_cp(attention, mesh)
+                return orig(attention, mesh, *args, **kwargs)
+            return apply
 
-        qp.apply_cp_to_forward = apply
+        for m, orig in zip(mods, origs):
+            m.apply_cp_to_forward = redirect(orig)
         try:
             yield
         finally:
-            qp.apply_cp_to_forward = orig
+            for m, orig in zip(mods, origs):
+                m.apply_cp_to_forward = orig
     return ctx()

@@ -233,7 +233,7 @@ def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device =
     lose most small updates to rounding: at lr 1e-6 one Adam step changes ~1e-6 relative, far below
     bf16's 2^-8 spacing.
 
-    `parallel` ({"ep": ...}, given for multi-rank runs): fill torchtitan's sharding configs first, as its
+    `parallel` ({"ep": ..., "cp": ...}, given for multi-rank runs): fill torchtitan's sharding configs first, as its
     Trainer does through `update_from_config`, so that `parallelize_fn` can shard experts over ep.
     `fp8`: block-scaled FP8 GEMMs in attention and experts (rl.trainer.fp8; emulated on the CPU).
     `materialize=False` leaves the model on the meta device, to be parallelized first and then filled by
@@ -247,6 +247,10 @@ def build_model(m: Mapping[str, Any], *, seed: int, device: str | torch.device =
     replay.apply(spec.model)  # routers that can replay recorded expert ids (a no-op until asked to)
     if device.type == "cpu":
         cpu.apply(spec.model)
+    elif parallel is not None and int(parallel.get("cp", 1)) > 1:
+        # context parallel on a GPU takes the CPU's tested path: K/V all-gathered, dense document mask
+        # for the local query rows (torchtitan's Flex CP needs a BlockMask sharded its own way)
+        cpu.dense_attention(spec.model)
     if fp8:
         from rl.trainer import fp8 as fp8_training
         fp8_training.apply(spec.model)

@@ -174,12 +174,10 @@ def parallelize(model, spec, d: Dist, dtype: torch.dtype, *, activation_checkpoi
                                     expert_parallel_degree=d.ep, spmd_backend=SPMD_BACKEND)
     kwargs = dict(parallel_dims=d.dims, training=training, parallelism=parallelism,
                   compile_config=CompileConfig(enable=False), ac_config=ac, dump_folder="")
-    if d.device.type == "cpu":
-        with cpu.patch_cp_for_dense_attention():
-            model = spec.parallelize_fn(model, **kwargs)
-        cpu.fsdp_gloo(model)
-    else:
+    with cpu.patch_cp_for_dense_attention():  # CP runs dense-mask attention on every device
         model = spec.parallelize_fn(model, **kwargs)
+    if d.device.type == "cpu":
+        cpu.fsdp_gloo(model)
     return model
 
 

@@ -100,9 +100,6 @@ def _empty_row(keys, length: int, routed_like: torch.Tensor | None) -> Row:
 def _cp_shard(row: Row, d: parallel.Dist) -> Row:
     """This cp rank's head-tail part of `row` and its attention mask rows (against gathered keys)."""
     from rl.trainer import cpu
-    if d.device.type != "cpu":
-        # FlexAttention's BlockMask must be sharded with torchtitan's cp_shard (PTRR/head-tail): not wired
-        raise NotImplementedError("trainer.parallel.cp > 1 is implemented for the CPU (dense attention) only")
     n, m = row.tokens.shape[1], 2 * d.cp
     pad = -n % m
     if pad:  # a separate document of padding tokens, outside the loss
@@ -193,7 +190,7 @@ class Trainer:
         self.dist = dist if dist is not None else parallel.init(cfg.trainer.parallel, torch.device(device))
         hf_path = cfg.model.hf_path
         self.built: Built = build_model(cfg.model, seed=int(cfg.seed), device=device, dtype=cfg.trainer.dtype,
-                                        parallel={"ep": self.dist.ep} if self.dist.distributed else None,
+                                        parallel={"ep": self.dist.ep, "cp": self.dist.cp} if self.dist.distributed else None,
                                         fp8=bool(cfg.trainer.fp8), materialize=not hf_path)
         self.model = self.built.model = parallel.parallelize(
             self.built.model, self.built.spec, self.dist, self.built.dtype,

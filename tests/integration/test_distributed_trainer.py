@@ -150,3 +150,33 @@ def test_sigterm_to_the_torchrun_wrapper_preempts_and_resumes(tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     assert "resumed from checkpoints/step_000000 on 2 ranks" in p.stdout
     assert is_done(tmp_path) and sorted(_losses(tmp_path)) == list(range(STEPS))
+
+
+def _kimi_cfg(run_dir, twin, dp=1, ep=1, cp=1):
+    from builders import compose_cfg
+    return OmegaConf.create(compose_cfg(
+        run_dir, "model.family=kimi_k2_7", f"model.hf_path={twin('kimi_k2_7')}", "model.max_seq_len=128", "inference.max_model_len=128",
+        "wandb.mode=disabled", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.lr=1e-3",
+        "trainer.micro_batch_tokens=96", "trainer.warm_start.steps=0",
+        f"trainer.parallel.dp_shard={dp}", f"trainer.parallel.ep={ep}", f"trainer.parallel.cp={cp}"))
+
+
+@pytest.fixture(scope="module")
+def single_kimi(tmp_path_factory, twin):
+    d = tmp_path_factory.mktemp("single_kimi")
+    publish_batches(d, range(STEPS))
+    assert run(d, _kimi_cfg(d, twin), poll=0.01) == 0
+    return _losses(d)
+
+
+@pytest.mark.parametrize("dims", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["dp_shard2", "ep2", "cp2"])
+def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(tmp_path, twin, single_kimi, dims):
+    """The MLA family (torchtitan's DeepSeek-V3 with shared expert, sigmoid routing, expert bias), started
+    from its HF checkpoint, under FSDP2 / EP / CP (dense-mask K/V all-gather) on gloo ranks."""
+    OmegaConf.save(_kimi_cfg(tmp_path, twin, *dims), tmp_path / "config.yaml")
+    publish_batches(tmp_path, range(STEPS))
+    _torchrun(tmp_path)
+    got = _losses(tmp_path)
+    assert sorted(got) == list(range(STEPS))
+    for n in range(STEPS):
+        assert got[n] == pytest.approx(single_kimi[n], **TOL), (n, got, single_kimi)
