@@ -38,16 +38,24 @@ is not part of HF's model and not implemented). Everything else trains.
 Differences from HF / limits:
 - ties in index score: keys often score exactly 0 (every head's relu is 0). HF picks with `torch.topk`,
   whose order among ties depends on the row length, so a document packed with others could attend to
-  other keys than alone; here a stable descending sort keeps the earlier key, the same choice at any
-  length or offset. Without exact ties at the top-k boundary the selection equals HF's (the parity test);
+  other keys than alone; here a stable descending sort over the keys in row-position order keeps the
+  earlier key, the same choice at any length, offset or context-parallel layout. Without exact ties at
+  the top-k boundary the selection equals HF's (the parity test);
 - (not a difference, easy to miss) `q_a_layernorm` / `kv_a_layernorm` use eps 1e-6, HF's RMSNorm default,
   not rms_norm_eps;
 - only `indexer_types` all "full" (GLM-5's release): "shared" layers reuse the previous layer's top-k in
   HF, which torchtitan's decoder has no channel for; that config is a ValueError;
 - the dense mask is O(L^2) per row: fine for the CPU and moderate GPU lengths, not for 128k contexts
   (that needs a sparse MLA kernel such as FlashMLA's, which torchtitan does not have);
-- context parallelism and tensor parallelism are NotImplementedError in `parallelize_fn` (the indexer
-  needs every key of the row; torchtitan gathers K/V only inside the inner attention);
+- context parallelism (`trainer.parallel.cp`): the trainer's head-tail row split and dense mask rows
+  [B, 1, L/cp, L] (rl.trainer.train._cp_shard). torchtitan gathers K/V inside the inner attention, but
+  the indexer needs every key of the row too, so `GlmAttention` does the gathering itself: MLA K/V and
+  the indexer keys all-gathered over the cp mesh with torch's `flex_cp_allgather` (reduce-scatter in
+  backward; the indexer keys travel with V), the local queries scored against all keys, the top-k taken
+  with keys in row-position order (`Indexer(..., key_index=)`), ANDed with the trainer's mask; equal to
+  one process (the two-gloo-rank test). Memory per rank: the [B, L/cp, L] masks and the indexer's fp32
+  [B, L/cp, index_n_heads, L] scores; a BlockMask (flex) is refused under CP;
+- tensor parallelism is NotImplementedError in `parallelize_fn` (no TP plan for the indexer);
   VarlenAttention masks are NotImplementedError;
 - the MTP layer GLM-5 checkpoints carry after the last layer is dropped by `from_hf`, as HF drops it.
 """
@@ -102,18 +110,35 @@ class Indexer(Module):
         self.softmax_scale = self.head_dim ** -0.5
 
     @torch.no_grad()
+    def keys(self, x: torch.Tensor, rope, positions: torch.Tensor | None) -> torch.Tensor:
+        """[B, L, D]: the one key per token shared by all indexer heads, its first r dims roped."""
+        r = self.rope_head_dim
+        k = self.k_norm(self.wk(x)).unsqueeze(2)
+        k_pe = rope(k[..., :r], k[..., :r], positions)[1]  # the indexer ropes its *first* r dims
+        return torch.cat([k_pe, k[..., r:]], dim=-1).squeeze(2)
+
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope, positions: torch.Tensor | None,
-                allowed_BLL: torch.Tensor) -> torch.Tensor:
-        """[B, L, L] bool: True where query i selected key j (always inside `allowed_BLL`)."""
+                allowed_BLL: torch.Tensor, *, keys: torch.Tensor | None = None,
+                key_index: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Lq, Lk] bool: True where query i selected key j (always inside `allowed_BLL` [B, Lq, Lk]).
+
+        One process: the queries and keys are the row's tokens `x` (Lq = Lk = L). Context parallel: `x`,
+        `q_resid` and `positions` are this rank's query rows, `keys` the all-gathered `keys(...)` of
+        the whole row in the gathered layout, and `key_index` [Lk] the row position of each gathered key.
+        Scoring and the top-k run with the keys in row-position order, so the selection (ties included)
+        is the single-process one whatever the layout; it comes back in the layout of `keys`.
+        """
         b, n, _ = x.shape
         r = self.rope_head_dim
         q = self.wq_b(q_resid).view(b, n, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).unsqueeze(2)                      # one key head shared by all
-        # the indexer ropes its *first* r dims (the MLA query ropes its last ones)
-        q_pe, k_pe = rope(q[..., :r], k[..., :r], positions)
-        q = torch.cat([q_pe, q[..., r:]], dim=-1)                     # [B, L, H, D]
-        k = torch.cat([k_pe, k[..., r:]], dim=-1).squeeze(2)          # [B, L, D]
-        # same op order as HF: fp32 scores [B, L, H, T], relu, head-weighted sum -> [B, L, T]
+        q_pe = rope(q[..., :r], q[..., :r], positions)[0]
+        q = torch.cat([q_pe, q[..., r:]], dim=-1)                     # [B, Lq, H, D]
+        k = self.keys(x, rope, positions) if keys is None else keys   # [B, Lk, D]
+        if key_index is not None:
+            order = torch.argsort(key_index)                          # layout -> row-position order
+            k, allowed_BLL = k[:, order], allowed_BLL[..., order]
+        # same op order as HF: fp32 scores [B, Lq, H, Lk], relu, head-weighted sum -> [B, Lq, Lk]
         scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1))
         scores = F.relu(scores * self.softmax_scale)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
@@ -121,25 +146,37 @@ class Indexer(Module):
         index_scores = index_scores.masked_fill(~allowed_BLL, float("-inf"))
         # Exact ties are common (a key whose every head's relu is 0 scores exactly 0). torch.topk orders
         # ties by its own algorithm, which depends on the row length, so a document packed with others
-        # could select other keys than alone; a stable sort keeps the earlier key: the same choice at
-        # any length or offset.
-        idx = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :min(self.topk, n)]
+        # could select other keys than alone; a stable sort over keys in row-position order keeps the
+        # earlier key: the same choice at any length, offset or context-parallel layout.
+        topk = min(self.topk, k.shape[1])
+        idx = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :topk]
         # rows with fewer than topk allowed keys also pick -inf keys: the AND with allowed drops them
-        return torch.zeros_like(allowed_BLL).scatter_(-1, idx, True) & allowed_BLL
+        sel = torch.zeros_like(allowed_BLL).scatter_(-1, idx, True) & allowed_BLL
+        if key_index is not None:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            sel = sel[..., inverse]                                   # back to the gathered layout
+        return sel
 
 
-def dense_allowed_mask(attention_masks, batch: int, length: int, device) -> torch.Tensor:
-    """The model's attention mask as a dense [B, 1, L, L] bool (True = may attend)."""
+def dense_allowed_mask(attention_masks, batch: int, length: int, device,
+                       kv_length: int | None = None) -> torch.Tensor:
+    """The model's attention mask as a dense [B, 1, L, Lk] bool (True = may attend; Lk = L but under CP)."""
+    kv_length = length if kv_length is None else kv_length
     if isinstance(attention_masks, torch.Tensor):
         if attention_masks.dtype != torch.bool:
             raise TypeError("GLM-5 attention needs a boolean mask (rl.trainer.cpu.document_mask)")
-        return attention_masks.expand(batch, 1, length, length)
-    if isinstance(attention_masks, BlockMask):
+        return attention_masks.expand(batch, 1, length, kv_length)
+    if isinstance(attention_masks, BlockMask) and kv_length == length:
         # torchtitan's causal + packed-document mask_mods index tensors, so they evaluate on a grid
         ar = partial(torch.arange, device=device)
         m = attention_masks.mask_mod(ar(batch)[:, None, None], ar(1)[:, None, None],
                                      ar(length)[None, :, None], ar(length)[None, None, :])
         return m.expand(batch, length, length).unsqueeze(1)
+    if isinstance(attention_masks, BlockMask):
+        raise NotImplementedError("GLM-5 with context parallelism needs the dense [B, 1, L/cp, L] bool mask "
+                                  "of the trainer's CP sharding (rl.trainer.cpu.cp_document_mask), not a "
+                                  "BlockMask")
     raise NotImplementedError(f"GLM-5 sparse attention with attention masks of type "
                               f"{type(attention_masks).__name__} (varlen) is not implemented")
 
@@ -156,9 +193,33 @@ class GlmAttention(Attention):
         if self.q_lora_rank == 0:
             raise ValueError("GLM-5 attention needs q_lora_rank > 0 (the indexer reads the query latent)")
         self.indexer = config.indexer.build()
+        self.cp_group_name: str | None = None   # set by `enable_context_parallel`
+        self.cp_size = 1
+
+    def enable_context_parallel(self, cp_mesh) -> None:
+        """Context parallel (the trainer's head-tail row split): every forward all-gathers the MLA K/V
+        and the indexer keys over `cp_mesh` (torch's `flex_cp_allgather`, reduce-scatter in backward)."""
+        import torch.distributed as dist
+        self.cp_group_name = dist._get_process_group_name(cp_mesh.get_group())
+        self.cp_size = cp_mesh.size()
+
+    def _cp_gather(self, k, v, ik):
+        """The whole row's K/V [B, L, H, *] and indexer keys [B, L, Di], ranks' chunks in rank order."""
+        from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
+        pg = self.cp_group_name
+        if ik.dtype != v.dtype:  # e.g. autocast (LayerNorm in fp32); FSDP mixed precision casts alike
+            return (*flex_cp_allgather(k.contiguous(), v.contiguous(), 1, pg),
+                    flex_cp_allgather(ik, ik, 1, pg)[0])
+        # one collective pair: the indexer key rides along the values (it has no gradient to send back)
+        b, n, h, dv = v.shape
+        gk, gvi = flex_cp_allgather(k.contiguous(), torch.cat([v.reshape(b, n, h * dv), ik], dim=-1), 1, pg)
+        gv, gik = gvi.split([h * dv, ik.shape[-1]], dim=-1)
+        return gk, gv.view(b, -1, h, dv), gik
 
     def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
         bsz, seqlen, _ = x.size()
+        if self.cp_group_name is not None and positions is None:
+            raise ValueError("GLM-5 with context parallelism needs the positions of the local rows (RoPE)")
         q_resid = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_resid).view(bsz, seqlen, -1, self.qk_head_dim)
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -170,8 +231,18 @@ class GlmAttention(Attention):
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
 
-        allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device)
-        mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0]).unsqueeze(1)
+        if self.cp_group_name is None:
+            allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device)
+            mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0]).unsqueeze(1)
+        else:
+            # this rank's query rows against the whole row's keys, in the layout the gather gives
+            # (rl.trainer.parallel.gathered_index); the trainer's mask rows use the same key order
+            k, v, ik = self._cp_gather(k, v, self.indexer.keys(x, self.rope, positions))
+            total = seqlen * self.cp_size
+            allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device, kv_length=total)
+            key_index = _gathered_index(total, self.cp_size, x.device)
+            mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0], keys=ik,
+                                key_index=key_index).unsqueeze(1)
         if isinstance(self.inner_attention, FlexAttention):
             # flex takes no per-query key list: dense SDPA under the combined mask (GPU path)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -179,6 +250,12 @@ class GlmAttention(Attention):
         else:  # rl.trainer.cpu.DenseAttention (or any inner attention taking a dense bool mask)
             out = self.inner_attention(q, k, v, attention_masks=mask, scale=self.softmax_scale)
         return self.wo(out.contiguous().view(bsz, seqlen, -1))
+
+
+def _gathered_index(length: int, cp: int, device) -> torch.Tensor:
+    """Row position of each all-gathered key: the trainer's head-tail split (rl.trainer.train._cp_shard)."""
+    from rl.trainer.parallel import gathered_index
+    return gathered_index(length, cp).to(device)
 
 
 class GlmMoeDsaModel(DeepSeekV3Model):
@@ -291,14 +368,40 @@ def model_config(hf: Mapping[str, Any], attn_backend: str = "flex",
 # -- parallelism -----------------------------------------------------------------------------------------
 def parallelize_glm5(model, *, parallel_dims, **kwargs):
     """torchtitan's DeepSeek-V3 parallelize (FSDP2 per block, EP over routed experts, AC): the indexer is
-    plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a."""
-    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
-    if parallel_dims.cp_enabled:
-        raise NotImplementedError("GLM-5 with context parallelism: the DSA indexer needs every key of the "
-                                  "row (torchtitan gathers K/V only inside the inner attention)")
+    plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a.
+
+    Context parallel: the trainer splits each row head-tail over the cp ranks and passes the dense mask
+    rows [B, 1, L/cp, L] of its local queries against the gathered keys (rl.trainer.train._cp_shard).
+    The gather cannot live in the inner attention as for the other families, since the indexer needs
+    every key of the row too: each `GlmAttention` all-gathers its MLA K/V and its indexer keys itself
+    (`enable_context_parallel`), and torchtitan's CP step on the inner attentions is skipped.
+    """
+    import importlib
+    ds_parallelize = importlib.import_module("torchtitan.models.deepseek_v3.parallelize")
     if parallel_dims.tp_enabled:
         raise NotImplementedError("GLM-5 with tensor parallelism: the DSA indexer has no TP sharding plan")
-    return parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
+    if not parallel_dims.cp_enabled:
+        return ds_parallelize.parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
+    attention = [block.attention for block in model.layers.values()]
+    if not all(isinstance(a, GlmAttention) for a in attention):
+        raise TypeError("GLM-5 context parallel: every layer's attention must be a GlmAttention")
+    cp_mesh = parallel_dims.get_mesh("cp")
+    for a in attention:
+        a.enable_context_parallel(cp_mesh)
+    inner = {id(a.inner_attention) for a in attention}
+    orig = ds_parallelize.apply_cp_to_forward  # (whatever rl.trainer.cpu's CP patch made it)
+
+    def apply_cp_to_forward(modules, mesh, *args, **kwargs):
+        modules = list(modules)
+        if all(id(m) in inner for m in modules):
+            return None  # GlmAttention gathers K/V before its inner attention
+        return orig(modules, mesh, *args, **kwargs)
+
+    ds_parallelize.apply_cp_to_forward = apply_cp_to_forward
+    try:
+        return ds_parallelize.parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
+    finally:
+        ds_parallelize.apply_cp_to_forward = orig
 
 
 # -- HF names ----------------------------------------------------------------------------------------------

@@ -217,6 +217,11 @@ def _loss(model, tok, pos, total):
     return -logp.gather(-1, tok[:, 1:, None]).sum() / total
 
 
+def _packed_positions(b=2, n=N, firsts=(13, 7)):
+    """Two documents per row, boundaries inside the head-tail chunks of cp 2 (chunk n/4)."""
+    return torch.stack([torch.cat([torch.arange(f), torch.arange(n - f)]) for f in firsts[:b]])
+
+
 def _worker(rank, world, port, dims, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -225,41 +230,69 @@ def _worker(rank, world, port, dims, path):
     from rl.trainer import parallel
     from rl.trainer.model import build_model, load_hf_state_dict
     data = torch.load(path)
-    dp, ep = dims
-    d = parallel.init(SimpleNamespace(dp_shard=dp, ep=ep, cp=1), torch.device("cpu"))
+    dp, ep, cp = dims
+    d = parallel.init(SimpleNamespace(dp_shard=dp, ep=ep, cp=cp), torch.device("cpu"))
     try:
         built = build_model(dict(name="glm5", family="glm_moe_dsa", max_seq_len=512), seed=0,
-                            parallel={"ep": ep}, hf_config=data["config"])
+                            parallel={"ep": ep, "cp": cp}, hf_config=data["config"])
         load_hf_state_dict(built, data["hf"])
         model = parallel.parallelize(built.model, built.spec, d, torch.float32)
         w1 = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
         local_experts = w1.to_local().shape[0] if ep > 1 else w1.shape[0]
         tok, pos = data["tokens"], data["positions"]
-        with torch.no_grad():
-            lg = _logits(model, tok, pos)
-        # each rank its own row, loss normalised by the batch-wide count: summed grads = one process's
-        loss = _loss(model, tok[rank:rank + 1], pos[rank:rank + 1], tok[:, 1:].numel())
+        total = tok[:, 1:].numel()
+        mine = None
+        if cp == 1:
+            with torch.no_grad():
+                lg = _logits(model, tok, pos)
+            # each rank its own row, loss normalised by the batch-wide count: summed grads = one process's
+            loss = _loss(model, tok[rank:rank + 1], pos[rank:rank + 1], total)
+        else:
+            # both rows on every rank, each split head-tail by the trainer's own CP sharding (mask rows
+            # of the local queries against the gathered keys); position j scores token j+1
+            from rl.trainer.train import Row, _cp_shard
+            targets = torch.nn.functional.pad(tok[:, 1:], (0, 1))
+            weight = torch.nn.functional.pad(torch.ones(tok.shape[0], tok.shape[1] - 1), (0, 1))
+            row = _cp_shard(Row(tok, pos, targets, {"w": weight}), d)
+            mine = parallel.headtail_index(tok.shape[1], cp, d.cp_rank)
+            assert row.masks.shape == (tok.shape[0], 1, len(mine), tok.shape[1])
+            out = model(row.tokens, positions=row.positions, attention_masks=row.masks)
+            lg = out.detach()
+            logp = torch.log_softmax(out, dim=-1).gather(-1, row.targets[..., None]).squeeze(-1)
+            loss = -(logp * row.per_token["w"]).sum() / total
         loss.backward()
         grads = {}
         for n, p in model.named_parameters():
             if p.grad is not None:
                 g = p.grad
                 grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
-        total = float(d.sum(loss.detach()))  # a collective: every rank
+        loss_sum = float(d.sum(loss.detach()))  # a collective: every rank
         if rank == 0:
-            torch.save(dict(logits=lg, loss=total, grads=grads, local_experts=local_experts), path + ".out")
+            torch.save(dict(logits=lg, loss=loss_sum, grads=grads, local_experts=local_experts, mine=mine),
+                       path + ".out")
+        elif cp > 1:
+            torch.save(dict(logits=lg, mine=mine), path + f".out{rank}")
     finally:
         d.close()
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dims", [(2, 1), (1, 2)], ids=["dp_shard2", "ep2"])
+@pytest.mark.parametrize("dims", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["dp_shard2", "ep2", "cp2"])
 def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, dims):
+    """cp2: packed documents, index_topk 8 < the documents' lengths (the indexer drops keys), 2 indexer
+    heads, and in the last layer only exact ties (its indexer's query projection zeroed), which must be
+    broken by key position whatever the CP layout."""
     import torch.multiprocessing as mp
     from rl.trainer.model import build_model, load_hf_state_dict
-    cfg, ref = _hf()
+    cp = dims[2]
+    cfg, ref = _hf(**(dict(index_n_heads=2) if cp > 1 else {}))
+    if cp > 1:  # layer 2's indexer scores every key 0: its selection is the tie-break alone
+        with torch.no_grad():
+            ref.model.layers[2].self_attn.indexer.wq_b.weight.zero_()
     h = cfg.to_dict()
     tok, pos = _tokens()
+    if cp > 1:
+        pos = _packed_positions()
     path = str(tmp_path / "in.pt")
     torch.save(dict(config=h, hf=ref.state_dict(), tokens=tok, positions=pos), path)
     built = build_model(dict(name="glm5", family="glm_moe_dsa", max_seq_len=512), seed=0, hf_config=h)
@@ -280,12 +313,50 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
     out = torch.load(path + ".out")
     if dims[1] == 2:  # the routed experts are split over the ep ranks
         assert out["local_experts"] == SIZES["n_routed_experts"] // 2
+    if cp > 1:  # every rank's logits are those of the positions it holds
+        parts = [out] + [torch.load(path + f".out{r}") for r in range(1, cp)]
+        assert sorted(torch.cat([p["mine"] for p in parts]).tolist()) == list(range(N))
+        got = torch.empty_like(lg)
+        for p in parts:
+            got[:, p["mine"]] = p["logits"]
+        out["logits"] = got
     torch.testing.assert_close(out["logits"], lg, **TOL)
     assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
     want = {n: p.grad for n, p in single.named_parameters() if p.grad is not None}
     assert set(out["grads"]) >= set(want)
     for n, g in want.items():
         torch.testing.assert_close(out["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_indexer_under_a_cp_layout_selects_the_single_process_keys():
+    """Each cp rank's queries (head-tail rows) against the gathered keys (rank 0's chunks, rank 1's) pick
+    the keys one process picks. Second pass: the indexer's query projection zeroed, so every key scores
+    exactly 0 and the choice is the tie-break alone (each query's 8 earliest allowed keys); breaking
+    ties by the gathered layout instead of key position would then choose other keys (the test's teeth)."""
+    from rl.trainer import parallel
+    cfg, ref = _hf(index_n_heads=2)
+    _, model = _ours(cfg, ref.state_dict())
+    att = model.layers["1"].attention
+    x = torch.randn(2, N, SIZES["hidden_size"], generator=torch.Generator().manual_seed(5))
+    pos = _packed_positions()
+    allowed_full = cpu.document_mask(pos)[:, 0]
+    g = parallel.gathered_index(N, 2)
+    q_resid = att.q_norm(att.wq_a(x))
+    for all_ties in (False, True):
+        if all_ties:
+            with torch.no_grad():
+                att.indexer.wq_b.weight.zero_()
+        single = att.indexer(x, q_resid, att.rope, pos, allowed_full)
+        assert (single.sum(-1) < allowed_full.sum(-1)).any()  # keys are dropped
+        keys = att.indexer.keys(x[:, g], att.rope, pos[:, g])
+        differs = False
+        for r in range(2):
+            mine = parallel.headtail_index(N, 2, r)
+            args = (x[:, mine], q_resid[:, mine], att.rope, pos[:, mine], cpu.cp_document_mask(pos, mine, g)[:, 0])
+            sel = att.indexer(*args, keys=keys, key_index=g)
+            assert torch.equal(sel, single[:, mine][:, :, g]), (all_ties, r)
+            differs |= not torch.equal(att.indexer(*args, keys=keys), sel)  # ties by gathered order
+        assert differs == all_ties
 
 
 def test_indexer_selects_only_allowed_keys_topk_of_them():
@@ -300,7 +371,16 @@ def test_indexer_selects_only_allowed_keys_topk_of_them():
     assert torch.equal(sel.sum(-1), allowed.sum(-1).clamp(max=SIZES["index_topk"]))
 
 
-def test_context_and_tensor_parallel_are_refused_by_name():
-    for cp, tp, what in [(True, False, "context parallelism"), (False, True, "tensor parallelism")]:
-        with pytest.raises(NotImplementedError, match=what):
-            glm5.parallelize_glm5(None, parallel_dims=SimpleNamespace(cp_enabled=cp, tp_enabled=tp))
+def test_tensor_parallel_is_refused_by_name():
+    for cp in (False, True):
+        with pytest.raises(NotImplementedError, match="tensor parallelism"):
+            glm5.parallelize_glm5(None, parallel_dims=SimpleNamespace(cp_enabled=cp, tp_enabled=True))
+
+
+def test_context_parallel_refuses_a_block_mask():
+    """Under CP a BlockMask of the local rows cannot say which gathered keys a query may see."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    bm = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, N, N, device="cpu")
+    assert glm5.dense_allowed_mask(bm, 1, N, "cpu").shape == (1, 1, N, N)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        glm5.dense_allowed_mask(bm, 1, N // 2, "cpu", kv_length=N)
