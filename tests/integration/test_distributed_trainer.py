@@ -152,13 +152,14 @@ def test_sigterm_to_the_torchrun_wrapper_preempts_and_resumes(tmp_path):
     assert is_done(tmp_path) and sorted(_losses(tmp_path)) == list(range(STEPS))
 
 
-def _kimi_cfg(run_dir, twin, dp=1, ep=1, cp=1):
+def _kimi_cfg(run_dir, twin, dp=1, ep=1, cp=1, family="kimi_k2_7", *extra):
     from builders import compose_cfg
     return OmegaConf.create(compose_cfg(
-        run_dir, "model.family=kimi_k2_7", f"model.hf_path={twin('kimi_k2_7')}", "model.max_seq_len=128", "inference.max_model_len=128",
+        run_dir, f"model.family={family}", f"model.hf_path={twin(family)}", "model.max_seq_len=128",
+        "inference.max_model_len=128",
         "wandb.mode=disabled", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.lr=1e-3",
         "trainer.micro_batch_tokens=96", "trainer.warm_start.steps=0",
-        f"trainer.parallel.dp_shard={dp}", f"trainer.parallel.ep={ep}", f"trainer.parallel.cp={cp}"))
+        f"trainer.parallel.dp_shard={dp}", f"trainer.parallel.ep={ep}", f"trainer.parallel.cp={cp}", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,25 @@ def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(t
     assert sorted(got) == list(range(STEPS))
     for n in range(STEPS):
         assert got[n] == pytest.approx(single_kimi[n], **TOL), (n, got, single_kimi)
+
+
+@pytest.mark.parametrize("family,dims", [("kimi_k2_7", (1, 2, 1)), ("glm_moe_dsa", (1, 1, 2))],
+                         ids=["kimi-ep2", "glm5-cp2"])
+def test_router_replay_and_fp8_of_the_real_families_under_two_ranks(tmp_path, twin, family, dims):
+    """Router replay of engine routing and FP8 training on the MLA families, started from their
+    checkpoints, under EP (Kimi) and CP (GLM-5: MLA K/V and indexer keys gathered) equal one process."""
+    ref, par = tmp_path / "single", tmp_path / "par"
+    for d, dd in ((ref, (1, 1, 1)), (par, dims)):
+        d.mkdir()
+        cfg = _kimi_cfg(d, twin, *dd, family, "trainer.router_replay=true", "trainer.fp8=true")
+        OmegaConf.save(cfg, d / "config.yaml")
+        m = cfg.model
+        _publish_routed_batches(d, range(STEPS), m.n_layers - m.n_dense_layers, m.num_experts, m.top_k)
+    assert run(ref, OmegaConf.load(ref / "config.yaml"), poll=0.01) == 0
+    _torchrun(par)
+    want, got = _losses(ref), _losses(par)
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    for n in range(STEPS):
+        assert got[n] == pytest.approx(want[n], **TOL), (n, got, want)
+    m = read_metrics(par)[0]
+    assert m["router_replay"] == 1 and m["routing_recorded_by_engine"] == 1
