@@ -107,17 +107,24 @@ def _publish_routed_batches(run_dir, steps, layers, experts, top_k):
 @pytest.mark.parametrize("dims", [(1, 2, 1), (1, 1, 2)], ids=["ep2", "cp2"])
 def test_router_replay_and_fp8_under_two_ranks(tmp_path, dims):
     """Replayed routing is cut with the tokens (data split, head-tail CP split); FP8 GEMMs per rank."""
-    ref = tmp_path / "single"
-    par = tmp_path / "par"
-    for d, dd in ((ref, (1, 1, 1)), (par, dims)):
-        d.mkdir()
+    def cfg_of(d, dd):
         cfg = _cfg(d, *dd)
         cfg.trainer.router_replay = True
         cfg.trainer.fp8 = True
         cfg.trainer.warm_start.steps = 0
+        return cfg
+    _replayed_fp8_two_ranks_equal_one(tmp_path, dims, cfg_of)
+
+
+def _replayed_fp8_two_ranks_equal_one(tmp_path, dims, cfg_of):
+    """One process and two ranks (`dims`) on the same engine-routed batches give the same losses."""
+    ref, par = tmp_path / "single", tmp_path / "par"
+    for d, dd in ((ref, (1, 1, 1)), (par, dims)):
+        d.mkdir()
+        cfg = cfg_of(d, dd)
         OmegaConf.save(cfg, d / "config.yaml")
         m = cfg.model
-        _publish_routed_batches(d, range(STEPS), m.n_layers, m.num_experts, m.top_k)
+        _publish_routed_batches(d, range(STEPS), m.n_layers - m.n_dense_layers, m.num_experts, m.top_k)
     assert run(ref, OmegaConf.load(ref / "config.yaml"), poll=0.01) == 0
     _torchrun(par)
     want, got = _losses(ref), _losses(par)
@@ -152,7 +159,7 @@ def test_sigterm_to_the_torchrun_wrapper_preempts_and_resumes(tmp_path):
     assert is_done(tmp_path) and sorted(_losses(tmp_path)) == list(range(STEPS))
 
 
-def _kimi_cfg(run_dir, twin, dp=1, ep=1, cp=1, family="kimi_k2_7", *extra):
+def _family_cfg(run_dir, twin, dp=1, ep=1, cp=1, family="kimi_k2_7", *extra):
     from builders import compose_cfg
     return OmegaConf.create(compose_cfg(
         run_dir, f"model.family={family}", f"model.hf_path={twin(family)}", "model.max_seq_len=128",
@@ -166,7 +173,7 @@ def _kimi_cfg(run_dir, twin, dp=1, ep=1, cp=1, family="kimi_k2_7", *extra):
 def single_kimi(tmp_path_factory, twin):
     d = tmp_path_factory.mktemp("single_kimi")
     publish_batches(d, range(STEPS))
-    assert run(d, _kimi_cfg(d, twin), poll=0.01) == 0
+    assert run(d, _family_cfg(d, twin), poll=0.01) == 0
     return _losses(d)
 
 
@@ -174,7 +181,7 @@ def single_kimi(tmp_path_factory, twin):
 def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(tmp_path, twin, single_kimi, dims):
     """The MLA family (torchtitan's DeepSeek-V3 with shared expert, sigmoid routing, expert bias), started
     from its HF checkpoint, under FSDP2 / EP / CP (dense-mask K/V all-gather) on gloo ranks."""
-    OmegaConf.save(_kimi_cfg(tmp_path, twin, *dims), tmp_path / "config.yaml")
+    OmegaConf.save(_family_cfg(tmp_path, twin, *dims), tmp_path / "config.yaml")
     publish_batches(tmp_path, range(STEPS))
     _torchrun(tmp_path)
     got = _losses(tmp_path)
@@ -188,18 +195,5 @@ def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(t
 def test_router_replay_and_fp8_of_the_real_families_under_two_ranks(tmp_path, twin, family, dims):
     """Router replay of engine routing and FP8 training on the MLA families, started from their
     checkpoints, under EP (Kimi) and CP (GLM-5: MLA K/V and indexer keys gathered) equal one process."""
-    ref, par = tmp_path / "single", tmp_path / "par"
-    for d, dd in ((ref, (1, 1, 1)), (par, dims)):
-        d.mkdir()
-        cfg = _kimi_cfg(d, twin, *dd, family, "trainer.router_replay=true", "trainer.fp8=true")
-        OmegaConf.save(cfg, d / "config.yaml")
-        m = cfg.model
-        _publish_routed_batches(d, range(STEPS), m.n_layers - m.n_dense_layers, m.num_experts, m.top_k)
-    assert run(ref, OmegaConf.load(ref / "config.yaml"), poll=0.01) == 0
-    _torchrun(par)
-    want, got = _losses(ref), _losses(par)
-    assert sorted(got) == sorted(want) == list(range(STEPS))
-    for n in range(STEPS):
-        assert got[n] == pytest.approx(want[n], **TOL), (n, got, want)
-    m = read_metrics(par)[0]
-    assert m["router_replay"] == 1 and m["routing_recorded_by_engine"] == 1
+    _replayed_fp8_two_ranks_equal_one(tmp_path, dims, lambda d, dd: _family_cfg(
+        d, twin, *dd, family, "trainer.router_replay=true", "trainer.fp8=true"))
