@@ -36,8 +36,12 @@ def dummy_role(name: str, mode: str) -> int:
     (run_dir / "roles").mkdir(exist_ok=True)
     (run_dir / "roles" / f"{name}.{restart}.{rec['SLURM_PROCID']}.json").write_text(json.dumps(rec))
     print(f"{name} running on {rec['SLURMD_NODENAME']} (restart {restart})", flush=True)
-    if mode == "wait" and restart > 0:
+    if mode in ("wait", "terminated") and restart > 0:
         mode = "ok"
+    if mode == "terminated":  # what srun reports for a step slurmstepd cancelled on preemption: 143
+        time.sleep(1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     if mode == "ok":
         time.sleep(1)
         return 0
@@ -180,6 +184,21 @@ def test_partition_preemption_requeues(slurm, tmp_path):
                      f"--output={tmp_path}/high.out", "--wrap", "sleep 2").stdout.strip()
     _assert_requeued_and_completed(slurm, run_dir, job, "SIGTERM")
     assert ls.job_state(high)["state"] == "COMPLETED"
+
+
+def test_step_terminated_by_slurm_before_the_batch_shell_is_signalled_requeues(slurm, tmp_path):
+    # On preemption slurmstepd cancels the steps; an srun can report "Terminated" (status 143) before the
+    # batch shell gets its signal. That is a stop, not a crash: the job must requeue, not fail.
+    run_dir = tmp_path / "run"
+    modes = {"trainer": "wait", "inference_0": "wait", "inference_1": "wait", "orchestrator": "terminated"}
+    job = submit(run_dir, modes)
+    st = wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
+    log = batch_log(run_dir, job)
+    assert st["state"] == "COMPLETED" and st["restarts"] >= 1, log
+    assert "orchestrator exited with status 143" in log and "requeueing job" in log, log
+    for name in ("trainer", "inference_0", "inference_1"):
+        assert (run_dir / f"checkpointed.{name}").exists(), name
+    assert {r["restart"] for r in records(run_dir) if r["name"] == "orchestrator"} == {0, 1}
 
 
 if __name__ == "__main__":  # a dummy role: python test_slurm_hetjob.py NAME MODE
