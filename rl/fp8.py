@@ -29,8 +29,16 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, cols - n, 0, rows - m))
 
 
-def quantize_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D tensor to (e4m3 values of the same shape, fp32 scales per block)."""
+def quantize_block(w: torch.Tensor, block: int = BLOCK, *, scratch: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor to (e4m3 values of the same shape, fp32 scales per block).
+
+    `scratch` (flat fp32, at least the padded size) and `out` (flat e4m3, at least m*n) are reused
+    buffers: on this CPU a freshly allocated tensor costs about as much in page faults as the arithmetic
+    itself, so the publisher quantizes tensor after tensor into the same two buffers; the results then
+    alias them. The amax is max(amax, -amin) rather than abs().amax (no temporary, 3x faster here),
+    which is the same number.
+    """
     if w.dim() != 2:
         raise ValueError(f"quantize_block expects a 2-D weight, got shape {tuple(w.shape)}")
     m, n = w.shape
@@ -40,14 +48,21 @@ def quantize_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, t
     if ragged:
         x = torch.nn.functional.pad(x, (0, bn * block - n, 0, bm * block - m))
     xv = x.view(bm, block, bn, block)
-    amax = xv.abs().amax(dim=(1, 3)).clamp_min(_MIN_AMAX)
+    amax = torch.maximum(xv.amax(dim=(1, 3)), xv.amin(dim=(1, 3)).neg_()).clamp_min_(_MIN_AMAX)
     # Multiplying by the reciprocal is about 1.5x faster than dividing on CPU; trainer and publisher
     # share this function, so the rounding is the same on both sides.
-    q = (xv * (E4M3_MAX / amax)[:, None, :, None]).view(bm * block, bn * block)
+    size = bm * block * bn * block
+    buf = torch.empty(size, dtype=torch.float32) if scratch is None else scratch[:size]
+    torch.mul(xv, (E4M3_MAX / amax)[:, None, :, None], out=buf.view(bm, block, bn, block))
+    q = buf.view(bm * block, bn * block)
     if ragged:
         q = q[:m, :n]
-    q = q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
-    return q, (amax / E4M3_MAX).float().contiguous()
+    # No clamp: |x| <= amax, so |x * 448/amax| exceeds 448 by at most a rounding error, which the
+    # conversion rounds back to 448 (values only turn NaN from 480 on).
+    dst = torch.empty(m * n, dtype=torch.float8_e4m3fn) if out is None else out[: m * n]
+    dst = dst.view(m, n)
+    dst.copy_(q)
+    return dst, (amax / E4M3_MAX).float().contiguous()
 
 
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -99,23 +99,62 @@ def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[P
     before a crash) unless `overwrite`, in which case the old one is moved aside then removed after the
     new one is in place.
     """
-    base = Path(run_dir) / kind
-    base.mkdir(parents=True, exist_ok=True)
-    final = base / step_name(step)
+    final = step_dir(run_dir, kind, step)
     if final.exists() and not overwrite:
         return Published(final, step, read_manifest(final))
-    tmp = base / f"{step_name(step)}.tmp-{uuid.uuid4().hex[:10]}"
-    tmp.mkdir()
+    tmp = begin(run_dir, kind, step)
     try:
         write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(run_dir, kind, step, tmp, producer=producer, policy_version=policy_version, meta=meta,
+                  checksum=checksum, overwrite=overwrite)
+
+
+def begin(run_dir: str | os.PathLike, kind: str, step: int, token: str | None = None) -> Path:
+    """The private directory a step is written into before `commit`: `kind/step_N.tmp-<token>`.
+
+    Several writers (the ranks of one trainer) share one directory by passing the same `token`; without
+    one, a fresh random directory is made."""
+    base = Path(run_dir) / kind
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f"{step_name(step)}.tmp-{token or uuid.uuid4().hex[:10]}"
+    tmp.mkdir(exist_ok=token is not None)
+    return tmp
+
+
+def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, producer: str,
+           policy_version: int | None = None, meta: dict | None = None, checksum: bool = True,
+           overwrite: bool = False, known: dict[str, dict] | None = None) -> Published:
+    """Write the manifest of the filled `tmp` (from `begin`) and rename it to `kind/step_N`.
+
+    Every file is fsynced and listed with its size and, with `checksum`, its sha256; `known` gives the
+    entries of files whose writer already fsynced them and recorded how to verify them (the weight
+    shards: a size here, per-tensor digests in a file of their own), so they are not read again. A step
+    that appeared meanwhile is kept and `tmp` dropped, unless `overwrite`. On any error `tmp` is removed.
+    """
+    base = Path(run_dir) / kind
+    final = base / step_name(step)
+    known = known or {}
+    try:
         files = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
                 rel = p.relative_to(tmp).as_posix()
                 if rel == MANIFEST:
                     raise ValueError(f"{kind}/{step_name(step)}: producer wrote {MANIFEST} itself")
+                if rel in known:
+                    files[rel] = dict(known[rel])
+                    if files[rel].get("size") != p.stat().st_size:
+                        raise ValueError(f"{p}: {p.stat().st_size} bytes, its writer recorded "
+                                         f"{files[rel].get('size')}")
+                    continue
                 _fsync_path(p)
                 files[rel] = {"size": p.stat().st_size, **({"sha256": sha256_file(p)} if checksum else {})}
+        if missing := sorted(set(known) - set(files)):
+            raise ValueError(f"{kind}/{step_name(step)}: {len(missing)} recorded file(s) missing, "
+                             f"first {missing[0]}")
         manifest = {
             "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
             "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
@@ -124,6 +163,9 @@ def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[P
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_path(tmp)
         if final.exists():
+            if not overwrite:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return Published(final, step, read_manifest(final))
             trash = base / f"{step_name(step)}.tmp-old-{uuid.uuid4().hex[:8]}"
             os.rename(final, trash)
             os.rename(tmp, final)
