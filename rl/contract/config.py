@@ -96,6 +96,8 @@ class TrainerConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     keep_weights: int = 3
+    publish_async: bool = True         # weights quantized, written and committed while the next step trains
+    publish_timeout_s: float = 600.0   # rank 0 gives up on the other ranks' shards after this (no commit)
     # loss: importance-sampled policy gradient, token level (rl.trainer.loss)
     mismatch: str = "mask"             # mask | truncate | none: handling of trainer/inference mismatch
     ratio_max: float = 2.0             # tokens with importance ratio above this are masked / truncated

@@ -1,51 +1,94 @@
-"""Publishing weights without stopping the trainer for the disk.
+"""Publishing weights from every trainer rank, overlapped with the next training step.
 
-Publishing has two halves: quantizing the live parameters to FP8 (must happen before the next optimizer
-step changes them) and writing + fsyncing + renaming the shards (only touches the quantized copy).
-`WeightPublisher` does the first on the caller's thread and hands the second to one background thread,
-so the trainer step is blocked only by quantization; `wait()` joins the previous publish before the next
-one starts (one in flight at most, so memory stays bounded and versions are published in order).
+`WeightPublisher.publish(version, tensors)` is called by every rank with the tensors it owns
+(rl.trainer.owners). On the caller's thread it only copies them out into buffers kept from one publish
+to the next (pinned host memory for GPU parameters), so the next optimizer step may change the
+parameters at once. A background thread then quantizes to FP8, writes and hashes this rank's shards
+into the step's shared tmp directory (rl.exchange.shards.write_part) and, on rank 0, waits for every
+rank's part and commits the step: the orchestrator sees `weights/step_N` only when all of it is there.
+One publish is in flight at most: the next `publish` (and `wait`) joins the previous one and re-raises
+its error on the trainer's thread.
+
+All ranks write into `weights/step_N.tmp-<token>`; the token is agreed once per trainer incarnation
+(rank 0 draws it, the others receive it), so no collective runs on the background threads and a
+restarted trainer never writes into its predecessor's leftovers. A rank that dies mid-publish leaves an
+uncommitted tmp directory, which the next start removes (rl.exchange.clean_tmp); a publish still running
+when the trainer is asked to stop is joined (`wait`) before the role exits, within the signal's grace
+period, or killed with the process and then discarded the same way.
 """
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
 from rl import exchange
-from rl.exchange.weights import quantize_state_dict, write_quantized
+from rl.exchange import shards
+from rl.exchange.weights import default_quantize
 
 
 class WeightPublisher:
-    def __init__(self, run_dir: str | Path, producer: str = "trainer", fp8_enabled: bool = True,
-                 background: bool = True, on_published: Callable[[int], None] | None = None):
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, world: int = 1, token: str | None = None,
+                 producer: str = "trainer", fp8_enabled: bool = True, wire_dtype: torch.dtype = torch.bfloat16,
+                 quantize: Callable[[str, torch.Tensor], bool] = default_quantize, background: bool = True,
+                 commit_timeout_s: float = 600.0, max_shard_bytes: int = 2 << 30,
+                 on_published: Callable[[int], None] | None = None):
+        if world > 1 and token is None:
+            raise ValueError("a multi-rank publisher needs the token every rank shares")
         self.run_dir = Path(run_dir)
+        self.rank, self.world = rank, world
+        self.token = token or uuid.uuid4().hex[:12]
         self.producer = producer
-        self.fp8_enabled = fp8_enabled
+        self.write_kw = dict(fp8_enabled=fp8_enabled, wire_dtype=wire_dtype, quantize=quantize,
+                             max_shard_bytes=max_shard_bytes)
         self.background = background
+        self.commit_timeout_s = commit_timeout_s
         self.on_published = on_published
+        self._snap: dict[str, torch.Tensor] = {}
+        self._buffers = shards.Buffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_blocked_s = 0.0
-        self.last_write_s = 0.0
+        self.last_blocked_s = 0.0      # the caller's time in the last publish (copy-out)
+        self.last_write_s = 0.0        # the background part of the last finished publish
+        self.last_published: exchange.Published | None = None
 
-    def publish(self, version: int, hf_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Publish `weights/step_<version>`; returns once the parameters may change again."""
+    def _copy_out(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        snap, cuda = {}, False
+        for name, t in tensors.items():
+            t = t.detach()
+            buf = self._snap.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf.copy_(t, non_blocking=t.is_cuda)
+            cuda |= t.is_cuda
+            snap[name] = buf
+        if cuda:
+            torch.cuda.synchronize()
+        self._snap = snap
+        return snap
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Start publishing `weights/step_<version>` from this rank's `tensors` (HF names); returns as
+        soon as the parameters may change again."""
         t0 = time.perf_counter()
         self.wait()
-        wire, quantized = quantize_state_dict(hf_tensors, self.fp8_enabled)
+        snap = self._copy_out(tensors)
+        tmp = exchange.begin(self.run_dir, "weights", version, token=self.token)
 
         def work():
             t1 = time.perf_counter()
             try:
-                exchange.publish(self.run_dir, "weights", version,
-                                 lambda d: write_quantized(d, wire, quantized), producer=self.producer,
-                                 policy_version=version)
-                if self.on_published is not None:
-                    self.on_published(version)
+                shards.write_part(tmp, self.rank, snap, buffers=self._buffers, **self.write_kw)
+                if self.rank == 0:
+                    self.last_published = shards.commit_parts(
+                        self.run_dir, version, tmp, self.world, producer=self.producer,
+                        timeout_s=self.commit_timeout_s)
+                    if self.on_published is not None:
+                        self.on_published(version)
             except BaseException as e:  # re-raised on the trainer's thread at the next wait()
                 self._error = e
             self.last_write_s = time.perf_counter() - t1
@@ -61,9 +104,14 @@ class WeightPublisher:
     def _raise(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None
-            raise RuntimeError(f"publishing weights failed: {e}") from e
+            raise RuntimeError(f"publishing weights failed on trainer rank {self.rank}: {e}") from e
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
+        """Join the publish in flight (if any); raise its error."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

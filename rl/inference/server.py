@@ -285,9 +285,11 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
     """
     from safetensors.torch import save_file
 
-    from rl.exchange.weights import FP8_META, INDEX, iter_tensors
+    from rl.exchange.weights import FP8_META, INDEX
 
-    exchange.verify(weights_dir, checksums=True)
+    from rl.exchange.shards import ShardReader
+
+    reader = ShardReader(weights_dir)  # manifest, index and digests; tensors are verified as read
     out_dir = Path(out_dir)
     source = _source(weights_dir, dtype=dtype, fp8=fp8)
     if _made_from(out_dir, source):
@@ -295,43 +297,49 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for p in assets_dir.iterdir():
-        if p.is_file() and p.name != exchange.MANIFEST:
-            shutil.copy2(p, tmp / p.name)
-    config = json.loads((tmp / "config.json").read_text())
-    if fp8:
-        for p in weights_dir.iterdir():
-            if p.suffix == ".safetensors" or p.name == INDEX:
+    try:
+        for p in assets_dir.iterdir():
+            if p.is_file() and p.name != exchange.MANIFEST:
                 shutil.copy2(p, tmp / p.name)
-        index = json.loads((weights_dir / INDEX).read_text())
-        shapes_2d = _two_dim_weights(weights_dir, index)
-        holder = _quant_holder(config)
-        holder["quantization_config"] = fp8_quant_config(
-            config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
-    else:
-        index = json.loads((weights_dir / INDEX).read_text())
-        shard_of: dict[str, str] = {}
-        shards: dict[str, dict] = {}
-        for name, t in iter_tensors(weights_dir, dequantize=True, dtype=dtype):
-            fname = index["weight_map"][name]
-            shards.setdefault(fname, {})[name] = t.contiguous()
-            shard_of[name] = fname
-        total = 0
-        for fname, tensors in shards.items():
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shard_of},
-                                            indent=1, sort_keys=True))
-        # dequantized: whatever quantization the checkpoint declared no longer describes these tensors
-        name = str(dtype).removeprefix("torch.")
-        for c in (config, config.get("text_config")):
-            if isinstance(c, dict):
-                c.pop("quantization_config", None)
-                if c is config or "dtype" in c or "torch_dtype" in c:
-                    c["torch_dtype"] = c["dtype"] = name  # transformers 5 reads dtype, older ones torch_dtype
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    (tmp / SOURCE_FILE).write_text(json.dumps(
-        {**source, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
+        config = json.loads((tmp / "config.json").read_text())
+        if fp8:
+            for _ in reader.tensors(dequantize=False):  # every byte verified before it is copied
+                pass
+            for p in weights_dir.iterdir():
+                if p.suffix == ".safetensors" or p.name == INDEX:
+                    shutil.copy2(p, tmp / p.name)
+            index = json.loads((weights_dir / INDEX).read_text())
+            shapes_2d = _two_dim_weights(weights_dir, index)
+            holder = _quant_holder(config)
+            holder["quantization_config"] = fp8_quant_config(
+                config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
+        else:
+            index = json.loads((weights_dir / INDEX).read_text())
+            shard_of: dict[str, str] = {}
+            shards: dict[str, dict] = {}
+            for name, t in reader.tensors(dequantize=True, dtype=dtype):
+                fname = index["weight_map"][name]
+                shards.setdefault(fname, {})[name] = t.contiguous()
+                shard_of[name] = fname
+            total = 0
+            for fname, tensors in shards.items():
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shard_of},
+                                                indent=1, sort_keys=True))
+            # dequantized: whatever quantization the checkpoint declared no longer describes these tensors
+            name = str(dtype).removeprefix("torch.")
+            for c in (config, config.get("text_config")):
+                if isinstance(c, dict):
+                    c.pop("quantization_config", None)
+                    if c is config or "dtype" in c or "torch_dtype" in c:
+                        c["torch_dtype"] = c["dtype"] = name  # transformers 5 reads dtype, older ones torch_dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        (tmp / SOURCE_FILE).write_text(json.dumps(
+            {**source, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
+    except BaseException:  # a corrupt shard (or a full disk) leaves no half-made copy behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = out_dir.with_name(f"{out_dir.name}.old-{socket.gethostname()}-{os.getpid()}")
     with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the swap below is one step for every process on this disk

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,10 +41,12 @@ import torch
 
 from rl import exchange
 from rl.exchange import weights as wire
+from rl.exchange.publisher import WeightPublisher
 from rl.contract.batch import BATCH_FILE, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
 from rl.trainer import parallel, replay
+from rl.trainer.owners import OwnershipPlan
 from rl.trainer.loss import LossConfig, add_stats, finalize_stats, pg_loss
 from rl.trainer.model import Built, build_model, hf_state_dict, position_logprobs
 
@@ -209,6 +212,10 @@ class Trainer:
         self.progress = ckpt.TrainerProgress()
         self.router_replay = bool(cfg.trainer.router_replay)
         self._warned_self_recorded = False
+        self._owners = OwnershipPlan(self.dist.rank, self.dist.world)
+        # one tmp-directory token per incarnation, shared by all ranks (rl.exchange.publisher)
+        self._publish_token = self.dist.broadcast(uuid.uuid4().hex[:12] if self.dist.is_main else None)
+        self._pub: WeightPublisher | None = None
 
     def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
         return pack(offsets, int(self.cfg.trainer.micro_batch_tokens), int(self.cfg.model.max_seq_len),
@@ -339,22 +346,41 @@ class Trainer:
                 return {}
         return {prefix + k: v.detach() for k, v in adapter.to_hf(sd).items()}
 
-    def publish_weights(self, run_dir, version: int) -> exchange.Published | None:
-        """`weights/step_<version>`: FP8 block-scaled linears, the rest in the trainer's compute dtype (rank 0).
+    def _publisher(self, run_dir) -> WeightPublisher:
+        if self._pub is None:
+            t = self.cfg.trainer
+            self._pub = WeightPublisher(
+                run_dir, rank=self.dist.rank, world=self.dist.world, token=self._publish_token, producer=ROLE,
+                wire_dtype=self.built.dtype, quantize=wire.quantize_except(self._checkpoint_naming()[1]),
+                background=bool(t.publish_async), commit_timeout_s=float(t.publish_timeout_s))
+        return self._pub
+
+    def publish_weights(self, run_dir, version: int) -> bool:
+        """Start publishing `weights/step_<version>` from every rank (rl.exchange.publisher): FP8
+        block-scaled linears, the rest in the trainer's compute dtype, each rank the tensors it owns
+        (rl.trainer.owners). Returns once the parameters may change; the step appears when complete.
 
         The router gate, the expert-bias correction, norms, embeddings and the LM head stay high-precision,
-        and so does every module the start checkpoint's quantization_config ignores."""
+        and so does every module the start checkpoint's quantization_config ignores. False (nothing
+        done, no collective) when the step is already published."""
         exists = self.dist.broadcast(exchange.step_dir(run_dir, "weights", version).is_dir()
                                      if self.dist.is_main else None)
         if exists:  # republishing is a no-op: skip the gathers too
-            return None
-        sd = self.full_hf_state_dict()
-        if not self.dist.is_main:
-            return None
-        quantize = wire.quantize_except(self._checkpoint_naming()[1])
-        return exchange.publish(run_dir, "weights", version,
-                                lambda d: wire.write_shards(d, sd, wire_dtype=self.built.dtype, quantize=quantize),
-                                producer=ROLE, policy_version=version)
+            return False
+        prefix, _ = self._checkpoint_naming()
+        adapter = self.built.spec.state_dict_adapter(self.built.spec.model, None)
+        hf_state = {prefix + k: v for k, v in adapter.to_hf(self.model.state_dict()).items()}
+        self._publisher(run_dir).publish(version, self._owners.owned(hf_state))
+        return True
+
+    def wait_published(self) -> None:
+        """Join the publish in flight (before exiting, and before anything that needs the step)."""
+        if self._pub is not None:
+            self._pub.wait()
+
+    @property
+    def publish_bytes_per_rank(self) -> list[int]:
+        return self._owners.bytes_per_rank
 
     def save(self, run_dir, step: int) -> None:
         ckpt.save(run_dir, step, self.model, self.optimizer, self.progress, dist=self.dist)
@@ -367,6 +393,7 @@ class Trainer:
             raise RuntimeError(f"checkpoints/step_{step:06d} says next_step={self.progress.next_step}")
 
     def close(self) -> None:
+        self.wait_published()
         self.dist.close()
 
 
@@ -531,10 +558,11 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
             consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"))
         t1 = time.monotonic()
         tr.publish_weights(run_dir, n + 1)
-        publish_s = time.monotonic() - t1
+        publish_s = time.monotonic() - t1  # the trainer's share: copy-out (and joining the previous publish)
         if main:
             exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
+                 publish_background_s=tr._pub.last_write_s if tr._pub is not None else 0.0,
                  wait_s=t0 - t_wait, policy_version=n + 1)
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -556,6 +584,9 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
                 stop.set(stopping)
         if stop.is_set():
             break
+    tr.wait_published()  # the last version is complete before DONE (or before a stopped role exits)
+    if main:  # in the loop the newest version was still being written: prune again now it counts
+        exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
     if tr.progress.next_step >= max_steps:
         if last_ckpt != tr.progress.next_step:
             tr.save(run_dir, tr.progress.next_step)

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from _trainer_helpers import publish_batches, tiny_cfg
 from rl import exchange
+from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, is_done
 from rl.trainer.train import run
@@ -174,20 +175,37 @@ def single_kimi(tmp_path_factory, twin):
     d = tmp_path_factory.mktemp("single_kimi")
     publish_batches(d, range(STEPS))
     assert run(d, _family_cfg(d, twin), poll=0.01) == 0
-    return _losses(d)
+    return _losses(d), d
 
 
 @pytest.mark.parametrize("dims", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["dp_shard2", "ep2", "cp2"])
 def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(tmp_path, twin, single_kimi, dims):
     """The MLA family (torchtitan's DeepSeek-V3 with shared expert, sigmoid routing, expert bias), started
-    from its HF checkpoint, under FSDP2 / EP / CP (dense-mask K/V all-gather) on gloo ranks."""
+    from its HF checkpoint, under FSDP2 / EP / CP (dense-mask K/V all-gather) on gloo ranks.
+
+    Both ranks publish their own shards of every version; version 0 (the checkpoint's weights, no step
+    taken) reassembles to exactly the single process's bytes."""
+    losses, single_dir = single_kimi
     OmegaConf.save(_family_cfg(tmp_path, twin, *dims), tmp_path / "config.yaml")
     publish_batches(tmp_path, range(STEPS))
     _torchrun(tmp_path)
     got = _losses(tmp_path)
     assert sorted(got) == list(range(STEPS))
     for n in range(STEPS):
-        assert got[n] == pytest.approx(single_kimi[n], **TOL), (n, got, single_kimi)
+        assert got[n] == pytest.approx(losses[n], **TOL), (n, got, losses)
+    w0, ref = (exchange.step_dir(d, "weights", 0) for d in (tmp_path, single_dir))
+    assert _stored(w0) == _stored(ref)
+    meta = exchange.read_manifest(w0)["meta"]
+    assert meta["ranks"] == 2 and min(meta["bytes_per_rank"]) > 0.25 * max(meta["bytes_per_rank"]), meta
+    writers = {p.name.split("-")[1] for p in w0.glob("*.safetensors")}
+    assert writers == {"r00000", "r00001"}
+    for v in range(STEPS + 1):  # later versions: two writers too, and every tensor verifies
+        assert len(dict(wire.iter_tensors(exchange.step_dir(tmp_path, "weights", v), verify=True))) > 0
+
+
+def _stored(weights_dir):
+    from rl.exchange.shards import ShardReader, _bytes
+    return {n: bytes(_bytes(t)) for n, t in ShardReader(weights_dir).tensors(dequantize=False)}
 
 
 @pytest.mark.parametrize("family,dims", [("kimi_k2_7", (1, 2, 1)), ("glm_moe_dsa", (1, 1, 2))],

@@ -101,7 +101,9 @@ def server(tmp_path_factory):
     (run_dir / "secret").unlink()  # the test's client talks to the server without the run's token
     cfg = load(run_dir)
     exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, cfg.model), producer="test")
-    Trainer(cfg).publish_weights(run_dir, 0)
+    tr = Trainer(cfg)
+    tr.publish_weights(run_dir, 0)
+    tr.wait_published()
     log = open(root / "inference.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)

@@ -7,6 +7,7 @@ import torch
 
 from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
 from rl import exchange, fp8
+from rl.exchange.shards import CHECKSUMS
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, StopFlag, is_done
@@ -45,11 +46,11 @@ def test_interrupted_and_resumed_run_ends_bit_identical(tmp_path):
         assert torch.equal(oa[k], ob[k]) if torch.is_tensor(oa[k]) else oa[k] == ob[k], k
     assert ta.progress.consumed == tb.progress.consumed == [0, 1, 2, 3]
     # published weights agree byte for byte, and every step was logged once per lineage
-    for v in range(5):
-        fa = exchange.read_manifest(exchange.step_dir(a, "weights", v))["files"] if v >= 2 else None
-        if fa is not None:
-            fb = exchange.read_manifest(exchange.step_dir(b, "weights", v))["files"]
-            assert {k: x["sha256"] for k, x in fa.items()} == {k: x["sha256"] for k, x in fb.items()}
+    for v in range(2, 5):  # per-tensor and per-header sha256 of the shards, sizes of every file
+        wa, wb = exchange.step_dir(a, "weights", v), exchange.step_dir(b, "weights", v)
+        assert (wa / CHECKSUMS).read_text() == (wb / CHECKSUMS).read_text()
+        fa, fb = (exchange.read_manifest(w)["files"] for w in (wa, wb))
+        assert {k: x["size"] for k, x in fa.items()} == {k: x["size"] for k, x in fb.items()}
     m = read_metrics(a)
     assert [x["step"] for x in m] == [0, 1, 2, 3]
     for key in ("loss", "reward_mean", "mismatch_kl", "entropy", "lag", "lag_max", "tokens_per_s",
@@ -106,6 +107,7 @@ def test_published_fp8_shards_dequantize_to_fake_quantized_trainer_weights(tmp_p
     tr = Trainer(cfg)
     tr.train_step(synthetic_batch(0), 0)
     tr.publish_weights(tmp_path, 1)
+    tr.wait_published()
     ours = hf_state_dict(tr.built)
     got = dict(wire.iter_tensors(exchange.step_dir(tmp_path, "weights", 1), dequantize=True))
     assert got.keys() == ours.keys()

@@ -145,6 +145,7 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
     changed = [k for k, v in tr.model.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) > 10
     tr.publish_weights(tmp_path, 1)
+    tr.wait_published()
     (tmp_path / "assets").mkdir()
     a = tmp_path / "assets" / "a"
     a.mkdir()

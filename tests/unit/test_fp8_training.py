@@ -172,6 +172,7 @@ def test_published_shard_dequantizes_to_the_trainers_fp8_weights(tmp_path, twin,
     tr = _trainer(tmp_path, twin, family)
     tr.train_step(synthetic_batch(0), 0)
     tr.publish_weights(tmp_path, 1)
+    tr.wait_published()
     path = exchange.step_dir(tmp_path, "weights", 1)
     got = dict(wire.iter_tensors(path, dequantize=True))
     ours = fp8_training.trainer_fp8_state_dict(tr.built)     # what the trainer's GEMMs multiply by

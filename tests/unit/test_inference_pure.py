@@ -261,7 +261,8 @@ def test_materialize_dequantizes_in_hf_names(tmp_path):
           "model.layers.0.input_layernorm.weight": torch.ones(64)}
     w = exchange.publish(tmp_path, "weights", 0, lambda d: write_shards(d, sd), producer="t").path
     out = materialize(assets, w, tmp_path / "model", dtype=torch.float32, fp8=False)
-    got = load_file(str(out / "model-00001-of-00001.safetensors"))
+    shard_name = "model-r00000-00001.safetensors"  # one writer: rank 0's first file
+    got = load_file(str(out / shard_name))
     assert set(got) == set(sd) and all(v.dtype == torch.float32 for v in got.values())
     ref = load_state_dict(w, torch.float32)
     assert all(torch.equal(got[k], ref[k]) for k in sd)
@@ -271,12 +272,15 @@ def test_materialize_dequantizes_in_hf_names(tmp_path):
     out8 = materialize(assets, w, tmp_path / "model8", dtype=torch.bfloat16, fp8=True)
     cfg = json.loads((out8 / "config.json").read_text())
     assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
-    shard8 = load_file(str(out8 / "model-00001-of-00001.safetensors"))
+    shard8 = load_file(str(out8 / shard_name))
     assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in shard8
     # a corrupted step is refused
-    shard = w / "model-00001-of-00001.safetensors"
+    shard = w / shard_name
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
+    with pytest.raises(exchange.CorruptStep):  # (a node copy made before the damage stays usable)
+        materialize(assets, w, tmp_path / "model_again", dtype=torch.float32, fp8=False)
     with pytest.raises(exchange.CorruptStep):
-        materialize(assets, w, tmp_path / "model", dtype=torch.float32, fp8=False)
+        materialize(assets, w, tmp_path / "model8_again", dtype=torch.float32, fp8=True)
+    assert not [p for p in tmp_path.iterdir() if "_again" in p.name]

@@ -1,0 +1,179 @@
+"""Publishing weights from several trainer ranks into one step, and reading them back in parts.
+
+- the owners plan: single-holder tensors (experts under EP) stay with their holder, sharded ones are
+  spread by bytes; every tensor has exactly one owner;
+- two ranks' publish equals one rank's byte for byte once reassembled, and what they wrote is real
+  safetensors (safetensors' own reader agrees with ours);
+- a rank killed mid-publish leaves no complete-looking step, only a tmp directory the next start removes;
+- a worker reads only the experts it serves, reads each selected byte once, verifies what it read, and a
+  second reader on the same node hashes nothing again; a flipped byte is caught in the tensor it hits.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rl import exchange
+from rl.exchange import shards
+from rl.exchange.publisher import WeightPublisher
+from rl.trainer.owners import Unit, assign_owners
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def moe_state(layers=2, experts=8, dim=256, ffn=128, vocab=300, seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, dim, generator=g),
+          "lm_head.weight": torch.randn(vocab, dim, generator=g), "model.norm.weight": torch.rand(dim, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[f"{p}.self_attn.{n}.weight"] = torch.randn(dim, dim, generator=g)
+        sd[f"{p}.mlp.gate.weight"] = torch.randn(experts, dim, generator=g)
+        for e in range(experts):
+            for n, shape in (("gate_proj", (ffn, dim)), ("up_proj", (ffn, dim)), ("down_proj", (dim, ffn))):
+                sd[f"{p}.mlp.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g) * 0.02
+    return sd
+
+
+def split_like_ep(sd, world):
+    """What each rank owns under expert parallelism: its experts, and a byte-balanced share of the rest."""
+    units = []
+    for name, t in sd.items():
+        if ".experts." in name:
+            e = int(name.split(".experts.")[1].split(".")[0])
+            units.append(Unit(name, t.numel() * 4, (e * world // 8,)))
+        else:
+            units.append(Unit(name, t.numel() * 4, tuple(range(world))))
+    owner = assign_owners(units, world)
+    return [{n: t for n, t in sd.items() if owner[n] == r} for r in range(world)], owner
+
+
+def stored(weights_dir: Path) -> dict[str, bytes]:
+    return {n: bytes(shards._bytes(t)) for n, t in shards.ShardReader(weights_dir).tensors(dequantize=False)}
+
+
+def test_owners_keep_experts_with_their_holder_and_balance_the_rest():
+    units = [Unit(f"e{i}", 100, (i % 2,)) for i in range(6)]
+    units += [Unit("big", 500, (0, 1)), Unit("mid", 300, (0, 1)), Unit("small", 200, (0, 1))]
+    units += [Unit("e0", 100, (0,))]  # listed again by another rank: still one unit
+    owner = assign_owners(units, 2)
+    assert all(owner[f"e{i}"] == i % 2 for i in range(6))
+    load = [sum(u.nbytes for u in {u.name: u for u in units}.values() if owner[u.name] == r) for r in (0, 1)]
+    assert load == [800, 800] and (owner["big"], owner["mid"], owner["small"]) == (0, 1, 1)
+    assert assign_owners(list(reversed(units)), 2) == owner  # order of listing does not matter
+
+
+def test_two_ranks_publish_what_one_rank_publishes_byte_for_byte(tmp_path):
+    sd = moe_state()
+    one = WeightPublisher(tmp_path / "one", background=False)
+    one.publish(3, sd)
+    parts, owner = split_like_ep(sd, 2)
+    pubs = [WeightPublisher(tmp_path / "two", rank=r, world=2, token="t0") for r in (0, 1)]
+    for r in (1, 0):  # rank 1 first: rank 0 must wait for it before committing
+        pubs[r].publish(3, parts[r])
+    for p in pubs:
+        p.wait()
+    a, b = (exchange.step_dir(tmp_path / d, "weights", 3) for d in ("one", "two"))
+    assert stored(a) == stored(b)
+    m = exchange.read_manifest(b)
+    assert m["meta"]["ranks"] == 2 and min(m["meta"]["bytes_per_rank"]) > 0
+    files = sorted(p.name for p in b.glob("*.safetensors"))
+    assert any("-r00000-" in f for f in files) and any("-r00001-" in f for f in files)
+    assert not (b / shards.PARTS).exists() and not list((tmp_path / "two" / "weights").glob("*.tmp-*"))
+    # the files are safetensors as the safetensors library reads them, and the index names every tensor
+    index = json.loads((b / shards.INDEX).read_text())["weight_map"]
+    for fname in set(index.values()):
+        with safe_open(str(b / fname), framework="pt") as f:
+            for k in f.keys():
+                assert index[k] == fname
+                assert bytes(shards._bytes(f.get_tensor(k))) == stored(b)[k]
+    assert json.loads((b / shards.FP8_META).read_text()) == json.loads((a / shards.FP8_META).read_text())
+    # the expert of rank 1 was written by rank 1
+    assert index["model.layers.0.mlp.experts.7.up_proj.weight"].startswith("model-r00001-")
+
+
+_KILLED_RANK = """
+import os, sys, torch
+sys.path[:0] = [{root!r}, {root!r} + "/tests/unit"]
+from rl.exchange import shards
+from rl.exchange.publisher import WeightPublisher
+from test_weight_publish import moe_state, split_like_ep
+real = shards.exchange.atomic_write_json
+def die(path, obj):
+    if "parts" in str(path):
+        os._exit(9)  # killed after its shard files, before its part record
+    real(path, obj)
+shards.exchange.atomic_write_json = die
+WeightPublisher({run!r}, rank=1, world=2, token="t1", background=False).publish(5, split_like_ep(moe_state(), 2)[0][1])
+"""
+
+
+def test_a_rank_killed_mid_publish_leaves_no_complete_step(tmp_path):
+    run = tmp_path / "run"
+    parts, _ = split_like_ep(moe_state(), 2)
+    p = subprocess.run([sys.executable, "-c", _KILLED_RANK.format(root=str(ROOT), run=str(run))],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 9, p.stderr[-2000:]
+    rank0 = WeightPublisher(run, rank=0, world=2, token="t1", commit_timeout_s=2)
+    rank0.publish(5, parts[0])
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not finish"):
+        rank0.wait()
+    assert exchange.list_steps(run, "weights") == [] and exchange.latest_complete(run, "weights") is None
+    tmp = list((run / "weights").glob("step_000005.tmp-*"))
+    assert len(tmp) == 1 and list(tmp[0].glob("model-r00001-*.safetensors"))  # rank 1 had written shards
+    assert exchange.clean_tmp(run, ["weights"]) == 1 and not list((run / "weights").iterdir())
+
+
+def test_a_worker_reads_and_verifies_only_the_experts_it_serves(tmp_path):
+    sd = moe_state(experts=8)
+    pub = WeightPublisher(tmp_path, background=False)
+    pub.publish(1, sd)
+    w = exchange.step_dir(tmp_path, "weights", 1)
+    served = {f"model.layers.{i}.mlp.experts": range(2, 4) for i in range(2)}
+    select = shards.expert_selector(served)
+    verified = shards.VerifiedOnNode(tmp_path / "node" / "verified-1.txt")
+    r = shards.ShardReader(w)
+    got = dict(r.tensors(select, dequantize=False, verified=verified))
+    experts = {n.split(".experts.")[1].split(".")[0] for n in got if ".experts." in n}
+    assert experts == {"2", "3"}
+    assert "model.embed_tokens.weight" in got and "model.layers.1.mlp.gate.weight" in got
+    need = r.needed_bytes(select)
+    assert r.stats.bytes_needed == need == sum(t.numel() * t.element_size() for t in got.values())
+    assert r.stats.bytes_hashed == need and r.stats.bytes_read / need <= 1.1  # + the file header
+    total = sum(f.stat().st_size for f in w.glob("*.safetensors"))
+    assert need < 0.6 * total
+    again = shards.ShardReader(w)  # another engine on the node: same tensors, hashed by nobody again
+    assert {n for n, _ in again.tensors(select, dequantize=False, verified=verified)} == set(got)
+    assert again.stats.bytes_hashed == 0
+    # dequantized reads give what the trainer quantized
+    full = dict(shards.ShardReader(w).tensors())
+    from rl import fp8
+    q, s = fp8.quantize_block(sd["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(full["model.layers.0.self_attn.q_proj.weight"], fp8.dequantize_block(q, s))
+
+
+def test_a_flipped_byte_is_caught_in_the_tensor_it_hits_and_nowhere_else(tmp_path):
+    sd = moe_state(experts=8)
+    WeightPublisher(tmp_path, background=False).publish(1, sd)
+    w = exchange.step_dir(tmp_path, "weights", 1)
+    index = json.loads((w / shards.INDEX).read_text())["weight_map"]
+    victim = "model.layers.1.mlp.experts.6.down_proj.weight"
+    path = w / index[victim]
+    with open(path, "rb") as fh:
+        _, head, start = shards._read_header(fh.fileno(), path)
+    lo, _ = head[victim]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + lo + 7] ^= 0x10
+    path.write_bytes(bytes(data))
+    others = shards.expert_selector({f"model.layers.{i}.mlp.experts": range(0, 4) for i in range(2)})
+    assert len(dict(shards.ShardReader(w).tensors(others, dequantize=False))) > 0  # not read: not noticed
+    with pytest.raises(exchange.CorruptStep, match=victim.replace(".", r"\.")):
+        list(shards.ShardReader(w).tensors(dequantize=False))
