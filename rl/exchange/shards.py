@@ -422,6 +422,23 @@ class ShardReader:
                 verified.add(done)
 
 
+def dequantize_stream(items: Iterable[tuple[str, torch.Tensor]], quantized: set[str], block: int,
+                      dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stored (name, tensor) pairs, scales included, as `tensors(dequantize=True)` would yield them:
+    for a caller that held the wire form (verified) and converts one tensor at a time."""
+    held: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+        if base is not None and base in quantized:
+            yield base, fp8.dequantize_block(held.pop(base), t, dtype or torch.float32, block)
+        elif name in quantized:
+            held[name] = t
+        else:
+            yield name, t if dtype is None else t.to(dtype)
+    if held:
+        raise exchange.CorruptStep(f"no scale for {sorted(held)[0]}")
+
+
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")
 
 

@@ -54,7 +54,7 @@ from rl import exchange, runtime
 from rl.contract import paths
 from rl.contract.plan import Replica, expand
 from rl.contract.records import ServerRecord
-from rl.inference.worker_ext import VERSION_ENV
+from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"
 # DeepSeek-V3 / Kimi checkpoint convention for block-scaled e4m3, as vLLM's Fp8Config reads it.
@@ -187,6 +187,7 @@ def vllm_env(replica: Replica, *, version: int, secret: str | None, base) -> dic
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != repo]
     env["PYTHONPATH"] = os.pathsep.join([repo, *rest])
     env[VERSION_ENV] = str(version)
+    env[VERIFIED_ENV] = str(Path(replica.model_dir).parent / "verified")  # node-local, shared by its engines
     if secret:
         env["VLLM_API_KEY"] = secret
     else:

@@ -6,8 +6,16 @@ so the methods below run inside every worker process with `self` being the worke
 `POST /collective_rpc {"method": "load_policy", "kwargs": {...}}` (VLLM_SERVER_DEV_MODE=1); the
 orchestrator calls that between `POST /pause?mode=keep` and `POST /resume` (rl.orchestrator.client).
 
-Loading. The shards of `weights/step_N` are verified against their manifest first (a corrupt shard
-raises and nothing is loaded), then streamed through vLLM's own layerwise reloader
+Loading. A worker reads only the tensors it serves: under expert parallelism the routed experts of
+other EP ranks are skipped (`served_experts`: the global ids with a local slot in each RoutedExperts
+layer's expert map; a layer whose name matches no published experts, or without an expert map, gets
+everything, so a naming mismatch can only cost bytes, never leave weights stale). Every tensor read is
+checked against its sha256 in `checksums.json` before anything is loaded (a corrupt step is refused,
+nothing touched); tensors another engine on the same node verified already are not hashed again
+(`rl.exchange.shards.VerifiedOnNode` in HETRL_VERIFIED_DIR, node-local). The result of every worker
+of every data-parallel engine is also written to `report_dir` (vLLM's DP client answers
+`/collective_rpc` with the first engine's results only), where the client collects them all. The
+tensors are then streamed through vLLM's own layerwise reloader
 (`Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`), which runs each layer's
 `process_weights_after_loading` again, so repacked kernels (CPU oneDNN linear, CPU MoE) get the new
 values in their runtime layout. One defect needs working around (docs/cpu.md): the CPU
@@ -46,16 +54,17 @@ may hold placeholder tokens for a step whose output is not yet processed: counts
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from pathlib import Path
 
 
-
 # vLLM appends f"-{random_uuid():.8}" to every client-supplied request id (input_processor.py).
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 VERSION_ENV = "HETRL_POLICY_VERSION"
+VERIFIED_ENV = "HETRL_VERIFIED_DIR"  # node-local: which tensors of a step this node verified already
 
 
 def external_request_id(internal_id: str) -> str:
@@ -77,6 +86,28 @@ def _cpu_moe_layers(model: torch.nn.Module) -> list:
                 and isinstance(getattr(qm.moe_kernel, "fused_experts", None), CPUUnquantizedExperts):
             out.append(qm)
     return out
+
+
+def served_experts(model) -> dict[str, set[int]]:
+    """{experts layer name: global expert ids with a local slot} for every expert-parallel MoE layer."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    out = {}
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            emap = getattr(module, "_expert_map", None)
+            if emap is not None:
+                out[module.layer_name] = set((emap >= 0).nonzero().flatten().tolist())
+    return out
+
+
+def report_name(dp_rank: int, rank: int) -> str:
+    return f"dp{dp_rank:04d}-rank{rank:04d}.json"
+
+
+def write_report(report_dir: str | os.PathLike, dp_rank: int, rank: int, result: dict) -> None:
+    from rl.exchange import atomic_write_json
+    atomic_write_json(Path(report_dir) / report_name(dp_rank, rank), result)
 
 
 class WeightSyncExtension:
@@ -118,43 +149,58 @@ class WeightSyncExtension:
     def _loads_fp8(self) -> bool:
         return (getattr(self.model_config, "quantization", None) or "") == "fp8"
 
-    def load_policy(self, weights_dir: str, version: int) -> dict:
+    def _report(self, report_dir: str | None, result: dict) -> dict:
+        if report_dir:
+            dp = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            write_report(report_dir, dp, int(getattr(self, "rank", 0) or 0), result)
+        return result
+
+    def load_policy(self, weights_dir: str, version: int, report_dir: str | None = None) -> dict:
         """Verify and load `weights_dir` (a published weights/step_N) as policy `version`.
 
         Call only while the engine is paused (mode=keep). Returns {"version", "previous_version",
-        "in_flight", "seconds", "loaded", "moe_layers_repacked"}; in_flight maps client request ids to
-        the number of completion tokens they had when the weights changed (all made by the previous
-        version). A step that fails verification is not loaded: {"loaded": False, "error": ...}.
-        An error while loading (after verification) propagates and vLLM stops the server: the weights
-        would be half-updated.
+        "in_flight", "seconds", "loaded", "bytes_read", "bytes_hashed", "moe_layers_repacked"}; in_flight
+        maps client request ids to the number of completion tokens they had when the weights changed (all
+        made by the previous version). A step that fails verification is not loaded: {"loaded": False,
+        "error": ...}. An error while loading (after verification) propagates and vLLM stops the server:
+        the weights would be half-updated. With `report_dir` the result is also written there.
         """
-        from rl.exchange import CorruptStep, verify
-        from rl.exchange.weights import iter_tensors
+        from rl.exchange import CorruptStep
+        from rl.exchange.shards import ShardReader, VerifiedOnNode, dequantize_stream, expert_selector
 
         t0 = time.perf_counter()
         version = int(version)
         previous = self.policy_version()
+        model = self.model_runner.get_model()
+        select = expert_selector(served_experts(model))
+        vdir = os.environ.get(VERIFIED_ENV)
+        verified = VerifiedOnNode(Path(vdir) / f"{Path(weights_dir).name}.txt") if vdir else None
         try:
-            verify(weights_dir, checksums=True)
-        except CorruptStep as e:
+            # verify everything this worker will load before touching a weight: the selection is held in
+            # its wire form (FP8 + scales: what one worker serves, not the model) until all of it checked out
+            reader = ShardReader(Path(weights_dir))
+            stored = list(reader.tensors(select, dequantize=False, verified=verified))
+        except (CorruptStep, FileNotFoundError, ValueError) as e:
             # Refused before anything is touched. Returned, not raised: vLLM treats an exception in a
             # worker RPC as fatal and shuts the whole server down; the client raises on "error".
-            return {"error": f"refused {weights_dir}: {e}", "version": previous, "previous_version": previous,
-                    "in_flight": {}, "seconds": time.perf_counter() - t0, "loaded": False}
+            return self._report(report_dir, {
+                "error": f"refused {weights_dir}: {e}", "version": previous, "previous_version": previous,
+                "in_flight": {}, "seconds": time.perf_counter() - t0, "loaded": False})
         in_flight = self.in_flight_tokens()
-        if self._loads_fp8():
-            weights = iter_tensors(Path(weights_dir), dequantize=False)
-        else:
-            weights = iter_tensors(Path(weights_dir), dequantize=True, dtype=self.model_config.dtype)
-        moe = _cpu_moe_layers(self.model_runner.get_model())
+        moe = _cpu_moe_layers(model)
         saved = [(qm, qm.moe_kernel, qm.moe_quant_config) for qm in moe]
         try:
             for qm in moe:
                 qm.moe_kernel = None  # take the cold-start branch: repack + fresh kernel
+            weights = iter(stored) if self._loads_fp8() else dequantize_stream(
+                stored, reader.quantized, reader.block, self.model_config.dtype)
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         finally:
             for qm, kernel, quant_config in saved:
                 qm.moe_kernel, qm.moe_quant_config = kernel, quant_config
         self._hetrl_version = version
-        return {"version": version, "previous_version": previous, "in_flight": in_flight,
-                "seconds": time.perf_counter() - t0, "moe_layers_repacked": len(moe), "loaded": True}
+        st = reader.stats
+        return self._report(report_dir, {
+            "version": version, "previous_version": previous, "in_flight": in_flight,
+            "seconds": time.perf_counter() - t0, "moe_layers_repacked": len(moe), "loaded": True,
+            "bytes_read": st.bytes_read, "bytes_needed": st.bytes_needed, "bytes_hashed": st.bytes_hashed})

@@ -30,6 +30,7 @@ import contextvars
 import io
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -215,11 +216,17 @@ class InferenceClient:
         return [float(d[str(t)]["logprob"]) for d, t in zip(plp[1:], prompt_ids[1:])]
 
     async def update_weights(self, weights_dir: str, version: int, *, recompute_kv: bool = False,
-                             timeout: float | None = None) -> dict:
+                             timeout: float | None = None, report_dir: str | Path | None = None,
+                             workers: int | None = None) -> dict:
         """Load a published weights/step_N in flight: pause (keep), load_policy, reset caches, resume.
 
-        Returns the worker's {"version", "previous_version", "in_flight", "seconds", ...} (first worker)
-        plus "prefix_cache_reset" and "wall_seconds". With `recompute_kv` the in-flight requests are
+        Returns {"version", "previous_version", "in_flight", "seconds", ...} merged over every worker
+        (in_flight: the union of every engine's requests; seconds: the slowest) plus "workers",
+        "bytes_read", "prefix_cache_reset" and "wall_seconds". With `report_dir` and `workers` (data-parallel
+        engines x tensor-parallel workers of the server) every worker's result is read from the reports
+        the workers write there, since vLLM answers `/collective_rpc` with the first DP engine's workers
+        only; any worker's error, or a missing report, fails the reload naming that worker. With
+        `recompute_kv` the in-flight requests are
         preempted so their KV cache is recomputed with the new weights; otherwise they keep the KV of
         the tokens they already have (made by the old weights) and only the prefix cache of finished
         requests is dropped (which fails, harmlessly reported, while requests hold blocks).
@@ -227,13 +234,19 @@ class InferenceClient:
         t0 = asyncio.get_running_loop().time()
         await self._post("/pause", params={"mode": "keep"})
         try:
-            rpc = {"method": "load_policy",
-                   "kwargs": {"weights_dir": str(weights_dir), "version": int(version)}}
+            kwargs = {"weights_dir": str(weights_dir), "version": int(version)}
+            if report_dir is not None:
+                shutil.rmtree(report_dir, ignore_errors=True)  # a retried reload must not read old reports
+                Path(report_dir).mkdir(parents=True, exist_ok=True)
+                kwargs["report_dir"] = str(report_dir)
+            rpc = {"method": "load_policy", "kwargs": kwargs}
             if timeout is not None:
                 rpc["timeout"] = timeout
             results = (await self._post("/collective_rpc", rpc))["results"]
             if not results or not all(isinstance(r, dict) for r in results):
                 raise InferenceError(f"load_policy returned {results!r}")
+            if report_dir is not None and workers is not None:
+                results = collect_reports(report_dir, workers, self.url, version)
             if errors := [r["error"] for r in results if r.get("error")]:
                 raise InferenceError(f"{self.url}: {errors[0]}")
             await self._post("/update_weight_version", {"new_version": str(int(version))})
@@ -241,10 +254,40 @@ class InferenceClient:
                                      params={"reset_running_requests": str(recompute_kv).lower()})
         finally:
             await self._post("/resume")
-        out = dict(results[0])
+        out = merge_results(results)
         out["prefix_cache_reset"] = bool(reset.get("success"))
         out["wall_seconds"] = asyncio.get_running_loop().time() - t0
         return out
+
+
+def collect_reports(report_dir: str | Path, workers: int, url: str, version: int) -> list[dict]:
+    """Every worker's load_policy result from `report_dir`; a missing or unreadable one is an error."""
+    results = []
+    for p in sorted(Path(report_dir).glob("*.json")):
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InferenceError(f"{url}: reload report {p} unreadable ({e})") from None
+        if r.get("error"):
+            r["error"] = f"worker {p.stem}: {r['error']}"
+        results.append(r)
+    if len(results) < workers:
+        raise InferenceError(f"{url}: only {len(results)} of {workers} inference workers reported loading "
+                             f"version {version} (reports in {report_dir})")
+    return results
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One reload result for a server from its workers' (all loaded the same version)."""
+    versions = {r.get("version") for r in results}
+    if len(versions) != 1:
+        raise InferenceError(f"workers disagree on the loaded version: {sorted(map(str, versions))}")
+    out = dict(results[0])
+    out["in_flight"] = {k: v for r in results for k, v in r.get("in_flight", {}).items()}
+    out["seconds"] = max(float(r.get("seconds", 0.0)) for r in results)
+    out["bytes_read"] = sum(int(r.get("bytes_read", 0)) for r in results)
+    out["workers"] = len(results)
+    return out
 
 
 # -- through the router ------------------------------------------------------------------------------

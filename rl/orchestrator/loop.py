@@ -85,14 +85,22 @@ class Orchestrator:
         self._inflight = 0
         self._req_counter = 0
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
+        self._workers: list[int] = []
 
     # --- weights -------------------------------------------------------------------------------
+    def _reports(self, index: int) -> Path:
+        """Where every worker of server `index` writes its reload result (rl.inference.worker_ext)."""
+        return Path(self.run_dir) / "inference" / "reloads" / f"server_{index}"
+
     async def _update_to(self, version: int) -> None:
         path = exchange.step_dir(self.run_dir, paths.WEIGHTS, version)
         t0 = time.monotonic()
         self._gen_gate.clear()
         try:
-            results = await asyncio.gather(*(c.update_weights(str(path), version) for c in self.clients))
+            results = await asyncio.gather(*(
+                c.update_weights(str(path), version, report_dir=self._reports(i),
+                                 workers=self._workers[i] if i < len(self._workers) else None)
+                for i, c in enumerate(self.clients)))
         finally:
             self._gen_gate.set()
         in_flight: dict[str, int] = {}
@@ -254,6 +262,7 @@ class Orchestrator:
         secret = sf.read_text().strip() if sf.exists() else None
         timeout = float(self.o.request_timeout_s)
         self.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
+        self._workers = [int(r.dp) * int(r.tp) for r in plan.inference.replicas]  # engines x TP workers
         if plan.inference.router is not None:
             url = await wait_for_router(self.run_dir, self.stop, cfg.inference.startup_timeout_s)
             if url is None:

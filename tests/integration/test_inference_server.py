@@ -216,14 +216,21 @@ def test_reload_a_b_a_matches_fresh_engine(setup):
         ok, err = _close(got, ref, 2e-3)
         assert ok, f"fresh engine vs transformers fp32: max |diff| {err}"
 
+    reports = setup["run_dir"] / "reports"
+
     async def reload_and_measure(v):
         async with _client(setup) as c:
-            r = await c.update_weights(str(dirs[v]), v)
+            r = await c.update_weights(str(dirs[v]), v, report_dir=reports, workers=1)
             assert await c.weight_version() == str(v)
             return r, [await c.prompt_logprobs(p) for p in PROMPTS]
 
     r, got_b = _run(reload_and_measure(1))
     assert r["version"] == 1 and r["previous_version"] == 0 and r["moe_layers_repacked"] == MODEL.n_layers
+    # the one worker reported through the file too; it serves every expert, so it read the whole step
+    # once (data plus headers), and verified every byte it read
+    assert r["workers"] == 1 and [p.name for p in reports.iterdir()] == ["dp0000-rank0000.json"]
+    step_bytes = sum(p.stat().st_size for p in dirs[1].glob("*.safetensors"))
+    assert r["bytes_read"] == step_bytes and r["bytes_hashed"] == r["bytes_needed"] > 0.9 * step_bytes  # the rest: headers
     for got, ref in zip(got_b, refs["B"]):
         ok, err = _close(got, ref, 2e-3)
         assert ok, f"after reload to B: max |diff| {err}"
@@ -309,6 +316,8 @@ def test_corrupted_shard_is_refused(setup):
             before = [await c.prompt_logprobs(p) for p in PROMPTS]
             with pytest.raises(InferenceError, match="sha256"):
                 await c.update_weights(str(bad), 9)
+            with pytest.raises(InferenceError, match=r"worker dp0000-rank0000: refused .*sha256"):
+                await c.update_weights(str(bad), 9, report_dir=run_dir / "reports-bad", workers=1)
             r = await c._http.get("/is_paused")
             assert r.json()["is_paused"] is False
             assert await c.weight_version() == before_v

@@ -139,7 +139,7 @@ def _replica(tmp_path, *overrides):
 def test_vllm_env_is_the_plans_plus_what_only_run_time_knows(tmp_path):
     import rl
     from pathlib import Path
-    from rl.inference.server import VERSION_ENV, vllm_env
+    from rl.inference.server import VERIFIED_ENV, VERSION_ENV, vllm_env
     replica = _replica(tmp_path)
     repo = str(Path(rl.__file__).resolve().parent.parent)
     base = {"PYTHONPATH": os.pathsep.join(["/x", repo]), "HOME": "/h", "VLLM_API_KEY": "inherited",
@@ -149,7 +149,8 @@ def test_vllm_env_is_the_plans_plus_what_only_run_time_knows(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HOME"] == "/h"
     assert env["PYTHONPATH"] == os.pathsep.join([repo, "/x"])  # the repo first, once
     assert env[VERSION_ENV] == "7" and env["VLLM_API_KEY"] == "s3cret"
-    assert set(env) == set(base) | set(replica.env) | {VERSION_ENV}
+    assert set(env) == set(base) | set(replica.env) | {VERSION_ENV, VERIFIED_ENV}
+    assert env[VERIFIED_ENV] == str(Path(replica.model_dir).parent / "verified")  # node-local, per run
     # a run without a secret: the server must not demand the key the user's shell happens to hold
     assert "VLLM_API_KEY" not in vllm_env(replica, version=0, secret=None, base=base)
     assert base["VLLM_API_KEY"] == "inherited"  # the caller's mapping is not modified
@@ -284,3 +285,25 @@ def test_materialize_dequantizes_in_hf_names(tmp_path):
     with pytest.raises(exchange.CorruptStep):
         materialize(assets, w, tmp_path / "model8_again", dtype=torch.float32, fp8=True)
     assert not [p for p in tmp_path.iterdir() if "_again" in p.name]
+
+
+def test_every_workers_reload_result_is_collected_and_one_failure_fails_the_reload(tmp_path):
+    """vLLM's data-parallel client answers /collective_rpc with the first engine's workers only; the
+    workers also write their results (rl.inference.worker_ext.write_report) and the client reads all."""
+    from rl.inference.worker_ext import write_report
+    from rl.orchestrator.client import InferenceError, collect_reports, merge_results
+    ok = {"version": 4, "previous_version": 3, "loaded": True, "seconds": 1.0, "bytes_read": 10}
+    write_report(tmp_path, 0, 0, {**ok, "in_flight": {"cmpl-a-0": 5}})
+    write_report(tmp_path, 1, 0, {**ok, "in_flight": {"cmpl-b-0": 7}, "seconds": 2.5})
+    with pytest.raises(InferenceError, match="only 2 of 3 inference workers"):
+        collect_reports(tmp_path, 3, "http://x", 4)
+    merged = merge_results(collect_reports(tmp_path, 2, "http://x", 4))
+    assert merged["in_flight"] == {"cmpl-a-0": 5, "cmpl-b-0": 7} and merged["seconds"] == 2.5
+    assert merged["workers"] == 2 and merged["bytes_read"] == 20
+    write_report(tmp_path, 2, 0, {"error": "refused step_000004: x does not match its sha256", "version": 3,
+                                  "previous_version": 3, "loaded": False, "in_flight": {}})
+    results = collect_reports(tmp_path, 3, "http://x", 4)
+    assert [r["error"] for r in results if r.get("error")] == [
+        "worker dp0002-rank0000: refused step_000004: x does not match its sha256"]
+    with pytest.raises(InferenceError, match="disagree"):
+        merge_results(results)
