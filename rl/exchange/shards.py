@@ -255,25 +255,33 @@ class ReadStats:
 
 
 class VerifiedOnNode:
-    """Which tensors of one step some process on this node has verified already (an append-only file of
-    names in node-local storage). Engines on the node share it, so a tensor read by several engines is
-    hashed by the first only; the others read it from the page cache the first one filled."""
+    """Which tensors some process on this node has verified already (an append-only file of keys in
+    node-local storage). Engines on the node share it, so a tensor read by several engines is hashed by
+    the first only; the others read it from the page cache the first one filled. A key names the file,
+    the tensor and the digest it was checked against, so a different step that reuses the step number
+    (a resume that discarded and republished it) never matches an old entry."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._seen = self._load()
+        self._seen: set[str] = set()
+        self._offset = 0
+        self._refresh()
 
-    def _load(self) -> set[str]:
+    def _refresh(self) -> None:  # read only what was appended since the last look
         try:
-            return set(self.path.read_text().split("\n")) - {""}
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                tail = f.read()
         except FileNotFoundError:
-            return set()
+            return
+        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended is read next time
+        self._offset += len(complete)
+        self._seen.update(complete.decode().split())
 
     def __contains__(self, key: str) -> bool:
-        if key in self._seen:
-            return True
-        self._seen = self._load()
+        if key not in self._seen:
+            self._refresh()
         return key in self._seen
 
     def add(self, keys: Iterable[str]) -> None:
@@ -367,9 +375,9 @@ class ShardReader:
         self.stats.bytes_read += got
         self.stats.bytes_needed += got
         if self.verify and self.digests is not None:
-            key = f"{path.name}:{name}"
+            want = self.digests["tensors"].get(name)
+            key = f"{path.name}:{name}:{want}"
             if verified is None or key not in verified:
-                want = self.digests["tensors"].get(name)
                 if want is None or hashlib.sha256(_bytes(buf)).hexdigest() != want:
                     raise exchange.CorruptStep(f"{path}: {name} does not match its sha256 in {CHECKSUMS}")
                 self.stats.bytes_hashed += got

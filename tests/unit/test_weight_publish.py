@@ -177,3 +177,19 @@ def test_a_flipped_byte_is_caught_in_the_tensor_it_hits_and_nowhere_else(tmp_pat
     assert len(dict(shards.ShardReader(w).tensors(others, dequantize=False))) > 0  # not read: not noticed
     with pytest.raises(exchange.CorruptStep, match=victim.replace(".", r"\.")):
         list(shards.ShardReader(w).tensors(dequantize=False))
+
+
+def test_a_republished_step_of_the_same_number_is_verified_again(tmp_path):
+    """A node's verified-tensors record is keyed by digest too: another step_N (a resume discarded and
+    republished it) with a damaged tensor is caught although the name was verified before."""
+    verified = shards.VerifiedOnNode(tmp_path / "node" / "step_000005.txt")
+    for seed, run in ((0, tmp_path / "a"), (1, tmp_path / "b")):
+        WeightPublisher(run, background=False).publish(5, moe_state(seed=seed))
+    a, b = (exchange.step_dir(tmp_path / r, "weights", 5) for r in ("a", "b"))
+    assert len(dict(shards.ShardReader(a).tensors(dequantize=False, verified=verified))) > 0
+    shard = sorted(b.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(exchange.CorruptStep):
+        list(shards.ShardReader(b).tensors(dequantize=False, verified=verified))
