@@ -1,9 +1,10 @@
 """Publishing weights from every trainer rank, overlapped with the next training step.
 
-`WeightPublisher.publish(version, tensors)` is called by every rank with the tensors it owns
-(rl.trainer.owners). On the caller's thread it only copies them out into buffers kept from one publish
-to the next (pinned host memory for GPU parameters), so the next optimizer step may change the
-parameters at once. A background thread then quantizes to FP8, writes and hashes this rank's shards
+`WeightPublisher.publish(version, tensors, gathers)` is called by every rank with the tensors it owns
+and its shards of the FSDP-sharded tensors (rl.trainer.owners). On the caller's thread it only copies
+them out into buffers kept from one publish to the next (pinned host memory for GPU parameters), so the
+next optimizer step may change the parameters at once. A background thread then gathers the sharded
+tensors at their owners (gloo groups of their own), quantizes to FP8, writes and hashes this rank's shards
 into the step's shared tmp directory (rl.exchange.shards.write_part) and, on rank 0, waits for every
 rank's part and commits the step: the orchestrator sees `weights/step_N` only when all of it is there.
 One publish is in flight at most: the next `publish` (and `wait`) joins the previous one and re-raises
@@ -18,17 +19,21 @@ period, or killed with the process and then discarded the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from rl import exchange
 from rl.exchange import shards
 from rl.exchange.weights import default_quantize
+
+
+_GATHERED = "\0gather:"  # snapshot keys of shards to gather (never an HF name)
 
 
 class WeightPublisher:
@@ -58,7 +63,7 @@ class WeightPublisher:
 
     def _copy_out(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         snap, cuda = {}, False
-        for name, t in tensors.items():
+        for name, t in tensors.items():  # (keys of gathered shards are prefixed, see publish)
             t = t.detach()
             buf = self._snap.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -71,18 +76,26 @@ class WeightPublisher:
         self._snap = snap
         return snap
 
-    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Start publishing `weights/step_<version>` from this rank's `tensors` (HF names); returns as
-        soon as the parameters may change again."""
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor], gathers: Sequence = ()) -> None:
+        """Start publishing `weights/step_<version>` from this rank's `tensors` (HF names) and the
+        sharded tensors `gathers` (rl.trainer.owners.Gather: this rank's shard of each, assembled at its
+        owner on the background thread); returns as soon as the parameters may change again."""
         t0 = time.perf_counter()
         self.wait()
-        snap = self._copy_out(tensors)
+        snap = self._copy_out({**tensors, **{_GATHERED + g.name: g.local for g in gathers}})
+        gathers = [dataclasses.replace(g, local=snap.pop(_GATHERED + g.name)) for g in gathers]
         tmp = exchange.begin(self.run_dir, "weights", version, token=self.token)
 
         def work():
             t1 = time.perf_counter()
             try:
-                shards.write_part(tmp, self.rank, snap, buffers=self._buffers, **self.write_kw)
+                own = dict(snap)
+                for g in gathers:  # the same order on every rank (the owners plan sorted them)
+                    full = g.run(self.rank)
+                    if full is not None:
+                        own[g.name] = full
+                shards.write_part(tmp, self.rank, dict(sorted(own.items())), buffers=self._buffers,
+                                  **self.write_kw)
                 if self.rank == 0:
                     self.last_published = shards.commit_parts(
                         self.run_dir, version, tmp, self.world, producer=self.producer,

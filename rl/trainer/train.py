@@ -370,7 +370,8 @@ class Trainer:
         prefix, _ = self._checkpoint_naming()
         adapter = self.built.spec.state_dict_adapter(self.built.spec.model, None)
         hf_state = {prefix + k: v for k, v in adapter.to_hf(self.model.state_dict()).items()}
-        self._publisher(run_dir).publish(version, self._owners.owned(hf_state))
+        own, gathers = self._owners.owned(hf_state)
+        self._publisher(run_dir).publish(version, own, gathers)
         return True
 
     def wait_published(self) -> None:

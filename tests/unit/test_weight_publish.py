@@ -193,3 +193,56 @@ def test_a_republished_step_of_the_same_number_is_verified_again(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(exchange.CorruptStep):
         list(shards.ShardReader(b).tensors(dequantize=False, verified=verified))
+
+
+def _ranks_publish(rank, world, port, run, sd):
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from rl.trainer.owners import OwnershipPlan
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {}
+    for name, t in sd.items():  # experts: plain on their EP rank; the rest FSDP-sharded (uneven rows too)
+        t = t.clone()  # spawn shares the parent's storage: the parent's reference must not change
+        if ".experts." in name:
+            if int(name.split(".experts.")[1].split(".")[0]) * world // 8 == rank:
+                state[name] = t
+        else:
+            state[name] = distribute_tensor(t, mesh, [Shard(0)])
+    plan = OwnershipPlan(rank, world)
+    pub = WeightPublisher(run, rank=rank, world=world, token="g")
+    for version in (1, 2):
+        own, gathers = plan.owned(state)
+        assert not any(n in own for n in (g.name for g in gathers))
+        pub.publish(version, own, gathers)
+        for t in state.values():  # the next optimizer step changes the parameters at once
+            (t.to_local() if hasattr(t, "to_local") else t).mul_(2.0)
+    pub.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_shards_are_gathered_at_their_owner_in_the_background(tmp_path):
+    """Shard(0) tensors over a gloo mesh, rows not divisible by the ranks (one rank even holds none of
+    a 1-row tensor), gathered to their owners on the publisher's thread while the caller already changed
+    the parameters: both versions equal one process's publish of the same values."""
+    import socket
+    import torch.multiprocessing as mp
+    sd = moe_state()
+    sd["model.layers.0.odd.weight"] = torch.randn(129, 64)  # rows 65 + 64
+    sd["model.layers.0.one.bias"] = torch.randn(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ranks_publish, args=(2, port, tmp_path / "two", sd), nprocs=2, join=True,
+                       start_method="spawn")
+    one = WeightPublisher(tmp_path / "one", background=False)
+    one.publish(1, sd)
+    one.publish(2, {k: v * 2.0 for k, v in sd.items()})
+    for v in (1, 2):
+        a, b = (exchange.step_dir(tmp_path / d, "weights", v) for d in ("one", "two"))
+        assert stored(a) == stored(b), v
+        assert exchange.read_manifest(b)["meta"]["ranks"] == 2
