@@ -54,7 +54,7 @@ class WeightPublisher:
         self.commit_timeout_s = commit_timeout_s
         self.on_published = on_published
         self._snap: dict[str, torch.Tensor] = {}
-        self._buffers = shards.Buffers()
+        self._buffers = [shards.Buffers(), shards.Buffers()]  # quantize one while writing the other
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_blocked_s = 0.0      # the caller's time in the last publish (copy-out)

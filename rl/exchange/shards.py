@@ -26,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,61 +131,123 @@ class Buffers:
             self.out = torch.empty(out_bytes, dtype=torch.uint8)
 
 
+def _wire_tensors(outs: list[_Out], tensors: Mapping[str, torch.Tensor], pool: list[Buffers], block: int,
+                  handoff, spent: dict) -> None:
+    """Producer: every output's wire form in order, into `handoff` as (out, tensor, buffers or None).
+
+    Runs on its own thread: quantizing the next tensor overlaps writing and hashing the previous one
+    (torch, file writes and hashlib all release the GIL). A quantized tensor lives in one of the `pool`
+    buffers until the writer hands it back; its scale is small and freshly allocated."""
+    free = handoff.free
+
+    def take() -> Buffers:
+        while True:
+            if handoff.cancel.is_set():
+                raise RuntimeError("the shard writer stopped")
+            try:
+                return free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+    try:
+        pending: dict[str, torch.Tensor] = {}
+        for o in outs:
+            src = tensors[o.source]
+            t0 = time.perf_counter()
+            if o.kind == "q":
+                m, n = o.shape
+                buf = take()
+                buf.need(-(-m // block) * block * (-(-n // block) * block), m * n)
+                q, pending[o.name + SCALE_SUFFIX] = fp8.quantize_block(
+                    src, block, scratch=buf.scratch, out=buf.out.view(torch.float8_e4m3fn))
+                item = (o, q, buf)
+            elif o.kind == "s":
+                item = (o, pending.pop(o.name), None)
+            else:
+                data, buf = src.detach(), None
+                if data.dtype != o.dtype or not data.is_contiguous():
+                    buf = take()
+                    buf.need(0, o.nbytes)
+                    data = buf.out[: o.nbytes].view(o.dtype).view(o.shape).copy_(data)
+                item = (o, data, buf)
+            spent["quantize"] += time.perf_counter() - t0
+            handoff.put(item)
+        handoff.put(None)
+    except BaseException as e:  # re-raised by the writer
+        handoff.put(e)
+
+
 def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool = True,
                wire_dtype: torch.dtype = torch.bfloat16,
                quantize: Callable[[str, torch.Tensor], bool] | None = None, block: int = fp8.BLOCK,
-               max_shard_bytes: int = 2 << 30, buffers: Buffers | None = None) -> dict:
+               max_shard_bytes: int = 2 << 30, buffers: list[Buffers] | None = None) -> dict:
     """Write this rank's `tensors` (HF names) as shards into `out_dir` and record them in
     `parts/rank-<rank>.json` (written last, atomically: its presence means the rank's files are complete
-    and fsynced). Returns the part record."""
+    and fsynced). `buffers`: two or more reused quantization buffers (a pipeline of that depth).
+    Returns the part record."""
     quantize = quantize or default_quantize
     out_dir = Path(out_dir)
-    buffers = buffers or Buffers()
+    pool = buffers or [Buffers(), Buffers()]
     outs = plan_outputs(tensors, fp8_enabled=fp8_enabled, wire_dtype=wire_dtype, quantize=quantize, block=block)
     groups = _split_files(outs, max_shard_bytes)
-    part = {"rank": rank, "files": {}, "tensors": {}, "quantized": [], "block": block,
-            "wire_dtype": str(wire_dtype).removeprefix("torch."), "bytes": 0}
-    pending_scale: dict[str, torch.Tensor] = {}
-    for i, group in enumerate(groups, 1):
-        fname = f"model-r{rank:05d}-{i:05d}.safetensors"
-        head, ranges = _header(group)
-        with open(out_dir / fname, "wb") as f:
-            f.write(head)
-            for o in group:
-                src = tensors[o.source]
-                if o.kind == "q":
-                    m, n = o.shape
-                    padded = -(-m // block) * block * (-(-n // block) * block)
-                    buffers.need(padded, m * n)
-                    q, s = fp8.quantize_block(src, block, scratch=buffers.scratch,
-                                              out=buffers.out.view(torch.float8_e4m3fn))
-                    pending_scale[o.name + SCALE_SUFFIX] = s
-                    data = q
-                    part["quantized"].append(o.name)
-                elif o.kind == "s":
-                    data = pending_scale.pop(o.name)
-                else:
-                    data = src.detach()
-                    if data.dtype != o.dtype or not data.is_contiguous():
-                        buffers.need(0, o.nbytes)
-                        data = buffers.out[: o.nbytes].view(o.dtype).view(o.shape).copy_(data)
-                mv = _bytes(data)
-                assert len(mv) == o.nbytes, (o.name, len(mv), o.nbytes)
-                f.write(mv)
-                lo, hi = ranges[o.name]
-                part["tensors"][o.name] = {"file": fname, "sha256": hashlib.sha256(mv).hexdigest(),
-                                           "offsets": [lo, hi]}
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        part["files"][fname] = {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
-        part["bytes"] += size
+    part = {"rank": rank, "files": {}, "tensors": {}, "block": block, "bytes": 0,
+            "quantized": [o.name for o in outs if o.kind == "q"],
+            "wire_dtype": str(wire_dtype).removeprefix("torch.")}
+    spent = {"quantize": 0.0, "hash": 0.0, "write": 0.0}  # where a rank's publish time goes
+    handoff: queue.Queue = queue.Queue()
+    handoff.free = queue.Queue()
+    handoff.cancel = threading.Event()
+    for b in pool:
+        handoff.free.put(b)
+    producer = threading.Thread(target=_wire_tensors, args=(outs, tensors, pool, block, handoff, spent),
+                                name=f"quantize-rank{rank}", daemon=True)
+    producer.start()
+    try:
+        for i, group in enumerate(groups, 1):
+            fname = f"model-r{rank:05d}-{i:05d}.safetensors"
+            head, ranges = _header(group)
+            with open(out_dir / fname, "wb") as f:
+                f.write(head)
+                for expect in group:
+                    item = handoff.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    o, data, buf = item
+                    assert o is expect
+                    mv = _bytes(data)
+                    assert len(mv) == o.nbytes, (o.name, len(mv), o.nbytes)
+                    t1 = time.perf_counter()
+                    f.write(mv)
+                    t2 = time.perf_counter()
+                    lo, hi = ranges[o.name]
+                    part["tensors"][o.name] = {"file": fname, "sha256": hashlib.sha256(mv).hexdigest(),
+                                               "offsets": [lo, hi]}
+                    spent["write"] += t2 - t1
+                    spent["hash"] += time.perf_counter() - t2
+                    del mv, data
+                    if buf is not None:
+                        handoff.free.put(buf)
+                t0 = time.perf_counter()
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+                spent["write"] += time.perf_counter() - t0
+            part["files"][fname] = {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
+            part["bytes"] += size
+        last = handoff.get()
+        if isinstance(last, BaseException):
+            raise last
+    except BaseException:
+        handoff.cancel.set()  # the producer may be waiting for a buffer this writer will not return
+        raise
+    finally:
+        producer.join()
+    part["seconds"] = spent
     (out_dir / PARTS).mkdir(exist_ok=True)
     exchange.atomic_write_json(out_dir / PARTS / f"rank-{rank:05d}.json", part)
     return part
 
 
-def wait_parts(tmp: Path, world: int, *, timeout_s: float, poll: float = 0.02,
+def wait_parts(tmp: Path, world: int, *, timeout_s: float, poll: float = 0.005,
                should_stop: Callable[[], bool] | None = None) -> list[dict]:
     """Every rank's part record, waiting for the ranks still writing (ValueError after `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
@@ -231,7 +295,8 @@ def commit_parts(run_dir: Path, step: int, tmp: Path, world: int, *, producer: s
     """Rank 0: wait for every rank's part, merge, and commit `weights/step_<step>`."""
     parts = wait_parts(tmp, world, timeout_s=timeout_s, should_stop=should_stop)
     known = merge_parts(tmp, parts)
-    meta = {"ranks": world, "bytes_per_rank": [p["bytes"] for p in parts]}
+    meta = {"ranks": world, "bytes_per_rank": [p["bytes"] for p in parts],
+            "seconds_per_rank": [p.get("seconds", {}) for p in parts]}
     return exchange.commit(run_dir, "weights", step, tmp, producer=producer, policy_version=step,
                            meta=meta, known=known)
 
