@@ -28,9 +28,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from rl import exchange
+from rl import exchange, fp8
 from rl.exchange import shards
-from rl.exchange.weights import default_quantize
+from rl.exchange.weights import SCALE_SUFFIX, default_quantize
 
 
 _GATHERED = "\0gather:"  # snapshot keys of shards to gather (never an HF name)
@@ -41,7 +41,7 @@ class WeightPublisher:
                  producer: str = "trainer", fp8_enabled: bool = True, wire_dtype: torch.dtype = torch.bfloat16,
                  quantize: Callable[[str, torch.Tensor], bool] = default_quantize, background: bool = True,
                  commit_timeout_s: float = 600.0, max_shard_bytes: int = 2 << 30,
-                 on_published: Callable[[int], None] | None = None):
+                 quantize_on_copy: bool = False, on_published: Callable[[int], None] | None = None):
         if world > 1 and token is None:
             raise ValueError("a multi-rank publisher needs the token every rank shares")
         self.run_dir = Path(run_dir)
@@ -51,6 +51,7 @@ class WeightPublisher:
         self.write_kw = dict(fp8_enabled=fp8_enabled, wire_dtype=wire_dtype, quantize=quantize,
                              max_shard_bytes=max_shard_bytes)
         self.background = background
+        self.quantize_on_copy = quantize_on_copy  # the GPU's split on the CPU too (tests, benchmark)
         self.commit_timeout_s = commit_timeout_s
         self.on_published = on_published
         self._snap: dict[str, torch.Tensor] = {}
@@ -61,20 +62,34 @@ class WeightPublisher:
         self.last_write_s = 0.0        # the background part of the last finished publish
         self.last_published: exchange.Published | None = None
 
-    def _copy_out(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        snap, cuda = {}, False
+    def _host(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._snap.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
+        self._next[key] = buf
+        return buf
+
+    def _copy_out(self, tensors: Mapping[str, torch.Tensor]) -> dict:
+        """Host copies of `tensors` in reused buffers. A weight on the GPU that goes out as FP8 is
+        quantized there first (the device does it in milliseconds; the host then moves and writes a
+        quarter of the fp32 bytes), as is any weight with `quantize_on_copy`."""
+        snap, cuda, self._next = {}, False, {}
         for name, t in tensors.items():  # (keys of gathered shards are prefixed, see publish)
             t = t.detach()
-            buf = self._snap.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            buf.copy_(t, non_blocking=t.is_cuda)
             cuda |= t.is_cuda
-            snap[name] = buf
+            if (t.is_cuda or self.quantize_on_copy) and not name.startswith(_GATHERED) and self._fp8(name, t):
+                q, sc = fp8.quantize_block(t)
+                snap[name] = shards.Prequantized(self._host(name, q), self._host(name + SCALE_SUFFIX, sc))
+            else:
+                snap[name] = self._host(name, t)
         if cuda:
             torch.cuda.synchronize()
-        self._snap = snap
+        self._snap = self._next
         return snap
+
+    def _fp8(self, name: str, t: torch.Tensor) -> bool:
+        return self.write_kw["fp8_enabled"] and self.write_kw["quantize"](name, t)
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor], gathers: Sequence = ()) -> None:
         """Start publishing `weights/step_<version>` from this rank's `tensors` (HF names) and the

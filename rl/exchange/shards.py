@@ -80,11 +80,22 @@ class _Out:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True)
+class Prequantized:
+    """A weight already in wire form (e4m3 values and their fp32 block scales), e.g. quantized on the
+    GPU during the copy-out so the host only writes FP8 bytes."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
 def plan_outputs(tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool, wire_dtype: torch.dtype,
                  quantize: Callable[[str, torch.Tensor], bool], block: int = fp8.BLOCK) -> list[_Out]:
     outs = []
     for name, t in tensors.items():
-        if fp8_enabled and quantize(name, t):
+        if isinstance(t, Prequantized):
+            outs.append(_Out(name, torch.float8_e4m3fn, tuple(t.q.shape), name, "pq"))
+            outs.append(_Out(name + SCALE_SUFFIX, torch.float32, tuple(t.scale.shape), name, "ps"))
+        elif fp8_enabled and quantize(name, t):
             m, n = t.shape
             outs.append(_Out(name, torch.float8_e4m3fn, (m, n), name, "q"))
             outs.append(_Out(name + SCALE_SUFFIX, torch.float32, (-(-m // block), -(-n // block)), name, "s"))
@@ -97,7 +108,7 @@ def _split_files(outs: list[_Out], max_shard_bytes: int) -> list[list[_Out]]:
     files: list[list[_Out]] = [[]]
     size = 0
     for o in outs:
-        if files[-1] and size + o.nbytes > max_shard_bytes and o.kind != "s":  # a scale follows its weight
+        if files[-1] and size + o.nbytes > max_shard_bytes and o.kind not in ("s", "ps"):  # a scale follows its weight
             files.append([])
             size = 0
         files[-1].append(o)
@@ -162,6 +173,10 @@ def _wire_tensors(outs: list[_Out], tensors: Mapping[str, torch.Tensor], pool: l
                 item = (o, q, buf)
             elif o.kind == "s":
                 item = (o, pending.pop(o.name), None)
+            elif o.kind == "pq":
+                item = (o, src.q, None)
+            elif o.kind == "ps":
+                item = (o, src.scale, None)
             else:
                 data, buf = src.detach(), None
                 if data.dtype != o.dtype or not data.is_contiguous():
@@ -190,7 +205,7 @@ def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *,
     outs = plan_outputs(tensors, fp8_enabled=fp8_enabled, wire_dtype=wire_dtype, quantize=quantize, block=block)
     groups = _split_files(outs, max_shard_bytes)
     part = {"rank": rank, "files": {}, "tensors": {}, "block": block, "bytes": 0,
-            "quantized": [o.name for o in outs if o.kind == "q"],
+            "quantized": [o.name for o in outs if o.kind in ("q", "pq")],
             "wire_dtype": str(wire_dtype).removeprefix("torch.")}
     spent = {"quantize": 0.0, "hash": 0.0, "write": 0.0}  # where a rank's publish time goes
     handoff: queue.Queue = queue.Queue()

@@ -81,8 +81,13 @@ def test_two_ranks_publish_what_one_rank_publishes_byte_for_byte(tmp_path):
         pubs[r].publish(3, parts[r])
     for p in pubs:
         p.wait()
+    # what a GPU rank does: quantize during the copy-out, the background only writes FP8 bytes
+    pre = WeightPublisher(tmp_path / "pre", quantize_on_copy=True)
+    pre.publish(3, sd)
+    pre.wait()
+    assert any(isinstance(v, shards.Prequantized) for v in pre._copy_out(sd).values())
     a, b = (exchange.step_dir(tmp_path / d, "weights", 3) for d in ("one", "two"))
-    assert stored(a) == stored(b)
+    assert stored(a) == stored(b) == stored(exchange.step_dir(tmp_path / "pre", "weights", 3))
     m = exchange.read_manifest(b)
     assert m["meta"]["ranks"] == 2 and min(m["meta"]["bytes_per_rank"]) > 0
     files = sorted(p.name for p in b.glob("*.safetensors"))
