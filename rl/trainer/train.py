@@ -23,7 +23,7 @@ checkpoint and would find the same corrupt file.
 
 Multi-rank (`trainer.parallel`, dp_shard x ep x cp = world size, launched by torchrun): see
 rl.trainer.parallel. Rank 0 alone touches the run directory (waits for and verifies rollouts, then
-broadcasts the path; publishes weights, gathered to full tensors; logs metrics); every rank trains and
+broadcasts the path; commits the weights every rank wrote (rl.exchange.publisher); logs metrics); every rank trains and
 writes its DCP shard of each checkpoint. Rank 0's stop flag decides for all ranks at step boundaries.
 """
 from __future__ import annotations
