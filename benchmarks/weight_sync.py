@@ -22,7 +22,7 @@ need (ShardReader with expert_selector): read amplification from ReadStats, cros
 /proc/self/io rchar, the share of the step each worker reads, and the hashing a second reader on the same
 node skips (VerifiedOnNode). Last, it perturbs the weights like Adam's first step (w += lr * sign(noise),
 lr = --delta-lr times each tensor's rms) and counts the 128x128 FP8 blocks whose bytes or scale change:
-the most a block-level delta publish could save. Machines here are noisy: compare ratios from one run,
+what a block-level delta would store, and what the byte-level deltas of rl.exchange.deltas store. Machines here are noisy: compare ratios from one run,
 not absolute times across runs.
 
     python benchmarks/weight_sync.py [--quick] [--layers 2 --experts 64 --dim 1024 --moe-dim 192
@@ -309,7 +309,10 @@ def delta_blocks(full: dict, wire: dict, lr: float, b: int = fp8.BLOCK) -> dict:
                   hit_bytes=int(size[hit].sum()), values=diff.numel(), changed_values=int(diff.sum()))
     return {"block_fraction": n_["hit"] / n_["blocks"], "delta_fraction": n_["hit_bytes"] / n_["bytes"],
             "scale_fraction": n_["rescaled"] / n_["blocks"],
-            "value_fraction": n_["changed_values"] / n_["values"]}
+            "value_fraction": n_["changed_values"] / n_["values"],
+            # what rl.exchange.deltas stores instead: int32 position + new byte per changed value, and
+            # the scales whole (they all move)
+            "sparse_fraction": (5 * n_["changed_values"] + 4 * n_["blocks"]) / n_["bytes"]}
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -398,7 +401,8 @@ def print_reads(reads: dict, delta: dict) -> None:
     print(f"one optimizer step (lr {delta['lr']:g} x rms): {100 * delta['block_fraction']:.1f}% of 128x128 "
           f"blocks change ({100 * delta['delta_fraction']:.1f}% of FP8 bytes); "
           f"{100 * delta['scale_fraction']:.1f}% of scales and {100 * delta['value_fraction']:.2f}% of e4m3 "
-          f"values change")
+          f"values change; a sparse delta (rl.exchange.deltas) is {100 * delta['sparse_fraction']:.2f}% of the "
+          f"FP8 bytes")
 
 
 def final_line(times: dict, reads: dict, delta: dict) -> str:
@@ -413,7 +417,8 @@ def final_line(times: dict, reads: dict, delta: dict) -> str:
             **{f"blocked_fraction_{n}rank": blocked[n] for n in RANKS},
             **{f"{k}_s": med(times[k]) for k in ("raw", "raw_4threads", "bf16")},
             "rchar_amplification": reads["rchar_amplification"],
-            "delta_fraction": delta["delta_fraction"], "delta_block_fraction": delta["block_fraction"]}
+            "delta_fraction": delta["delta_fraction"], "delta_block_fraction": delta["block_fraction"],
+            "sparse_delta_fraction": delta["sparse_fraction"]}
     return " ".join(f"{k}={v:.4f}" for k, v in keys.items())
 
 

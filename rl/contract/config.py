@@ -98,6 +98,8 @@ class TrainerConfig:
     keep_weights: int = 3
     publish_async: bool = True         # weights quantized, written and committed while the next step trains
     publish_timeout_s: float = 600.0   # rank 0 gives up on the other ranks' shards after this (no commit)
+    weights_full_every: int = 10       # a full version every K; the others sparse deltas (0: always full)
+    delta_max_fraction: float = 0.25   # a tensor whose changed bytes cost more than this goes whole
     # loss: importance-sampled policy gradient, token level (rl.trainer.loss)
     mismatch: str = "mask"             # mask | truncate | none: handling of trainer/inference mismatch
     ratio_max: float = 2.0             # tokens with importance ratio above this are masked / truncated
@@ -375,6 +377,10 @@ def validate(cfg: DictConfig | dict) -> None:
     need(t.micro_batch_tokens > 0, "trainer.micro_batch_tokens", "must be positive")
     need(t.checkpoint_every > 0, "trainer.checkpoint_every", "must be positive")
     need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must keep at least one checkpoint")
+    need(t.publish_timeout_s > 0, "trainer.publish_timeout_s", "must be positive (seconds rank 0 waits "
+         "for the other ranks' shards)")
+    need(t.weights_full_every >= 0, "trainer.weights_full_every", "must be >= 0 (0: every version full)")
+    need(0 < t.delta_max_fraction <= 1, "trainer.delta_max_fraction", "must be in (0, 1]")
     need(t.keep_weights >= cfg.orchestrator.max_off_policy + 1, "trainer.keep_weights",
          f"must be at least orchestrator.max_off_policy + 1 = {cfg.orchestrator.max_off_policy + 1}")
     need(0 < t.ratio_min <= 1 <= t.ratio_max, "trainer.ratio_max", "need 0 < ratio_min <= 1 <= ratio_max")

@@ -299,11 +299,24 @@ class ConsumedLog:
         return [e["step"] for e in self.entries()]
 
 
+def delta_base(path: str | os.PathLike) -> int | None:
+    """The step a published step is a delta against (its `delta.json`), or None for a full step."""
+    try:
+        return int(json.loads((Path(path) / "delta.json").read_text())["base"])
+    except FileNotFoundError:
+        return None
+
+
 def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
-    """Retention: delete all but the newest `keep_last` steps, never one in `protect`."""
+    """Retention: delete all but the newest `keep_last` steps, never one in `protect`, nor a step a kept
+    one needs to be rebuilt (the chain of delta steps down to a full one)."""
     steps = list_steps(run_dir, kind)
     keep = set(steps[-keep_last:]) if keep_last > 0 else set()
     keep |= set(protect)
+    for s in list(keep):
+        while s in steps and (b := delta_base(step_dir(run_dir, kind, s))) is not None and b not in keep:
+            keep.add(b)
+            s = b
     gone = []
     for s in steps:
         if s not in keep:

@@ -41,7 +41,8 @@ class WeightPublisher:
                  producer: str = "trainer", fp8_enabled: bool = True, wire_dtype: torch.dtype = torch.bfloat16,
                  quantize: Callable[[str, torch.Tensor], bool] = default_quantize, background: bool = True,
                  commit_timeout_s: float = 600.0, max_shard_bytes: int = 2 << 30,
-                 quantize_on_copy: bool = False, on_published: Callable[[int], None] | None = None):
+                 quantize_on_copy: bool = False, full_every: int = 0, delta_max_fraction: float = 0.25,
+                 on_published: Callable[[int], None] | None = None):
         if world > 1 and token is None:
             raise ValueError("a multi-rank publisher needs the token every rank shares")
         self.run_dir = Path(run_dir)
@@ -52,6 +53,11 @@ class WeightPublisher:
                              max_shard_bytes=max_shard_bytes)
         self.background = background
         self.quantize_on_copy = quantize_on_copy  # the GPU's split on the CPU too (tests, benchmark)
+        # deltas (rl.exchange.deltas): every version not a multiple of full_every is stored as the bytes
+        # that changed since the previous one, when this rank published that one (0: always full)
+        self.full_every, self.delta_max_fraction = int(full_every), float(delta_max_fraction)
+        self._prev: dict[str, torch.Tensor] | None = None
+        self._prev_version: int | None = None
         self.commit_timeout_s = commit_timeout_s
         self.on_published = on_published
         self._snap: dict[str, torch.Tensor] = {}
@@ -109,8 +115,16 @@ class WeightPublisher:
                     full = g.run(self.rank)
                     if full is not None:
                         own[g.name] = full
-                shards.write_part(tmp, self.rank, dict(sorted(own.items())), buffers=self._buffers,
-                                  **self.write_kw)
+                own = dict(sorted(own.items()))
+                keep = {} if self.full_every > 0 else None
+                if self.delta_base(version) is not None:
+                    from rl.exchange.deltas import write_delta_part
+                    write_delta_part(tmp, self.rank, own, prev=self._prev, keep=keep, base=version - 1,
+                                     buffers=self._buffers, max_fraction=self.delta_max_fraction,
+                                     **self.write_kw)
+                else:
+                    shards.write_part(tmp, self.rank, own, buffers=self._buffers, keep=keep, **self.write_kw)
+                self._prev, self._prev_version = keep, (version if keep is not None else None)
                 if self.rank == 0:
                     self.last_published = shards.commit_parts(
                         self.run_dir, version, tmp, self.world, producer=self.producer,
@@ -119,6 +133,7 @@ class WeightPublisher:
                         self.on_published(version)
             except BaseException as e:  # re-raised on the trainer's thread at the next wait()
                 self._error = e
+                self._prev = self._prev_version = None  # the next version is a full one
             self.last_write_s = time.perf_counter() - t1
 
         if self.background:
@@ -128,6 +143,13 @@ class WeightPublisher:
             work()
             self._raise()
         self.last_blocked_s = time.perf_counter() - t0
+
+    def delta_base(self, version: int) -> int | None:
+        """The version `version` will be a delta against, or None for a full version."""
+        if self.full_every <= 0 or version % self.full_every == 0 or self._prev is None \
+                or self._prev_version != version - 1:
+            return None
+        return version - 1
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -44,6 +44,12 @@ from rl.exchange.weights import FP8_META, INDEX, SCALE_SUFFIX, default_quantize
 
 CHECKSUMS = "checksums.json"
 PARTS = "parts"
+DELTA = "delta.json"          # a delta step (rl.exchange.deltas): {"base": the version it applies to}
+IDX, VAL = "::idx", "::val"   # a sparse tensor's changed byte positions and their new values
+
+
+class NeedsBase(RuntimeError):
+    """A delta step read without the stored tensors of the version it applies to."""
 
 _DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
            "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
@@ -194,10 +200,12 @@ def _wire_tensors(outs: list[_Out], tensors: Mapping[str, torch.Tensor], pool: l
 def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *, fp8_enabled: bool = True,
                wire_dtype: torch.dtype = torch.bfloat16,
                quantize: Callable[[str, torch.Tensor], bool] | None = None, block: int = fp8.BLOCK,
-               max_shard_bytes: int = 2 << 30, buffers: list[Buffers] | None = None) -> dict:
+               max_shard_bytes: int = 2 << 30, buffers: list[Buffers] | None = None,
+               keep: dict | None = None) -> dict:
     """Write this rank's `tensors` (HF names) as shards into `out_dir` and record them in
     `parts/rank-<rank>.json` (written last, atomically: its presence means the rank's files are complete
-    and fsynced). `buffers`: two or more reused quantization buffers (a pipeline of that depth).
+    and fsynced). `buffers`: two or more reused quantization buffers (a pipeline of that depth);
+    `keep`: filled with a copy of every stored tensor's bytes (the base of a next delta).
     Returns the part record."""
     quantize = quantize or default_quantize
     out_dir = Path(out_dir)
@@ -238,6 +246,8 @@ def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *,
                                                "offsets": [lo, hi]}
                     spent["write"] += t2 - t1
                     spent["hash"] += time.perf_counter() - t2
+                    if keep is not None:
+                        keep[o.name] = data.reshape(-1).view(torch.uint8).clone()
                     del mv, data
                     if buf is not None:
                         handoff.free.put(buf)
@@ -281,6 +291,9 @@ def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
     """Write index, fp8.json and checksums.json from the parts, remove `parts/`; returns the manifest
     entries of the shard files (for `exchange.commit(known=...)`)."""
     weight_map, tensors, headers, quantized, known, total = {}, {}, {}, [], {}, 0
+    sparse, bases = {}, {p.get("delta_base") for p in parts}
+    if len(bases) != 1:
+        raise ValueError(f"{tmp.name}: the ranks disagree on the delta base: {sorted(map(str, bases))}")
     for part in parts:
         for name, info in part["tensors"].items():
             if name in tensors:
@@ -288,6 +301,9 @@ def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
             weight_map[name] = info["file"]
             tensors[name] = info["sha256"]
             total += info["offsets"][1] - info["offsets"][0]
+        for name, info in part.get("entries", {}).items():
+            tensors[name] = info["sha256"]
+        sparse.update(part.get("sparse", {}))
         for fname, info in part["files"].items():
             headers[fname] = info["header_sha256"]
             known[fname] = {"size": info["size"], "verify": CHECKSUMS}
@@ -298,8 +314,11 @@ def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
     (tmp / FP8_META).write_text(json.dumps(
         {"enabled": bool(quantized), "block": first["block"], "fmt": "e4m3", "scale_dtype": "float32",
          "wire_dtype": first["wire_dtype"], "quantized": sorted(quantized)}, indent=1))
-    (tmp / CHECKSUMS).write_text(json.dumps({"algorithm": "sha256", "tensors": tensors, "headers": headers},
-                                            indent=1, sort_keys=True))
+    (tmp / CHECKSUMS).write_text(json.dumps({"algorithm": "sha256", "tensors": tensors, "headers": headers,
+                                             "sparse": sparse}, indent=1, sort_keys=True))
+    (base,) = bases
+    if base is not None and sparse:  # a delta where nothing paid off is a full version: no chain kept
+        (tmp / DELTA).write_text(json.dumps({"base": int(base)}))
     shutil.rmtree(tmp / PARTS)
     return known
 
@@ -403,11 +422,13 @@ class ShardReader:
         self.stats = ReadStats()
         ck = self.dir / CHECKSUMS
         self.digests = json.loads(ck.read_text()) if ck.exists() else None
+        self.sparse: dict = (self.digests or {}).get("sparse", {})
+        self.delta = json.loads((self.dir / DELTA).read_text()) if (self.dir / DELTA).exists() else None
         if verify:
             manifest = exchange.verify(self.dir, checksums=False)
-            for rel in (CHECKSUMS, INDEX, FP8_META):  # small: hashed whole against the manifest
+            for rel in (CHECKSUMS, INDEX, FP8_META, DELTA):  # small: hashed whole against the manifest
                 info = manifest["files"].get(rel)
-                if info is None and rel == CHECKSUMS:
+                if info is None and rel in (CHECKSUMS, DELTA) and not (self.dir / rel).exists():
                     continue
                 if info is None or exchange.sha256_file(self.dir / rel) != info.get("sha256"):
                     raise exchange.CorruptStep(f"{self.dir / rel}: does not match the manifest")
@@ -429,7 +450,9 @@ class ShardReader:
         for fname, names in self._by_file(select).items():
             with open(self.dir / fname, "rb") as f:
                 _, head, _ = _read_header(f.fileno(), self.dir / fname)
-            total += sum(head[n]["data_offsets"][1] - head[n]["data_offsets"][0] for n in names)
+            for n in names:
+                for e in ((n + IDX, n + VAL) if n in self.sparse else (n,)):
+                    total += head[e]["data_offsets"][1] - head[e]["data_offsets"][0]
         return total
 
     def _by_file(self, select) -> dict[str, list[str]]:
@@ -465,14 +488,35 @@ class ShardReader:
         dtype = _DTYPES[info["dtype"]]
         return buf.view(dtype).view(info["shape"]) if info["shape"] else buf.view(dtype).reshape(())
 
+    def _stored(self, fd: int, path: Path, head: dict, start: int, name: str,
+                verified: VerifiedOnNode | None, done: list[str], base, verify_rebuilt: bool) -> torch.Tensor:
+        if name not in self.sparse:
+            return self._read(fd, path, head, start, name, verified, done)
+        idx = self._read(fd, path, head, start, name + IDX, verified, done)
+        val = self._read(fd, path, head, start, name + VAL, verified, done)
+        if base is None or name not in base:
+            raise NeedsBase(f"{self.dir}: {name} is a delta against version {(self.delta or {}).get('base')}")
+        info = self.sparse[name]
+        dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        from rl.exchange.deltas import rebuild
+        out = rebuild(base[name], idx, val, n)
+        if self.verify and verify_rebuilt and hashlib.sha256(_bytes(out)).hexdigest() != \
+                self.digests["tensors"].get(name):
+            raise exchange.CorruptStep(f"{path}: {name} rebuilt from its base does not match its sha256")
+        return out.view(dtype).view(shape) if shape else out.view(dtype).reshape(())
+
     def tensors(self, select: Callable[[str], bool] | None = None, *, dequantize: bool = True,
-                dtype: torch.dtype | None = None, verified: VerifiedOnNode | None = None
+                dtype: torch.dtype | None = None, verified: VerifiedOnNode | None = None,
+                base: Mapping[str, torch.Tensor] | None = None, verify_rebuilt: bool = True
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) for the selected weights, file by file in storage order.
 
         With `dequantize`, FP8 weights come back as `dtype` (float32 by default) and their scales are
         not yielded; otherwise both are yielded as stored. A tensor whose bytes do not match its digest
-        raises CorruptStep before it is yielded."""
+        raises CorruptStep before it is yielded. In a delta step a sparse tensor is rebuilt from `base`
+        (the stored tensors of the version it applies to; NeedsBase without) and checked against its
+        digest as rebuilt (`verify_rebuilt`; rl.exchange.deltas.stored_tensors resolves the chain)."""
         for fname, names in self._by_file(select).items():
             path = self.dir / fname
             fd = os.open(path, os.O_RDONLY)
@@ -484,17 +528,19 @@ class ShardReader:
                 if self.verify and self.digests is not None:
                     if hashlib.sha256(head_bytes).hexdigest() != self.digests["headers"].get(fname):
                         raise exchange.CorruptStep(f"{path}: header does not match {CHECKSUMS}")
-                order = sorted(names, key=lambda n: head.get(n, {}).get("data_offsets", [0])[0])
+                order = sorted(names, key=lambda n: head.get(n if n not in self.sparse else n + IDX,
+                                                              {}).get("data_offsets", [0])[0])
                 held: dict[str, torch.Tensor] = {}
                 for name in order:
-                    t = self._read(fd, path, head, start, name, verified, done)
+                    t = self._stored(fd, path, head, start, name, verified, done, base, verify_rebuilt)
                     self.stats.tensors += 1
-                    base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-                    if base is not None and base in self.quantized:
+                    weight = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+                    if weight is not None and weight in self.quantized:
                         if not dequantize:
                             yield name, t
-                        elif base in held:
-                            yield base, fp8.dequantize_block(held.pop(base), t, dtype or torch.float32, self.block)
+                        elif weight in held:
+                            yield weight, fp8.dequantize_block(held.pop(weight), t, dtype or torch.float32,
+                                                               self.block)
                         continue
                     if name in self.quantized and dequantize:
                         held[name] = t  # its scale follows in the same file

@@ -79,8 +79,17 @@ def iter_tensors(weights_dir: Path, *, dequantize: bool = True, dtype: torch.dty
     With `dequantize`, FP8 tensors come back as `dtype` (default float32) and their scales are not
     yielded; otherwise both are yielded as stored. `select(name)` limits what is read; with `verify`
     every tensor read is checked against its digest (rl.exchange.shards.ShardReader)."""
-    from rl.exchange.shards import ShardReader
-    yield from ShardReader(Path(weights_dir), verify=verify).tensors(select, dequantize=dequantize, dtype=dtype)
+    from rl.exchange.shards import ShardReader, dequantize_stream
+    reader = ShardReader(Path(weights_dir), verify=verify)
+    if reader.delta is None:
+        yield from reader.tensors(select, dequantize=dequantize, dtype=dtype)
+        return
+    from rl.exchange.deltas import stored_tensors  # a delta step: rebuilt from the chain before it
+    stored, reader = stored_tensors(Path(weights_dir), select)
+    if not dequantize:
+        yield from stored.items()
+        return
+    yield from dequantize_stream(stored.items(), reader.quantized, reader.block, dtype)
 
 
 def load_state_dict(weights_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

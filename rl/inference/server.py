@@ -288,7 +288,7 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 
     from rl.exchange.weights import FP8_META, INDEX
 
-    from rl.exchange.shards import ShardReader
+    from rl.exchange.shards import ShardReader, dequantize_stream
 
     reader = ShardReader(weights_dir)  # manifest, index and digests; tensors are verified as read
     out_dir = Path(out_dir)
@@ -303,14 +303,25 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
             if p.is_file() and p.name != exchange.MANIFEST:
                 shutil.copy2(p, tmp / p.name)
         config = json.loads((tmp / "config.json").read_text())
-        if fp8:
+        stored = None
+        if reader.delta is not None:  # a delta step: rebuilt on the chain before it (rl.exchange.deltas)
+            from rl.exchange.deltas import stored_tensors
+            stored, reader = stored_tensors(weights_dir)
+        if fp8 and stored is not None:
+            index = json.loads((weights_dir / INDEX).read_text())
+            for fname in sorted(set(index["weight_map"].values())):
+                save_file({n: stored[n].contiguous() for n, f in index["weight_map"].items() if f == fname},
+                          str(tmp / fname), metadata={"format": "pt"})
+            shutil.copy2(weights_dir / INDEX, tmp / INDEX)
+        elif fp8:
             for _ in reader.tensors(dequantize=False):  # every byte verified before it is copied
                 pass
             for p in weights_dir.iterdir():
                 if p.suffix == ".safetensors" or p.name == INDEX:
                     shutil.copy2(p, tmp / p.name)
+        if fp8:
             index = json.loads((weights_dir / INDEX).read_text())
-            shapes_2d = _two_dim_weights(weights_dir, index)
+            shapes_2d = _two_dim_weights(tmp, index)  # the files as written here (a delta step rebuilt)
             holder = _quant_holder(config)
             holder["quantization_config"] = fp8_quant_config(
                 config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
@@ -318,7 +329,9 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
             index = json.loads((weights_dir / INDEX).read_text())
             shard_of: dict[str, str] = {}
             shards: dict[str, dict] = {}
-            for name, t in reader.tensors(dequantize=True, dtype=dtype):
+            items = reader.tensors(dequantize=True, dtype=dtype) if stored is None else \
+                dequantize_stream(stored.items(), reader.quantized, reader.block, dtype)
+            for name, t in items:
                 fname = index["weight_map"][name]
                 shards.setdefault(fname, {})[name] = t.contiguous()
                 shard_of[name] = fname

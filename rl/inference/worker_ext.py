@@ -166,7 +166,8 @@ class WeightSyncExtension:
         the weights would be half-updated. With `report_dir` the result is also written there.
         """
         from rl.exchange import CorruptStep
-        from rl.exchange.shards import ShardReader, VerifiedOnNode, dequantize_stream, expert_selector
+        from rl.exchange.deltas import stored_tensors
+        from rl.exchange.shards import NeedsBase, VerifiedOnNode, dequantize_stream, expert_selector
 
         t0 = time.perf_counter()
         version = int(version)
@@ -175,12 +176,15 @@ class WeightSyncExtension:
         select = expert_selector(served_experts(model))
         vdir = os.environ.get(VERIFIED_ENV)
         verified = VerifiedOnNode(Path(vdir) / f"{Path(weights_dir).name}.txt") if vdir else None
+        cache = getattr(self, "_hetrl_wire", None)
         try:
             # verify everything this worker will load before touching a weight: the selection is held in
-            # its wire form (FP8 + scales: what one worker serves, not the model) until all of it checked out
-            reader = ShardReader(Path(weights_dir))
-            stored = list(reader.tensors(select, dequantize=False, verified=verified))
-        except (CorruptStep, FileNotFoundError, ValueError) as e:
+            # its wire form (FP8 + scales: what one worker serves, not the model) until all of it checked
+            # out; a delta step is rebuilt on the copy of the previous version kept from the last load
+            # (its rebuilt digests need no re-check then), else from the chain of steps before it
+            stored, reader = stored_tensors(Path(weights_dir), select, verified=verified, cache=cache,
+                                            verify_rebuilt=cache is None)
+        except (CorruptStep, FileNotFoundError, ValueError, NeedsBase) as e:
             # Refused before anything is touched. Returned, not raised: vLLM treats an exception in a
             # worker RPC as fatal and shuts the whole server down; the client raises on "error".
             return self._report(report_dir, {
@@ -192,13 +196,14 @@ class WeightSyncExtension:
         try:
             for qm in moe:
                 qm.moe_kernel = None  # take the cold-start branch: repack + fresh kernel
-            weights = iter(stored) if self._loads_fp8() else dequantize_stream(
-                stored, reader.quantized, reader.block, self.model_config.dtype)
+            weights = iter(stored.items()) if self._loads_fp8() else dequantize_stream(
+                stored.items(), reader.quantized, reader.block, self.model_config.dtype)
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         finally:
             for qm, kernel, quant_config in saved:
                 qm.moe_kernel, qm.moe_quant_config = kernel, quant_config
         self._hetrl_version = version
+        self._hetrl_wire = (version, stored)  # the base of the next delta (host memory: the selection)
         st = reader.stats
         return self._report(report_dir, {
             "version": version, "previous_version": previous, "in_flight": in_flight,

@@ -352,7 +352,8 @@ class Trainer:
             self._pub = WeightPublisher(
                 run_dir, rank=self.dist.rank, world=self.dist.world, token=self._publish_token, producer=ROLE,
                 wire_dtype=self.built.dtype, quantize=wire.quantize_except(self._checkpoint_naming()[1]),
-                background=bool(t.publish_async), commit_timeout_s=float(t.publish_timeout_s))
+                background=bool(t.publish_async), commit_timeout_s=float(t.publish_timeout_s),
+                full_every=int(t.weights_full_every), delta_max_fraction=float(t.delta_max_fraction))
         return self._pub
 
     def publish_weights(self, run_dir, version: int) -> bool:

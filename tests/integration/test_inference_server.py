@@ -329,6 +329,43 @@ def test_corrupted_shard_is_refused(setup):
 
 
 @pytest.mark.slow
+def test_delta_versions_load_as_their_full_versions(setup):
+    """Versions published as sparse deltas (rl.exchange.deltas) load into the real engine: the first
+    from the chain on disk (the engine's last version is another run's), the next from the copy the
+    worker kept of the one before; the engine then answers exactly as with the full version."""
+    from rl.exchange.publisher import WeightPublisher
+    root, assets = setup["root"], exchange.step_dir(setup["run_dir"], "assets", 0)
+    a = random_hf_state_dict(assets, 1)
+    g = torch.Generator().manual_seed(7)
+    vs = [a]
+    for _ in range(2):  # two optimizer-step-sized changes
+        vs.append({k: v + 1e-5 * torch.randn(v.shape, generator=g).sign() for k, v in vs[-1].items()})
+    delta = WeightPublisher(root / "deltas", background=False, full_every=100)
+    for v, sd in zip((20, 21, 22), vs):
+        delta.publish(v, sd)
+    full = WeightPublisher(root / "full", background=False)
+    full.publish(40, vs[2])
+    d = {v: exchange.step_dir(root / "deltas", "weights", v) for v in (20, 21, 22)}
+    assert exchange.delta_base(d[21]) == 20 and exchange.delta_base(d[22]) == 21
+    size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
+    assert size(d[22]) < 0.3 * size(d[20])
+
+    async def go():
+        async with _client(setup) as c:
+            r21 = await c.update_weights(str(d[21]), 21)
+            r22 = await c.update_weights(str(d[22]), 22)
+            lp22 = [await c.prompt_logprobs(p) for p in PROMPTS]
+            await c.update_weights(str(exchange.step_dir(root / "full", "weights", 40)), 40)
+            lp_full = [await c.prompt_logprobs(p) for p in PROMPTS]
+            return r21, r22, lp22, lp_full
+
+    r21, r22, lp22, lp_full = _run(go())
+    assert r21["loaded"] and r22["loaded"] and r22["previous_version"] == 21
+    assert r22["bytes_read"] < 0.3 * size(d[20])  # only the delta step was read
+    assert lp22 == lp_full
+
+
+@pytest.mark.slow
 def test_server_stops_on_done(setup):
     run_dir, proc = setup["run_dir"], setup["proc"]
     info = setup["info"]

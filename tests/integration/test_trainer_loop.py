@@ -7,7 +7,7 @@ import torch
 
 from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
 from rl import exchange, fp8
-from rl.exchange.shards import CHECKSUMS
+from rl.exchange.deltas import stored_tensors
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, StopFlag, is_done
@@ -46,17 +46,24 @@ def test_interrupted_and_resumed_run_ends_bit_identical(tmp_path):
         assert torch.equal(oa[k], ob[k]) if torch.is_tensor(oa[k]) else oa[k] == ob[k], k
     assert ta.progress.consumed == tb.progress.consumed == [0, 1, 2, 3]
     # published weights agree byte for byte, and every step was logged once per lineage
-    for v in range(2, 5):  # per-tensor and per-header sha256 of the shards, sizes of every file
+    # (b's first version after the restart is a full one where a's is a delta: compare them rebuilt)
+    for v in range(2, 5):
         wa, wb = exchange.step_dir(a, "weights", v), exchange.step_dir(b, "weights", v)
-        assert (wa / CHECKSUMS).read_text() == (wb / CHECKSUMS).read_text()
-        fa, fb = (exchange.read_manifest(w)["files"] for w in (wa, wb))
-        assert {k: x["size"] for k, x in fa.items()} == {k: x["size"] for k, x in fb.items()}
+        (ta_, _), (tb_, _) = stored_tensors(wa), stored_tensors(wb)
+        assert ta_.keys() == tb_.keys()
+        assert all(torch.equal(ta_[k].view(torch.uint8), tb_[k].view(torch.uint8)) for k in ta_), v
+    assert exchange.delta_base(exchange.step_dir(b, "weights", 3)) is None  # no base in the new incarnation
     m = read_metrics(a)
     assert [x["step"] for x in m] == [0, 1, 2, 3]
     for key in ("loss", "reward_mean", "mismatch_kl", "entropy", "lag", "lag_max", "tokens_per_s",
                 "step_time_s", "publish_s", "wait_s"):
         assert key in m[0], key
-    assert exchange.list_steps(a, "weights") == [2, 3, 4]  # keep_weights=3
+    # keep_weights=3 keeps 2, 3, 4, and whatever a delta among them is rebuilt from
+    kept = exchange.list_steps(a, "weights")
+    assert kept[-3:] == [2, 3, 4]
+    for v in kept:
+        b_ = exchange.delta_base(exchange.step_dir(a, "weights", v))
+        assert b_ is None or b_ in kept
     assert exchange.list_steps(a, "assets") == [0]
 
 

@@ -38,6 +38,8 @@ BAD = [
     (["env=swe", "env.swe.tasks=/no/such/tasks.jsonl"], "env.swe.tasks"),
     (["env.digits.warm_start_accuracy=2"], "env.digits.warm_start_accuracy"),
     (["trainer.activation_checkpointing=some"], "trainer.activation_checkpointing"),
+    (["trainer.publish_timeout_s=0"], "trainer.publish_timeout_s"),
+    (["trainer.delta_max_fraction=0"], "trainer.delta_max_fraction"),
     (["cluster.time=1h"], "cluster.time"),
     (["cluster.partition=gpu h100"], "cluster.partition"),
     (["cluster.gres=gpu 8"], "cluster.gres"),

@@ -251,3 +251,79 @@ def test_fsdp_shards_are_gathered_at_their_owner_in_the_background(tmp_path):
         a, b = (exchange.step_dir(tmp_path / d, "weights", v) for d in ("one", "two"))
         assert stored(a) == stored(b), v
         assert exchange.read_manifest(b)["meta"]["ranks"] == 2
+
+
+def _versions(n, seed=0):
+    """n consecutive versions as one Adam step each would make them: every weight moves by ~1e-6."""
+    g = torch.Generator().manual_seed(seed)
+    sd, out = moe_state(), []
+    for _ in range(n):
+        out.append({k: v.clone() for k, v in sd.items()})
+        sd = {k: v + 1e-6 * torch.randn(v.shape, generator=g).sign() for k, v in sd.items()}
+    return out
+
+
+def test_deltas_rebuild_every_version_bit_exactly_and_are_small(tmp_path):
+    from rl.exchange import deltas
+    vs = _versions(5)
+    full = WeightPublisher(tmp_path / "full", background=False)
+    pub = WeightPublisher(tmp_path / "delta", background=False, full_every=3)
+    parts, _ = split_like_ep(vs[0], 2)
+    two = [WeightPublisher(tmp_path / "two", rank=r, world=2, token="d", full_every=3) for r in (0, 1)]
+    for v, sd in enumerate(vs):
+        full.publish(v, sd)
+        pub.publish(v, sd)
+        for r, p in enumerate(two):
+            p.publish(v, {k: sd[k] for k in parts[r]})
+        for p in two:
+            p.wait()
+    step = {d: [exchange.step_dir(tmp_path / d, "weights", v) for v in range(5)] for d in ("full", "delta", "two")}
+    assert [exchange.delta_base(p) for p in step["delta"]] == [None, 0, 1, None, 3]
+    assert [exchange.delta_base(p) for p in step["two"]] == [None, 0, 1, None, 3]
+    size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
+    assert size(step["delta"][1]) < 0.15 * size(step["delta"][0]), (size(step["delta"][1]), size(step["delta"][0]))
+    for v in range(5):  # rebuilt from the chain, by one rank's or two ranks' deltas: the full version's bytes
+        want = stored(step["full"][v])
+        for d in ("delta", "two"):
+            got, _ = deltas.stored_tensors(step[d][v])
+            assert {n: bytes(shards._bytes(t)) for n, t in got.items()} == want, (d, v)
+        ref = dict(shards.ShardReader(step["full"][v]).tensors(dtype=torch.float32))
+        assert all(torch.equal(ref[n], t) for n, t in wire_iter(step["delta"][v]))
+    # an inference worker's own copy of the base rebuilds the same; a wrong base is caught
+    base, _ = deltas.stored_tensors(step["delta"][1])
+    got, _ = deltas.stored_tensors(step["delta"][2], cache=(1, base), verify_rebuilt=False)
+    assert {n: bytes(shards._bytes(t)) for n, t in got.items()} == stored(step["full"][2])
+    wrong, _ = deltas.stored_tensors(step["delta"][0])
+    with pytest.raises(exchange.CorruptStep, match="rebuilt"):
+        deltas.stored_tensors(step["delta"][2], cache=(1, wrong))
+    with pytest.raises(shards.NeedsBase):
+        list(shards.ShardReader(step["delta"][4]).tensors(dequantize=False))
+    # retention keeps what a kept delta is rebuilt from
+    assert exchange.prune(tmp_path / "delta", "weights", 1) == [0, 1, 2]
+    assert exchange.list_steps(tmp_path / "delta", "weights") == [3, 4]
+
+
+def wire_iter(path):
+    from rl.exchange import weights as wire
+    return wire.iter_tensors(path, dtype=torch.float32)
+
+
+def test_a_damaged_delta_is_refused(tmp_path):
+    from rl.exchange import deltas
+    vs = _versions(2)
+    pub = WeightPublisher(tmp_path, background=False, full_every=10)
+    for v, sd in enumerate(vs):
+        pub.publish(v, sd)
+    d1 = exchange.step_dir(tmp_path, "weights", 1)
+    r = shards.ShardReader(d1)
+    name = next(iter(r.sparse))
+    path = d1 / r.index["weight_map"][name]
+    with open(path, "rb") as f:
+        _, head, start = shards._read_header(f.fileno(), path)
+    lo, hi = head[name + shards.VAL]["data_offsets"]
+    assert hi > lo
+    data = bytearray(path.read_bytes())
+    data[start + lo] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(exchange.CorruptStep, match=r"::val does not match"):
+        deltas.stored_tensors(d1)
