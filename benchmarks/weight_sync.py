@@ -65,6 +65,7 @@ from rl.trainer.owners import OwnershipPlan  # noqa: E402
 PROFILES = {"default": dict(layers=2, experts=64, dim=1024, moe_dim=192, vocab=2048, repeats=5),
             "quick": dict(layers=2, experts=8, dim=512, moe_dim=256, vocab=2048, repeats=3)}
 RANKS = (1, 2, 4)
+DELTA_POOL = "delta_4rank"  # 4 ranks again, each version a sparse delta of the one before
 READERS = 4
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -136,8 +137,20 @@ def publish_once(rank: int, state, plan: OwnershipPlan, pub: WeightPublisher, ve
     return {"owned": t1 - t0, "copy": pub.last_blocked_s, "write": pub.last_write_s, "done": t2 - t0}
 
 
-def worker(rank: int, world: int, port: int, c: dict, run_dir: str, token: str, cmds, results) -> None:
-    """One trainer rank: build its state, then publish each version it is sent until it gets None."""
+def adam_like_step(state: dict, lr: float, seed: int) -> None:
+    """Every weight moves by lr x its tensor's rms, in a random direction (Adam's first steps), in place."""
+    g = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel():
+            local.add_(lr * local.pow(2).mean().sqrt() * torch.randn(local.shape, generator=g).sign_())
+
+
+def worker(rank: int, world: int, port: int, c: dict, run_dir: str, token: str, cmds, results,
+           delta_lr: float = 0.0) -> None:
+    """One trainer rank: build its state, then publish each version it is sent until it gets None.
+    With `delta_lr` the weights take an optimizer-like step before each version and every version after
+    the first is published as a sparse delta (rl.exchange.deltas)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
@@ -145,9 +158,12 @@ def worker(rank: int, world: int, port: int, c: dict, run_dir: str, token: str, 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         state = trainer_state(c, rank, world, init_device_mesh("cpu", (world,)))
         plan = OwnershipPlan(rank, world)
-        pub = WeightPublisher(run_dir, rank=rank, world=world, token=token)
+        pub = WeightPublisher(run_dir, rank=rank, world=world, token=token,
+                              full_every=10**9 if delta_lr else 0)
         results.put((rank, "ok", None))
         while (version := cmds.get()) is not None:
+            if delta_lr and version > 1:
+                adam_like_step(state, delta_lr, seed=1000 * version + rank)
             results.put((rank, "ok", publish_once(rank, state, plan, pub, version)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -167,12 +183,14 @@ def free_ports(n: int) -> list[int]:
 class Pool:
     """`world` trainer processes in one gloo group, alive across repeats, publishing into `run_dir`."""
 
-    def __init__(self, ctx, world: int, port: int, c: dict, run_dir: Path):
+    def __init__(self, ctx, world: int, port: int, c: dict, run_dir: Path, delta_lr: float = 0.0):
         self.world, self.run_dir = world, run_dir
         self.results, self.cmds = ctx.Queue(), [ctx.Queue() for _ in range(world)]
+        self.delta, self.version = bool(delta_lr), 0  # a delta pool numbers its versions consecutively
         token = uuid.uuid4().hex[:12]  # one trainer incarnation
         self.procs = [ctx.Process(target=worker, daemon=True,
-                                  args=(r, world, port, c, str(run_dir), token, self.cmds[r], self.results))
+                                  args=(r, world, port, c, str(run_dir), token, self.cmds[r], self.results,
+                                        delta_lr))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -187,12 +205,16 @@ class Pool:
         return out
 
     def publish(self, version: int) -> dict:
+        if self.delta:
+            self.version = version = self.version + 1
         for q in self.cmds:
             q.put(version)
         rs = self.collect()  # the publish ends with rank 0's commit: the latest "done"
         step = exchange.step_dir(self.run_dir, "weights", version)
         spent = exchange.read_manifest(step)["meta"]["seconds_per_rank"]  # what each rank's writer spent
         return {"s": max(r["done"] for r in rs), "owned": max(r["owned"] for r in rs),
+                "bytes": sum(f.stat().st_size for f in step.glob("*.safetensors")),
+                "is_delta": exchange.delta_base(step) is not None,
                 "copy": max(r["copy"] for r in rs), "blocked": max(r["owned"] + r["copy"] for r in rs),
                 "quantize": max(x["quantize"] for x in spent), "hash": max(x["hash"] for x in spent),
                 "step": step}
@@ -319,7 +341,8 @@ def delta_blocks(full: dict, wire: dict, lr: float, b: int = fp8.BLOCK) -> dict:
 def timed_methods(pools: dict[int, Pool], d: Path, bufs: list, bf16: dict) -> dict:
     """name -> callable(version) -> seconds, or a publish summary (a dict with "s")."""
     groups = split_balanced(bufs, 4)
-    m = {f"publish_{n}rank": (lambda v, p=p: p.publish(v)) for n, p in pools.items()}
+    m = {(f"publish_{n}rank" if isinstance(n, int) else f"publish_{n}"): (lambda v, p=p: p.publish(v))
+         for n, p in pools.items()}
     m["raw"] = lambda v: write_fsync(d / "raw.bin", bufs)
     m["raw_4threads"] = lambda v: raw_threads(d, groups)
     m["bf16"] = lambda v: bf16_save(d / "model.safetensors", bf16)
@@ -363,12 +386,12 @@ def print_writes(times: dict, payload: int, fp32: int, c: dict) -> None:
     print(f"\n{fp32 / 2**20:.0f} MB fp32 -> {mb:.0f} MB FP8 payload ({fp32 / 2**21:.0f} MB as bf16); "
           f"{c['layers']} layers x {c['experts']} experts, dim {c['dim']}, moe_dim {c['moe_dim']}, "
           f"vocab {c['vocab']}; {len(times['raw'])} repeats, medians")
-    print(f"{'method':<15}{'median s':>9}{'min s':>8}{'MB/s':>7}{'vs floor':>9}"
+    print(f"{'method':<20}{'median s':>9}{'min s':>8}{'MB/s':>7}{'vs floor':>9}"
           f"{'owned s':>9}{'copy s':>8}{'blocked s':>10}{'blocked %':>10}")
     for name, xs in times.items():
         pub = isinstance(xs[0], dict)
         s, lo = med(xs, "s" if pub else None), min(x["s"] if pub else x for x in xs)
-        row = f"{name:<15}{s:>9.3f}{lo:>8.3f}{mb / s:>7.0f}{s / floor:>8.2f}x"
+        row = f"{name:<20}{s:>9.3f}{lo:>8.3f}{mb / s:>7.0f}{s / floor:>8.2f}x"
         if pub:
             b = med(xs, "blocked")
             row += f"{med(xs, 'owned'):>9.3f}{med(xs, 'copy'):>8.3f}{b:>10.3f}{100 * b / s:>9.1f}%"
@@ -380,7 +403,7 @@ def print_writes(times: dict, payload: int, fp32: int, c: dict) -> None:
     for name, xs in times.items():
         if isinstance(xs[0], dict):
             q, h, s = med(xs, "quantize"), med(xs, "hash"), med(xs, "s")
-            print(f"  {name:<15} quantize {q:.3f} s, sha256 {h:.3f} s; the rest {s - q:.3f} s "
+            print(f"  {name:<20} quantize {q:.3f} s, sha256 {h:.3f} s; the rest {s - q:.3f} s "
                   f"= {(s - q) / floor:.2f}x the floor")
 
 
@@ -418,7 +441,10 @@ def final_line(times: dict, reads: dict, delta: dict) -> str:
             **{f"{k}_s": med(times[k]) for k in ("raw", "raw_4threads", "bf16")},
             "rchar_amplification": reads["rchar_amplification"],
             "delta_fraction": delta["delta_fraction"], "delta_block_fraction": delta["block_fraction"],
-            "sparse_delta_fraction": delta["sparse_fraction"]}
+            "sparse_delta_fraction": delta["sparse_fraction"],
+            "delta_publish_vs_full": med(times[f"publish_{DELTA_POOL}"], "s") / pub[4],
+            "delta_bytes_vs_full": med(times[f"publish_{DELTA_POOL}"], "bytes")
+            / med(times["publish_4rank"], "bytes")}
     return " ".join(f"{k}={v:.4f}" for k, v in keys.items())
 
 
@@ -441,8 +467,10 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the spawned ranks at start: one thread each
     ctx, pools = mp.get_context("spawn"), {}
     try:
-        for n, port in zip(RANKS, free_ports(len(RANKS))):
+        ports = free_ports(len(RANKS) + 1)
+        for n, port in zip(RANKS, ports):
             pools[n] = Pool(ctx, n, port, c, root / f"run{n}")
+        pools[DELTA_POOL] = Pool(ctx, max(RANKS), ports[-1], c, root / "run_delta", delta_lr=a.delta_lr)
         log(f"started {sum(RANKS)} trainer processes; preparing the baselines under {root}")
         full = full_model(c)
         wire, _ = quantize_state_dict(full)
