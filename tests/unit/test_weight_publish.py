@@ -327,3 +327,21 @@ def test_a_damaged_delta_is_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(exchange.CorruptStep, match=r"::val does not match"):
         deltas.stored_tensors(d1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_parameters_are_quantized_on_the_device_and_publish_the_same_bytes(tmp_path):
+    """A GPU rank's copy-out quantizes on the device and moves FP8 bytes to pinned host buffers; the
+    step equals the one published from the same values on the CPU."""
+    sd = moe_state()
+    WeightPublisher(tmp_path / "cpu", background=False).publish(1, sd)
+    pub = WeightPublisher(tmp_path / "gpu")
+    gpu = {k: v.cuda() for k, v in sd.items()}
+    snap = pub._copy_out(gpu)
+    pre = [v for v in snap.values() if isinstance(v, shards.Prequantized)]
+    assert pre and all(v.q.is_pinned() and v.q.device.type == "cpu" for v in pre)
+    pub.publish(1, gpu)
+    pub.wait()
+    a, b = (exchange.step_dir(tmp_path / d, "weights", 1) for d in ("cpu", "gpu"))
+    assert stored(a) == stored(b)
