@@ -30,6 +30,7 @@ import torch
 
 from rl import exchange, fp8
 from rl.exchange import shards
+from rl.exchange.shard_reader import ShardReader, VerifiedOnNode
 from rl.exchange.weights import default_quantize
 
 DELTA, IDX, VAL = shards.DELTA, shards.IDX, shards.VAL
@@ -132,14 +133,14 @@ def rebuild(base: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, nbytes: in
 
 
 def stored_tensors(weights_dir: Path, select: Callable[[str], bool] | None = None, *,
-                   verified: "shards.VerifiedOnNode | None" = None,
+                   verified: "VerifiedOnNode | None" = None,
                    cache: tuple[int, Mapping[str, torch.Tensor]] | None = None,
-                   verify_rebuilt: bool = True) -> tuple[dict[str, torch.Tensor], "shards.ShardReader"]:
+                   verify_rebuilt: bool = True) -> tuple[dict[str, torch.Tensor], "ShardReader"]:
     """Every selected tensor of a published version in stored (wire) form, scales included, rebuilding a
     delta step from `cache` = (version, its stored tensors) when that is its base, else from the chain of
     steps before it in the same weights directory. Returns (tensors, the reader of this step)."""
     weights_dir = Path(weights_dir)
-    reader = shards.ShardReader(weights_dir)
+    reader = ShardReader(weights_dir)
     base = None
     if reader.delta is not None:
         b = int(reader.delta["base"])

@@ -78,8 +78,8 @@ def iter_tensors(weights_dir: Path, *, dequantize: bool = True, dtype: torch.dty
 
     With `dequantize`, FP8 tensors come back as `dtype` (default float32) and their scales are not
     yielded; otherwise both are yielded as stored. `select(name)` limits what is read; with `verify`
-    every tensor read is checked against its digest (rl.exchange.shards.ShardReader)."""
-    from rl.exchange.shards import ShardReader, dequantize_stream
+    every tensor read is checked against its digest (rl.exchange.shard_reader.ShardReader)."""
+    from rl.exchange.shard_reader import ShardReader, dequantize_stream
     reader = ShardReader(Path(weights_dir), verify=verify)
     if reader.delta is None:
         yield from reader.tensors(select, dequantize=dequantize, dtype=dtype)

@@ -288,7 +288,7 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 
     from rl.exchange.weights import FP8_META, INDEX
 
-    from rl.exchange.shards import ShardReader, dequantize_stream
+    from rl.exchange.shard_reader import ShardReader, dequantize_stream
 
     reader = ShardReader(weights_dir)  # manifest, index and digests; tensors are verified as read
     out_dir = Path(out_dir)

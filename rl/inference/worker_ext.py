@@ -12,7 +12,7 @@ layer's expert map; a layer whose name matches no published experts, or without 
 everything, so a naming mismatch can only cost bytes, never leave weights stale). Every tensor read is
 checked against its sha256 in `checksums.json` before anything is loaded (a corrupt step is refused,
 nothing touched); tensors another engine on the same node verified already are not hashed again
-(`rl.exchange.shards.VerifiedOnNode` in HETRL_VERIFIED_DIR, node-local). The result of every worker
+(`rl.exchange.shard_reader.VerifiedOnNode` in HETRL_VERIFIED_DIR, node-local). The result of every worker
 of every data-parallel engine is also written to `report_dir` (vLLM's DP client answers
 `/collective_rpc` with the first engine's results only), where the client collects them all. The
 tensors are then streamed through vLLM's own layerwise reloader
@@ -167,7 +167,8 @@ class WeightSyncExtension:
         """
         from rl.exchange import CorruptStep
         from rl.exchange.deltas import stored_tensors
-        from rl.exchange.shards import NeedsBase, VerifiedOnNode, dequantize_stream, expert_selector
+        from rl.exchange.shard_reader import VerifiedOnNode, dequantize_stream, expert_selector
+        from rl.exchange.shards import NeedsBase
 
         t0 = time.perf_counter()
         version = int(version)

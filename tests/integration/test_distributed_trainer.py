@@ -204,7 +204,7 @@ def test_kimi_from_its_checkpoint_on_two_ranks_gives_the_single_process_losses(t
 
 
 def _stored(weights_dir):
-    from rl.exchange.shards import ShardReader, _bytes
+    from rl.exchange.shard_reader import ShardReader, _bytes
     return {n: bytes(_bytes(t)) for n, t in ShardReader(weights_dir).tensors(dequantize=False)}
 
 

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from rl import exchange
+from rl.exchange import shard_reader as rd
 from rl.exchange import shards
 from rl.exchange.publisher import WeightPublisher
 from rl.trainer.owners import Unit, assign_owners
@@ -57,7 +58,7 @@ def split_like_ep(sd, world):
 
 
 def stored(weights_dir: Path) -> dict[str, bytes]:
-    return {n: bytes(shards._bytes(t)) for n, t in shards.ShardReader(weights_dir).tensors(dequantize=False)}
+    return {n: bytes(shards._bytes(t)) for n, t in rd.ShardReader(weights_dir).tensors(dequantize=False)}
 
 
 def test_owners_keep_experts_with_their_holder_and_balance_the_rest():
@@ -108,6 +109,7 @@ def test_two_ranks_publish_what_one_rank_publishes_byte_for_byte(tmp_path):
 _KILLED_RANK = """
 import os, sys, torch
 sys.path[:0] = [{root!r}, {root!r} + "/tests/unit"]
+from rl.exchange import shard_reader as rd
 from rl.exchange import shards
 from rl.exchange.publisher import WeightPublisher
 from test_weight_publish import moe_state, split_like_ep
@@ -143,9 +145,9 @@ def test_a_worker_reads_and_verifies_only_the_experts_it_serves(tmp_path):
     pub.publish(1, sd)
     w = exchange.step_dir(tmp_path, "weights", 1)
     served = {f"model.layers.{i}.mlp.experts": range(2, 4) for i in range(2)}
-    select = shards.expert_selector(served)
-    verified = shards.VerifiedOnNode(tmp_path / "node" / "verified-1.txt")
-    r = shards.ShardReader(w)
+    select = rd.expert_selector(served)
+    verified = rd.VerifiedOnNode(tmp_path / "node" / "verified-1.txt")
+    r = rd.ShardReader(w)
     got = dict(r.tensors(select, dequantize=False, verified=verified))
     experts = {n.split(".experts.")[1].split(".")[0] for n in got if ".experts." in n}
     assert experts == {"2", "3"}
@@ -155,11 +157,11 @@ def test_a_worker_reads_and_verifies_only_the_experts_it_serves(tmp_path):
     assert r.stats.bytes_hashed == need and r.stats.bytes_read / need <= 1.1  # + the file header
     total = sum(f.stat().st_size for f in w.glob("*.safetensors"))
     assert need < 0.6 * total
-    again = shards.ShardReader(w)  # another engine on the node: same tensors, hashed by nobody again
+    again = rd.ShardReader(w)  # another engine on the node: same tensors, hashed by nobody again
     assert {n for n, _ in again.tensors(select, dequantize=False, verified=verified)} == set(got)
     assert again.stats.bytes_hashed == 0
     # dequantized reads give what the trainer quantized
-    full = dict(shards.ShardReader(w).tensors())
+    full = dict(rd.ShardReader(w).tensors())
     from rl import fp8
     q, s = fp8.quantize_block(sd["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(full["model.layers.0.self_attn.q_proj.weight"], fp8.dequantize_block(q, s))
@@ -173,31 +175,31 @@ def test_a_flipped_byte_is_caught_in_the_tensor_it_hits_and_nowhere_else(tmp_pat
     victim = "model.layers.1.mlp.experts.6.down_proj.weight"
     path = w / index[victim]
     with open(path, "rb") as fh:
-        _, head, start = shards._read_header(fh.fileno(), path)
+        _, head, start = rd._read_header(fh.fileno(), path)
     lo, _ = head[victim]["data_offsets"]
     data = bytearray(path.read_bytes())
     data[start + lo + 7] ^= 0x10
     path.write_bytes(bytes(data))
-    others = shards.expert_selector({f"model.layers.{i}.mlp.experts": range(0, 4) for i in range(2)})
-    assert len(dict(shards.ShardReader(w).tensors(others, dequantize=False))) > 0  # not read: not noticed
+    others = rd.expert_selector({f"model.layers.{i}.mlp.experts": range(0, 4) for i in range(2)})
+    assert len(dict(rd.ShardReader(w).tensors(others, dequantize=False))) > 0  # not read: not noticed
     with pytest.raises(exchange.CorruptStep, match=victim.replace(".", r"\.")):
-        list(shards.ShardReader(w).tensors(dequantize=False))
+        list(rd.ShardReader(w).tensors(dequantize=False))
 
 
 def test_a_republished_step_of_the_same_number_is_verified_again(tmp_path):
     """A node's verified-tensors record is keyed by digest too: another step_N (a resume discarded and
     republished it) with a damaged tensor is caught although the name was verified before."""
-    verified = shards.VerifiedOnNode(tmp_path / "node" / "step_000005.txt")
+    verified = rd.VerifiedOnNode(tmp_path / "node" / "step_000005.txt")
     for seed, run in ((0, tmp_path / "a"), (1, tmp_path / "b")):
         WeightPublisher(run, background=False).publish(5, moe_state(seed=seed))
     a, b = (exchange.step_dir(tmp_path / r, "weights", 5) for r in ("a", "b"))
-    assert len(dict(shards.ShardReader(a).tensors(dequantize=False, verified=verified))) > 0
+    assert len(dict(rd.ShardReader(a).tensors(dequantize=False, verified=verified))) > 0
     shard = sorted(b.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(exchange.CorruptStep):
-        list(shards.ShardReader(b).tensors(dequantize=False, verified=verified))
+        list(rd.ShardReader(b).tensors(dequantize=False, verified=verified))
 
 
 def _ranks_publish(rank, world, port, run, sd):
@@ -287,7 +289,7 @@ def test_deltas_rebuild_every_version_bit_exactly_and_are_small(tmp_path):
         for d in ("delta", "two"):
             got, _ = deltas.stored_tensors(step[d][v])
             assert {n: bytes(shards._bytes(t)) for n, t in got.items()} == want, (d, v)
-        ref = dict(shards.ShardReader(step["full"][v]).tensors(dtype=torch.float32))
+        ref = dict(rd.ShardReader(step["full"][v]).tensors(dtype=torch.float32))
         assert all(torch.equal(ref[n], t) for n, t in wire_iter(step["delta"][v]))
     # an inference worker's own copy of the base rebuilds the same; a wrong base is caught
     base, _ = deltas.stored_tensors(step["delta"][1])
@@ -297,7 +299,7 @@ def test_deltas_rebuild_every_version_bit_exactly_and_are_small(tmp_path):
     with pytest.raises(exchange.CorruptStep, match="rebuilt"):
         deltas.stored_tensors(step["delta"][2], cache=(1, wrong))
     with pytest.raises(shards.NeedsBase):
-        list(shards.ShardReader(step["delta"][4]).tensors(dequantize=False))
+        list(rd.ShardReader(step["delta"][4]).tensors(dequantize=False))
     # retention keeps what a kept delta is rebuilt from
     assert exchange.prune(tmp_path / "delta", "weights", 1) == [0, 1, 2]
     assert exchange.list_steps(tmp_path / "delta", "weights") == [3, 4]
@@ -315,11 +317,11 @@ def test_a_damaged_delta_is_refused(tmp_path):
     for v, sd in enumerate(vs):
         pub.publish(v, sd)
     d1 = exchange.step_dir(tmp_path, "weights", 1)
-    r = shards.ShardReader(d1)
+    r = rd.ShardReader(d1)
     name = next(iter(r.sparse))
     path = d1 / r.index["weight_map"][name]
     with open(path, "rb") as f:
-        _, head, start = shards._read_header(f.fileno(), path)
+        _, head, start = rd._read_header(f.fileno(), path)
     lo, hi = head[name + shards.VAL]["data_offsets"]
     assert hi > lo
     data = bytearray(path.read_bytes())

@@ -1,0 +1,273 @@
+"""Reading published weight shards in parts, each tensor verified on its own (the writer: rl.exchange.shards).
+
+`ShardReader` reads only the tensors a worker selects (an expert-parallel rank: its experts) with
+positioned reads of exactly their bytes, and checks each against its digest in `checksums.json`: the
+bytes verified are the bytes read, no more. Digests of tensors already verified on the node can be
+skipped (`VerifiedOnNode`). Shard files keep no file-level sha256 in the manifest (hashing a whole file
+would mean reading it whole); the manifest still covers their sizes and hashes the small files,
+checksums.json included, so a reader that trusts the manifest trusts the digests. A delta step
+(rl.exchange.deltas) is read against the stored tensors of its base.
+
+A weights directory written before checksums.json existed (a run directory from an older version) has
+file-level sha256 in its manifest instead; `ShardReader` then verifies whole files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from rl import exchange, fp8
+from rl.exchange.shards import (CHECKSUMS, DELTA, FP8_META, IDX, INDEX, SCALE_SUFFIX, VAL, NeedsBase,
+                                _DTYPES, _bytes)
+
+
+@dataclass
+class ReadStats:
+    bytes_read: int = 0        # tensor data and headers read from the shard files
+    bytes_needed: int = 0      # data of the tensors selected
+    bytes_hashed: int = 0
+    tensors: int = 0
+    files: set = field(default_factory=set)
+
+
+class VerifiedOnNode:
+    """Which tensors some process on this node has verified already (an append-only file of keys in
+    node-local storage). Engines on the node share it, so a tensor read by several engines is hashed by
+    the first only; the others read it from the page cache the first one filled. A key names the file,
+    the tensor and the digest it was checked against, so a different step that reuses the step number
+    (a resume that discarded and republished it) never matches an old entry."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._seen: set[str] = set()
+        self._offset = 0
+        self._refresh()
+
+    def _refresh(self) -> None:  # read only what was appended since the last look
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                tail = f.read()
+        except FileNotFoundError:
+            return
+        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended is read next time
+        self._offset += len(complete)
+        self._seen.update(complete.decode().split())
+
+    def __contains__(self, key: str) -> bool:
+        if key not in self._seen:
+            self._refresh()
+        return key in self._seen
+
+    def add(self, keys: Iterable[str]) -> None:
+        lines = "".join(k + "\n" for k in keys)
+        if lines:  # one O_APPEND write: lines of concurrent writers never interleave
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, lines.encode())
+            finally:
+                os.close(fd)
+            self._seen.update(lines.split())
+
+
+def _read_header(fd: int, path: Path) -> tuple[bytes, dict, int]:
+    raw = os.pread(fd, 8, 0)
+    if len(raw) != 8:
+        raise exchange.CorruptStep(f"{path}: shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > 100 << 20:
+        raise exchange.CorruptStep(f"{path}: header length {n} is not plausible")
+    body = os.pread(fd, n, 8)
+    try:
+        head = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise exchange.CorruptStep(f"{path}: header is not JSON ({e})") from None
+    return raw + body, head, 8 + n
+
+
+class ShardReader:
+    """The tensors of one published weights directory, read selectively and verified as they are read."""
+
+    def __init__(self, weights_dir: Path, *, verify: bool = True):
+        self.dir = Path(weights_dir)
+        self.verify = verify
+        self.meta = json.loads((self.dir / FP8_META).read_text())
+        self.index = json.loads((self.dir / INDEX).read_text())
+        self.quantized = set(self.meta["quantized"])
+        self.block = int(self.meta["block"])
+        self.stats = ReadStats()
+        ck = self.dir / CHECKSUMS
+        self.digests = json.loads(ck.read_text()) if ck.exists() else None
+        self.sparse: dict = (self.digests or {}).get("sparse", {})
+        self.delta = json.loads((self.dir / DELTA).read_text()) if (self.dir / DELTA).exists() else None
+        if verify:
+            manifest = exchange.verify(self.dir, checksums=False)
+            for rel in (CHECKSUMS, INDEX, FP8_META, DELTA):  # small: hashed whole against the manifest
+                info = manifest["files"].get(rel)
+                if info is None and rel in (CHECKSUMS, DELTA) and not (self.dir / rel).exists():
+                    continue
+                if info is None or exchange.sha256_file(self.dir / rel) != info.get("sha256"):
+                    raise exchange.CorruptStep(f"{self.dir / rel}: does not match the manifest")
+            if self.digests is None:  # an older directory: whole files, against the manifest
+                for fname in dict.fromkeys(self.index["weight_map"].values()):
+                    info = manifest["files"].get(fname, {})
+                    if exchange.sha256_file(self.dir / fname) != info.get("sha256"):
+                        raise exchange.CorruptStep(f"{self.dir / fname}: sha256 does not match the manifest")
+                    self.stats.bytes_hashed += info.get("size", 0)
+
+    def names(self) -> list[str]:
+        """HF names of the stored weights (scales of FP8 weights not listed)."""
+        return [n for n in self.index["weight_map"]
+                if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self.quantized)]
+
+    def needed_bytes(self, select: Callable[[str], bool] | None = None) -> int:
+        """Bytes of the tensors `select` picks (with their scales), from the file headers."""
+        total = 0
+        for fname, names in self._by_file(select).items():
+            with open(self.dir / fname, "rb") as f:
+                _, head, _ = _read_header(f.fileno(), self.dir / fname)
+            for n in names:
+                for e in ((n + IDX, n + VAL) if n in self.sparse else (n,)):
+                    total += head[e]["data_offsets"][1] - head[e]["data_offsets"][0]
+        return total
+
+    def _by_file(self, select) -> dict[str, list[str]]:
+        files: dict[str, list[str]] = {}
+        for name in self.names():
+            if select is None or select(name):
+                files.setdefault(self.index["weight_map"][name], []).append(name)
+                if name in self.quantized:
+                    s = name + SCALE_SUFFIX
+                    files.setdefault(self.index["weight_map"][s], []).append(s)
+        return files
+
+    def _read(self, fd: int, path: Path, head: dict, start: int, name: str,
+              verified: VerifiedOnNode | None, done: list[str]) -> torch.Tensor:
+        info = head.get(name)
+        if info is None:
+            raise exchange.CorruptStep(f"{path}: {name} is in the index but not in the file")
+        lo, hi = info["data_offsets"]
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        got = os.preadv(fd, [_bytes(buf)], start + lo) if hi > lo else 0
+        if got != hi - lo:
+            raise exchange.CorruptStep(f"{path}: {name} truncated ({got} of {hi - lo} bytes)")
+        self.stats.bytes_read += got
+        self.stats.bytes_needed += got
+        if self.verify and self.digests is not None:
+            want = self.digests["tensors"].get(name)
+            key = f"{path.name}:{name}:{want}"
+            if verified is None or key not in verified:
+                if want is None or hashlib.sha256(_bytes(buf)).hexdigest() != want:
+                    raise exchange.CorruptStep(f"{path}: {name} does not match its sha256 in {CHECKSUMS}")
+                self.stats.bytes_hashed += got
+                done.append(key)
+        dtype = _DTYPES[info["dtype"]]
+        return buf.view(dtype).view(info["shape"]) if info["shape"] else buf.view(dtype).reshape(())
+
+    def _stored(self, fd: int, path: Path, head: dict, start: int, name: str,
+                verified: VerifiedOnNode | None, done: list[str], base, verify_rebuilt: bool) -> torch.Tensor:
+        if name not in self.sparse:
+            return self._read(fd, path, head, start, name, verified, done)
+        idx = self._read(fd, path, head, start, name + IDX, verified, done)
+        val = self._read(fd, path, head, start, name + VAL, verified, done)
+        if base is None or name not in base:
+            raise NeedsBase(f"{self.dir}: {name} is a delta against version {(self.delta or {}).get('base')}")
+        info = self.sparse[name]
+        dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        from rl.exchange.deltas import rebuild
+        out = rebuild(base[name], idx, val, n)
+        if self.verify and verify_rebuilt and hashlib.sha256(_bytes(out)).hexdigest() != \
+                self.digests["tensors"].get(name):
+            raise exchange.CorruptStep(f"{path}: {name} rebuilt from its base does not match its sha256")
+        return out.view(dtype).view(shape) if shape else out.view(dtype).reshape(())
+
+    def tensors(self, select: Callable[[str], bool] | None = None, *, dequantize: bool = True,
+                dtype: torch.dtype | None = None, verified: VerifiedOnNode | None = None,
+                base: Mapping[str, torch.Tensor] | None = None, verify_rebuilt: bool = True
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) for the selected weights, file by file in storage order.
+
+        With `dequantize`, FP8 weights come back as `dtype` (float32 by default) and their scales are
+        not yielded; otherwise both are yielded as stored. A tensor whose bytes do not match its digest
+        raises CorruptStep before it is yielded. In a delta step a sparse tensor is rebuilt from `base`
+        (the stored tensors of the version it applies to; NeedsBase without) and checked against its
+        digest as rebuilt (`verify_rebuilt`; rl.exchange.deltas.stored_tensors resolves the chain)."""
+        for fname, names in self._by_file(select).items():
+            path = self.dir / fname
+            fd = os.open(path, os.O_RDONLY)
+            done: list[str] = []
+            try:
+                head_bytes, head, start = _read_header(fd, path)
+                self.stats.bytes_read += len(head_bytes)
+                self.stats.files.add(fname)
+                if self.verify and self.digests is not None:
+                    if hashlib.sha256(head_bytes).hexdigest() != self.digests["headers"].get(fname):
+                        raise exchange.CorruptStep(f"{path}: header does not match {CHECKSUMS}")
+                order = sorted(names, key=lambda n: head.get(n if n not in self.sparse else n + IDX,
+                                                              {}).get("data_offsets", [0])[0])
+                held: dict[str, torch.Tensor] = {}
+                for name in order:
+                    t = self._stored(fd, path, head, start, name, verified, done, base, verify_rebuilt)
+                    self.stats.tensors += 1
+                    weight = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+                    if weight is not None and weight in self.quantized:
+                        if not dequantize:
+                            yield name, t
+                        elif weight in held:
+                            yield weight, fp8.dequantize_block(held.pop(weight), t, dtype or torch.float32,
+                                                               self.block)
+                        continue
+                    if name in self.quantized and dequantize:
+                        held[name] = t  # its scale follows in the same file
+                        continue
+                    if dtype is not None and dequantize:
+                        t = t.to(dtype)
+                    yield name, t
+                if held:
+                    raise exchange.CorruptStep(f"{path}: no scale for {sorted(held)[0]}")
+            finally:
+                os.close(fd)
+            if verified is not None:
+                verified.add(done)
+
+
+def dequantize_stream(items: Iterable[tuple[str, torch.Tensor]], quantized: set[str], block: int,
+                      dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stored (name, tensor) pairs, scales included, as `tensors(dequantize=True)` would yield them:
+    for a caller that held the wire form (verified) and converts one tensor at a time."""
+    held: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+        if base is not None and base in quantized:
+            yield base, fp8.dequantize_block(held.pop(base), t, dtype or torch.float32, block)
+        elif name in quantized:
+            held[name] = t
+        else:
+            yield name, t if dtype is None else t.to(dtype)
+    if held:
+        raise exchange.CorruptStep(f"no scale for {sorted(held)[0]}")
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")
+
+
+def expert_selector(served: Mapping[str, set[int] | range]) -> Callable[[str], bool]:
+    """Select everything except the routed experts a worker does not serve: `served` maps an experts
+    module prefix (`model.layers.3.mlp.experts`) to the expert ids the worker holds; experts of layers not
+    in `served` are all selected."""
+    def select(name: str) -> bool:
+        m = _EXPERT.match(name)
+        if m is None or m.group(1) not in served:
+            return True
+        return int(m.group(2)) in served[m.group(1)]
+    return select
