@@ -179,6 +179,13 @@ class OrchestratorConfig:
     max_rollout_tokens: Optional[int] = None   # prompt + turns + observations; None = inference.max_model_len
     rollout_timeout_s: Optional[float] = None  # wall time of one rollout; None = no limit
     env_concurrency: int = 8                   # environment calls (tool runs, grading) at once
+    # How rollouts are scheduled (rl/orchestrator/pool.py): `continuous` keeps up to max_inflight groups
+    # generating whatever the batch boundaries and forms batch n from finished groups as soon as
+    # prompts_per_step of them are within max_off_policy of n; `batch` samples batch n's groups together
+    # and waits for all of them (one straggler holds the step).
+    schedule: str = "continuous"
+    max_inflight: Optional[int] = None         # groups in flight; None = prompts_per_step * (max_off_policy + 1)
+    drain_timeout_s: float = 30.0              # at max_steps or a stop: in-flight work cancelled within this
 
 
 @dataclass
@@ -188,6 +195,13 @@ class DigitsConfig:
     # The warm start's noisy teacher is right on each digit with this probability: 0.5 leaves the tiny
     # model at a reward of about 0.3 after 150 warm-start steps, the rest is RL's work.
     warm_start_accuracy: float = 0.5
+    # Grading latency per prompt (a test suite's run time), for studying asynchrony: lognormal with this
+    # median and sigma, and with probability outlier_prob a prompt takes outlier_factor times as long.
+    # Drawn with the prompt, so a prompt is as slow every time it is played. 0 = grading is instant.
+    latency_median_s: float = 0.0
+    latency_sigma: float = 0.5
+    latency_outlier_prob: float = 0.0
+    latency_outlier_factor: float = 30.0
 
 
 @dataclass
@@ -415,6 +429,15 @@ def validate(cfg: DictConfig | dict) -> None:
     need(o.rollout_timeout_s is None or o.rollout_timeout_s > 0, "orchestrator.rollout_timeout_s",
          "must be positive (or null for no limit)")
     need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")
+    need(o.schedule in ("continuous", "batch"), "orchestrator.schedule", "must be continuous or batch")
+    need(o.max_inflight is None or o.max_inflight >= 1, "orchestrator.max_inflight",
+         "must be at least 1 group (or null for prompts_per_step * (max_off_policy + 1))")
+    need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
+    dg = cfg.env.digits
+    need(dg.latency_median_s >= 0, "env.digits.latency_median_s", "must be >= 0")
+    need(dg.latency_sigma >= 0, "env.digits.latency_sigma", "must be >= 0")
+    need(0 <= dg.latency_outlier_prob <= 1, "env.digits.latency_outlier_prob", "must be in [0, 1]")
+    need(dg.latency_outlier_factor >= 1, "env.digits.latency_outlier_factor", "must be >= 1")
     need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
     e = cfg.env
     need(e.name in ("digits", "swe") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),

@@ -8,6 +8,8 @@ half-formed and RL has to do the rest: the reward curve is the RL's own work, no
 """
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 from typing import Any
 
@@ -23,9 +25,21 @@ class DigitsEnv:
         self.warm_start_accuracy = float(digits_cfg.warm_start_accuracy)
         if self.n_digits < 1:
             raise ValueError(f"env.digits.n_digits={self.n_digits}: must be at least 1")
+        self.latency_median_s = float(digits_cfg.latency_median_s)
+        self.latency_sigma = float(digits_cfg.latency_sigma)
+        self.latency_outlier_prob = float(digits_cfg.latency_outlier_prob)
+        self.latency_outlier_factor = float(digits_cfg.latency_outlier_factor)
 
     def sample_tasks(self, n: int, rng: random.Random) -> list[dict]:
-        return [{"digits": [rng.randrange(10) for _ in range(self.n_digits)]} for _ in range(n)]
+        out = []
+        for _ in range(n):
+            task = {"digits": [rng.randrange(10) for _ in range(self.n_digits)]}
+            if self.latency_median_s > 0:
+                s = self.latency_median_s * math.exp(rng.gauss(0.0, self.latency_sigma))
+                task["latency_s"] = s * (self.latency_outlier_factor if rng.random() < self.latency_outlier_prob
+                                         else 1.0)
+            out.append(task)
+        return out
 
     def prompt(self, task: dict) -> list[dict]:
         return [{"role": "user", "content": PROMPT.format(" ".join(map(str, task["digits"])))}]
@@ -35,6 +49,12 @@ class DigitsEnv:
         target = [str(d) for d in task["digits"]]
         hits = sum(a == t for a, t in zip(answer, target))
         return hits / max(len(target), len(answer))
+
+    async def ascore(self, task: dict, completion: str) -> float:
+        """`score` after the prompt's grading latency (env.digits.latency_*): what the orchestrator awaits."""
+        if task.get("latency_s"):
+            await asyncio.sleep(task["latency_s"])
+        return self.score(task, completion)
 
     def sft_examples(self, n: int, rng: random.Random, tokenizer) -> list[tuple[list[int], list[int]]]:
         out = []

@@ -565,7 +565,9 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
             exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
                  publish_background_s=tr._pub.last_write_s if tr._pub is not None else 0.0,
-                 wait_s=t0 - t_wait, policy_version=n + 1)
+                 wait_s=t0 - t_wait, policy_version=n + 1,
+                 # the share of this step's wall time spent waiting for its rollout batch
+                 idle_fraction=(t0 - t_wait) / max(time.monotonic() - t_wait, 1e-9), time=time.time())
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if main:
