@@ -40,6 +40,7 @@ from rl.contract.records import ServerRecord
 from rl.runtime import StopFlag, is_done, load_plan, log, resume_state
 
 ROLE = "orchestrator"
+RELOAD_RETRIES = 3
 
 
 def _load_tokenizer(run_dir: Path):
@@ -90,6 +91,8 @@ class Orchestrator:
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
         self._workers: list[int] = []
         self.idle = IdleClock()
+        self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
+        self.reload_backoff_s = 1.0
 
     # --- weights -------------------------------------------------------------------------------
     def _reports(self, index: int) -> Path:
@@ -119,16 +122,39 @@ class Orchestrator:
         log(ROLE, f"servers now on policy version {version} ({dt * 1000:.0f} ms, {len(in_flight)} requests in flight)")
 
     async def _weight_watcher(self) -> None:
+        """Load every new version into the servers. A failed reload is retried (with backoff) up to
+        RELOAD_RETRIES times; then the watcher fails, and with it the role (check_watcher), so the job
+        ends and can be requeued instead of waiting forever for a version that never loads."""
+        failures = 0
         while not self.stop.is_set():
             latest = exchange.latest_complete(self.run_dir, paths.WEIGHTS)
             if latest is not None and latest > self.tracker.version:
-                await self._update_to(latest)
+                try:
+                    await self._update_to(latest)
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - retried, then re-raised with what was tried
+                    failures += 1
+                    if failures > RELOAD_RETRIES:
+                        raise RuntimeError(f"weights/step_{latest:06d}: loading into the servers failed "
+                                           f"{failures} times; last error: {type(e).__name__}: {e}") from e
+                    wait = self.reload_backoff_s * 2 ** (failures - 1)
+                    log(ROLE, f"weights/step_{latest:06d}: reload failed ({type(e).__name__}: {e}); "
+                              f"retry {failures}/{RELOAD_RETRIES} in {wait:.0f} s")
+                    await asyncio.sleep(wait)
+                    continue
             await asyncio.sleep(0.1)
+
+    def check_watcher(self) -> None:
+        """Raise the weight watcher's error, if it failed: nothing can progress without new weights."""
+        w = self.watcher
+        if w is not None and w.done() and not w.cancelled() and w.exception() is not None:
+            raise w.exception()
 
     async def _wait_version(self, need: int) -> bool:
         while self.tracker.version < need:
             if self.stop.is_set():
                 return False
+            self.check_watcher()
             await asyncio.sleep(0.05)
         return True
 
@@ -280,6 +306,9 @@ class Orchestrator:
             build = asyncio.create_task(self.build_batch(step))
             while not build.done():  # a stop or DONE cancels the batch being sampled (bounded drain)
                 await asyncio.wait([build], timeout=0.5)
+                if self.watcher is not None and self.watcher.done() and not build.done():
+                    build.cancel()
+                    self.check_watcher()
                 if not build.done() and (self.stop.is_set() or is_done(self.run_dir)):
                     build.cancel()
                     await asyncio.wait([build], timeout=float(self.o.drain_timeout_s))
@@ -324,7 +353,7 @@ class Orchestrator:
         max_steps = cfg.trainer.max_steps
         log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; building batches "
                   f"{first}..{max_steps - 1} (those not yet published)")
-        watcher = asyncio.create_task(self._weight_watcher())
+        watcher = self.watcher = asyncio.create_task(self._weight_watcher())
         try:
             if self.o.schedule == "continuous":
                 pool = ContinuousPool(self, first, max_steps, resume_state(self.run_dir).restart)

@@ -344,6 +344,7 @@ class ContinuousPool:
                     continue
                 if self.error is not None:
                     raise self.error
+                orch.check_watcher()
                 self._drop_stale(n)
                 self._fill(n)
                 groups = self._take(n)

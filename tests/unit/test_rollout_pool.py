@@ -172,3 +172,38 @@ def test_resume_order_reads_the_log_and_the_surviving_batches(tmp_path):
     with open(d / "groups.jsonl", "a") as f:
         f.write('{"event": "drop", "group": 6')  # torn: group 6 was never dropped
     assert resume_order(tmp_path) == ([6, 7, 8, 9], 10)
+
+
+class _FlakyServer:
+    """Stands in for one server's reload endpoint: fails the first `failures` reloads."""
+
+    def __init__(self, failures):
+        self.failures, self.calls = failures, 0
+
+    async def update_weights(self, path, version, **kw):
+        from rl.orchestrator.client import InferenceError
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise InferenceError(f"http://server:0: worker dp0000-rank0000 refused {path}")
+        return {"in_flight": {}}
+
+
+@pytest.mark.parametrize("failures,fails", [(2, False), (4, True)])
+def test_a_failed_reload_is_retried_then_fails_the_role_instead_of_hanging(tmp_path, failures, fails):
+    from rl.orchestrator import loop
+    orch = _orchestrator(tmp_path)
+    orch.clients, orch.reload_backoff_s = [_FlakyServer(failures)], 0.01
+    exchange.publish(tmp_path, "weights", 1, lambda d: (d / "x").write_text("w"), producer="test")
+
+    async def go():
+        orch.watcher = asyncio.create_task(orch._weight_watcher())
+        try:
+            return await asyncio.wait_for(orch._wait_version(1), 20)
+        finally:
+            orch.watcher.cancel()
+    if fails:
+        with pytest.raises(RuntimeError, match=rf"weights/step_000001: loading into the servers failed "
+                                               rf"{loop.RELOAD_RETRIES + 1} times; last error: InferenceError"):
+            asyncio.run(go())
+    else:
+        assert asyncio.run(go()) and orch.tracker.version == 1 and orch.clients[0].calls == failures + 1
