@@ -16,6 +16,7 @@ Nothing here imports torch: the launcher and the tests use it freely.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -171,7 +172,13 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             os.rename(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                return Published(final, step, read_manifest(final))
         _fsync_path(base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

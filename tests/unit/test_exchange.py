@@ -1,6 +1,7 @@
 """The run-directory protocol: atomic publish, verification, corruption, retention, consumption."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,25 @@ def test_existing_step_is_not_overwritten_unless_asked(tmp_path):
     assert (tmp_path / "rollouts" / "step_000001" / "f").read_bytes() == b"old"
     exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"new"}), producer="t", overwrite=True)
     assert (tmp_path / "rollouts" / "step_000001" / "f").read_bytes() == b"new"
+    exchange.verify(tmp_path / "rollouts" / "step_000001")
+
+
+def test_a_step_published_between_the_check_and_the_rename_is_kept(tmp_path, monkeypatch):
+    """Two producers race for step_N (a zombie of an earlier incarnation and its successor): the other
+    one renames its step into place just after this one checked that there was none. This one's rename
+    must not replace it: its tmp is dropped and the other's step is returned, nothing half-written."""
+    real_rename, raced = os.rename, []
+
+    def rename(src, dst):
+        if not raced and Path(dst).name == "step_000001":
+            raced.append(1)
+            exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"first"}), producer="other")
+        return real_rename(src, dst)
+    monkeypatch.setattr(exchange.os, "rename", rename)
+    got = exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"second"}), producer="t")
+    assert raced and (tmp_path / "rollouts" / "step_000001" / "f").read_bytes() == b"first"
+    assert got.manifest["producer"] == "other"
+    assert not list((tmp_path / "rollouts").glob("*.tmp-*"))
     exchange.verify(tmp_path / "rollouts" / "step_000001")
 
 
