@@ -44,6 +44,21 @@ def modes(k: int) -> dict[str, list[str]]:
             "continuous": ["orchestrator.schedule=continuous", f"orchestrator.max_off_policy={k}"]}
 
 
+def token_lags(run_dir: Path) -> dict[int, int]:
+    """{lag: trained tokens} over the run's batches: step - the version that generated each token."""
+    import numpy as np
+
+    from rl import exchange
+    from rl.contract.batch import RolloutBatch
+    out: dict[int, int] = {}
+    for n in exchange.list_steps(run_dir, "rollouts"):
+        b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", n))
+        lags = n - b.versions[(b.loss_mask > 0) & (b.versions >= 0)]
+        for lag, c in zip(*np.unique(lags, return_counts=True)):
+            out[int(lag)] = out.get(int(lag), 0) + int(c)
+    return out
+
+
 def run_mode(name: str, overrides: list[str], run_dir: Path) -> dict:
     from rl.metrics import read_metrics
     from rl.orchestrator.pool import GroupLog
@@ -75,7 +90,7 @@ def run_mode(name: str, overrides: list[str], run_dir: Path) -> dict:
             "inference_idle": sum(o(m, "inference_idle_fraction") * o(m, "gen_s") for m in ms[1:]) / max(gen, 1e-9),
             "lag_mean": statistics.fmean(lags), "lag_max": max(int(o(m, "lag_max")) for m in ms),
             "dropped_fraction": drop_frac, "reward_first": statistics.fmean(rewards[:third]),
-            "reward_last": statistics.fmean(rewards[-third:]), "rewards": rewards,
+            "reward_last": statistics.fmean(rewards[-third:]), "rewards": rewards, "lags": token_lags(run_dir),
             "wall_s": time.monotonic() - t0}
 
 
@@ -103,13 +118,18 @@ def main(argv=None) -> int:
                       f"{res['lag_max']}  dropped {res['dropped_fraction']:5.1%}  reward "
                       f"{res['reward_first']:.3f} -> {res['reward_last']:.3f}  ({res['wall_s']:.0f} s)", flush=True)
                 print(f"{'':10s} reward curve {' '.join(f'{x:.2f}' for x in res['rewards'])}", flush=True)
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "rewards"} for m, rs in results.items()}
+                total = sum(res["lags"].values())
+                print(f"{'':10s} trained tokens by lag "
+                      + "  ".join(f"{lag}: {c / total:.1%}" for lag, c in sorted(res["lags"].items())), flush=True)
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("rewards", "lags")}
+           for m, rs in results.items()}
     c = med["continuous"]
     print(" ".join([
         f"continuous_vs_sync={c['steps_per_hour'] / med['sync']['steps_per_hour']:.3f}",
         f"continuous_vs_batch={c['steps_per_hour'] / med['batch']['steps_per_hour']:.3f}",
         f"trainer_idle={c['trainer_idle']:.4f}",
-        f"max_trained_lag={max(int(r['lag_max']) for rs in results.values() for r in rs)}",
+        # from the trained tokens themselves (the batch files' per-token versions), every mode
+        f"max_trained_lag={max(max(r['lags'], default=0) for rs in results.values() for r in rs)}",
         f"max_off_policy={args.max_off_policy}",
         f"reward_rise={c['reward_last'] - c['reward_first']:.4f}",
         f"dropped_fraction={c['dropped_fraction']:.4f}",
