@@ -11,6 +11,7 @@ every role acts on the same one. No torch.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rl import exchange
@@ -35,7 +36,7 @@ def prepare(run_dir: str | Path) -> ResumeState:
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
     prev = read_optional(ResumeState, paths.resume_file(run_dir))
     state = ResumeState(checkpoint_step=ckpt, restart=prev.restart + 1 if prev else 0,
-                        discarded=discarded, cleaned_tmp=cleaned)
+                        discarded=discarded, cleaned_tmp=cleaned, time=time.time())
     state.write(run_dir)
     if _more_steps_wanted(run_dir, ckpt):
         paths.done_file(run_dir).unlink(missing_ok=True)

@@ -21,7 +21,7 @@ from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import ResumeState, RoleRecord
-from rl.exchange import atomic_write_json
+from rl.exchange import atomic_write_json, fence
 
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
 
@@ -74,7 +74,9 @@ class StopFlag:
 
 
 def record_role(run_dir: str | os.PathLike, role: str, **extra) -> None:
-    """Where this role runs: host, pid, Slurm ids (rl.contract.records.RoleRecord)."""
+    """Where this role runs: host, pid, Slurm ids (rl.contract.records.RoleRecord). Also fences this
+    process's publishing to the incarnation rl.prepare started (rl.exchange.fence)."""
+    fence(run_dir, resume_state(run_dir).restart)
     RoleRecord.here(role, **extra).write(run_dir)
 
 

@@ -57,6 +57,7 @@ class ResumeState:
     restart: int = 0
     discarded: dict = field(default_factory=dict)
     cleaned_tmp: list = field(default_factory=list)
+    time: float = 0.0          # when prepare started this incarnation (steps of older ones after it are stale)
 
     @classmethod
     def read(cls, run_dir) -> "ResumeState":

@@ -37,6 +37,42 @@ class CorruptStep(RuntimeError):
     """A published step whose files do not match its manifest."""
 
 
+class Fenced(RuntimeError):
+    """A process of an earlier incarnation of the run tried to publish after a newer one started."""
+
+
+# Run directories this process publishes into as a role of one incarnation: {resolved run dir: epoch}
+_FENCES: dict[str, int] = {}
+RESUME = "resume.json"  # rl.contract.paths.RESUME: rl.prepare's record of the incarnation
+
+
+def _incarnation(run_dir: Path) -> tuple[int, float] | None:
+    """(restart count, the time rl.prepare started it) of the run's newest incarnation, if recorded."""
+    try:
+        r = json.loads((Path(run_dir) / RESUME).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return int(r.get("restart", 0)), float(r.get("time", 0.0))
+
+
+def fence(run_dir: str | os.PathLike, epoch: int) -> None:
+    """From now on this process publishes into `run_dir` as incarnation `epoch` (its restart count): a
+    publish after a newer incarnation started is refused, and its steps carry the epoch, so readers can
+    tell a stale process's late step from the steps rl.prepare kept. Roles call it once, at start."""
+    _FENCES[str(Path(run_dir).resolve())] = int(epoch)
+
+
+def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None:
+    mine = _FENCES.get(str(Path(run_dir).resolve()))
+    if mine is None:
+        return None
+    now = _incarnation(Path(run_dir))
+    if now is not None and now[0] > mine:
+        raise Fenced(f"{kind}/{step_name(step)}: refused: this process belongs to incarnation {mine} of "
+                     f"{run_dir}, and incarnation {now[0]} has started since ({RESUME})")
+    return mine
+
+
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
@@ -156,13 +192,15 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
         if missing := sorted(set(known) - set(files)):
             raise ValueError(f"{kind}/{step_name(step)}: {len(missing)} recorded file(s) missing, "
                              f"first {missing[0]}")
+        epoch = _check_fence(run_dir, kind, step)
         manifest = {
             "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
             "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
-            "meta": meta or {},
+            "meta": meta or {}, **({"epoch": epoch} if epoch is not None else {}),
         }
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_path(tmp)
+        _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
         if final.exists():
             if not overwrite:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -200,6 +238,12 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
     """Check every file of a published step against its manifest; return the manifest or raise CorruptStep."""
     path = Path(path)
     manifest = read_manifest(path)
+    epoch = manifest.get("epoch")
+    if epoch is not None and (now := _incarnation(path.parent.parent)) is not None:
+        if epoch < now[0] and now[1] > 0 and manifest.get("time", 0.0) > now[1]:
+            # published by an earlier incarnation after rl.prepare started a newer one: a stale process
+            raise CorruptStep(f"{path}: published by incarnation {epoch} after incarnation {now[0]} "
+                              f"started (a stale process's step)")
     for rel, info in manifest["files"].items():
         f = path / rel
         if not f.is_file():

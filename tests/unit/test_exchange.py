@@ -136,3 +136,35 @@ def test_atomic_write_json(tmp_path):
     exchange.atomic_write_json(tmp_path / "a" / "s.json", {"x": 1})
     assert json.loads((tmp_path / "a" / "s.json").read_text()) == {"x": 1}
     assert os.listdir(tmp_path / "a") == ["s.json"]
+
+
+def _incarnation(run_dir, restart, t):
+    (run_dir / "resume.json").write_text(json.dumps({"restart": restart, "time": t}))
+
+
+def test_a_stale_incarnation_cannot_publish_and_its_late_steps_are_ignored(tmp_path, monkeypatch):
+    """Fencing: a process of incarnation 0 (a preempted job's trainer still flushing) after incarnation
+    1 started is refused before its rename, with an error naming both; readers ignore a step an older
+    incarnation managed to rename after the newer one started, and keep the ones from before it."""
+    import time as _time
+    _incarnation(tmp_path, 0, _time.time() - 10)
+    monkeypatch.setattr(exchange, "_FENCES", {})  # this test's fences only
+    exchange.fence(tmp_path, 0)
+    kept = exchange.publish(tmp_path, "weights", 1, _write({"f": b"0"}), producer="trainer")
+    assert kept.manifest["epoch"] == 0
+    _incarnation(tmp_path, 1, _time.time())   # rl.prepare of the successor
+    with pytest.raises(exchange.Fenced, match=r"^weights/step_000002: refused: this process belongs to "
+                                              r"incarnation 0 of .*, and incarnation 1 has started"):
+        exchange.publish(tmp_path, "weights", 2, _write({"f": b"zombie"}), producer="trainer")
+    assert exchange.list_steps(tmp_path, "weights") == [1] and not list((tmp_path / "weights").glob("*.tmp-*"))
+    # the successor publishes as incarnation 1
+    exchange.fence(tmp_path, 1)
+    exchange.publish(tmp_path, "weights", 2, _write({"f": b"1"}), producer="trainer")
+    # a zombie whose rename won the race: its step names epoch 0 and a time after the successor's start
+    exchange.fence(tmp_path, 0)
+    monkeypatch.setattr(exchange, "_check_fence", lambda *a: 0)
+    exchange.publish(tmp_path, "weights", 3, _write({"f": b"zombie"}), producer="trainer")
+    with pytest.raises(exchange.CorruptStep, match="published by incarnation 0 after incarnation 1 started"):
+        exchange.verify(tmp_path / "weights" / "step_000003")
+    assert exchange.latest_complete(tmp_path, "weights") == 2   # the zombie's step is skipped
+    exchange.verify(tmp_path / "weights" / "step_000001")       # incarnation 0's step from before is kept
