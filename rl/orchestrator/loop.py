@@ -32,7 +32,7 @@ from rl.orchestrator.client import SESSION as ROUTER_SESSION
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
-from rl.orchestrator.pool import ContinuousPool, IdleClock
+from rl.orchestrator.pool import ContinuousPool, IdleClock, min_version
 from rl.contract.batch import RolloutBatch, Sample, routed_per_token
 from rl.orchestrator.versions import VersionTracker
 from rl.contract import paths
@@ -52,9 +52,7 @@ def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int)
     """May this group go into batch `step`? Every policy token must come from a version >= step - k.
 
     The whole group goes or stays: its advantages are relative to each other."""
-    versions = [v for s in group for v, m in zip(s.completion_versions, s.completion_mask or
-                                                 [1] * len(s.completion_versions)) if m]
-    return not versions or min(versions) >= step - max_off_policy
+    return min_version(group, step) >= step - max_off_policy
 
 
 async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
@@ -285,7 +283,9 @@ class Orchestrator:
             meta.update(multiturn.batch_metrics(samples))
         return RolloutBatch.from_samples(samples, meta)
 
-    def log_batch(self, step: int, batch: RolloutBatch) -> None:
+    def publish_batch(self, step: int, batch: RolloutBatch) -> None:
+        exchange.publish(self.run_dir, paths.ROLLOUTS, step, batch.save, producer=ROLE,
+                         policy_version=batch.meta["version_min"], meta={"num_samples": batch.num_samples})
         m = batch.meta
         pool = (f", pool {m['pool_inflight']} in flight / {m['pool_ready']} ready, cancelled "
                 f"{m['cancelled_groups']}" if m.get("schedule") == "continuous" else "")
@@ -316,9 +316,7 @@ class Orchestrator:
             batch = build.result()
             if batch is None:
                 return
-            exchange.publish(self.run_dir, paths.ROLLOUTS, step, batch.save, producer=ROLE,
-                             policy_version=batch.meta["version_min"], meta={"num_samples": batch.num_samples})
-            self.log_batch(step, batch)
+            self.publish_batch(step, batch)
 
     def _next_missing(self, first: int, max_steps: int) -> int | None:
         have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))

@@ -177,7 +177,7 @@ class ContinuousPool:
 
     def __init__(self, orch: Any, first: int, max_steps: int, restart: int):
         self.orch, self.o = orch, orch.o
-        self.first, self.max_steps = first, max_steps
+        self.max_steps = max_steps
         self.k = int(self.o.max_off_policy)
         self.per_batch = int(self.o.prompts_per_step)
         self.max_inflight = default_max_inflight(self.o)
@@ -355,11 +355,7 @@ class ContinuousPool:
                     except asyncio.TimeoutError:
                         pass
                     continue
-                samples = [s for g in groups for s in g.samples]
-                batch = orch.finish_batch(n, [g.samples for g in groups], self._meta(n, groups))
-                exchange.publish(orch.run_dir, paths.ROLLOUTS, n, batch.save, producer=ROLE,
-                                 policy_version=batch.meta["version_min"], meta={"num_samples": len(samples)})
-                orch.log_batch(n, batch)
+                orch.publish_batch(n, orch.finish_batch(n, [g.samples for g in groups], self._meta(n, groups)))
         finally:
             if self.inflight:
                 await self.drain("stop" if orch.stop.is_set() else "drain", next_missing() or self.max_steps)
