@@ -19,16 +19,8 @@ from rl.contract.paths import METRICS as METRICS_FILE  # noqa: E402
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    p = Path(run_dir) / METRICS_FILE
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # torn last line of a killed trainer
-    return out
+    from rl.exchange.jsonl import read_jsonl  # torch-free, like this module
+    return read_jsonl(Path(run_dir) / METRICS_FILE)  # a killed trainer's torn last line is skipped
 
 
 def truncate_metrics(run_dir: str | os.PathLike, first_dropped_step: int) -> None:

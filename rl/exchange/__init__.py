@@ -12,6 +12,17 @@ never consumed.
 Consumers record what they consumed in `<kind>/consumed.jsonl` so retention never deletes a step a
 consumer still needs and a resumed consumer never takes a step twice.
 
+A manifest is data from the shared filesystem, so it is checked before it is believed: it must be a JSON
+object with a `files` mapping of relative paths confined to the step (no `..`, no absolute path, no
+symlink that resolves outside) to non-negative sizes; anything else is `CorruptStep` naming the entry,
+which every consumer already handles by skipping or setting the step aside.
+
+An overwrite (`commit(..., overwrite=True)`, the trainer re-saving a checkpoint step) renames the old
+step to `step_N.aside-<token>` before renaming the new one in. A crash between the two leaves only the
+aside; `restore_asides` (run by rl.prepare, while no producer runs) renames it back when `step_N` is
+missing and removes it otherwise. The aside name deliberately lacks `.tmp-`, so `clean_tmp` never
+deletes the only copy of a step.
+
 Nothing here imports torch: the launcher and the tests use it freely.
 """
 from __future__ import annotations
@@ -29,8 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from rl.exchange.jsonl import append_jsonl, read_jsonl
+
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+_ASIDE_RE = re.compile(r"^(step_\d{6,})\.aside-[0-9a-f]+$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CorruptStep(RuntimeError):
@@ -205,10 +220,11 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             if not overwrite:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return Published(final, step, read_manifest(final))
-            trash = base / f"{step_name(step)}.tmp-old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
+            # not `.tmp-`: until the new step is in place the aside is the only copy (restore_asides)
+            aside = base / f"{step_name(step)}.aside-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
             os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
         else:
             try:
                 os.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
@@ -225,13 +241,36 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
+    """The step's manifest, checked for shape (not against the files: `verify`); CorruptStep if malformed."""
     path = Path(path)
     try:
-        return json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         raise CorruptStep(f"{path}: no {MANIFEST}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptStep(f"{path}/{MANIFEST}: not valid JSON ({e})") from None
+    _check_manifest(path, manifest)
+    return manifest
+
+
+def _check_manifest(path: Path, manifest) -> None:
+    where = f"{path}/{MANIFEST}"
+    if not isinstance(manifest, dict):
+        raise CorruptStep(f"{where}: not a JSON object")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptStep(f"{where}: `files` must map file names to their size and checksum, "
+                          f"found {type(files).__name__}")
+    for rel, info in files.items():
+        parts = rel.split("/")
+        if (not rel or rel.startswith("/") or "\\" in rel or "\0" in rel
+                or any(part in ("", ".", "..") for part in parts) or rel == MANIFEST):
+            raise CorruptStep(f"{where}: files entry {rel!r} is not a path inside the step")
+        size = info.get("size") if isinstance(info, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CorruptStep(f"{where}: files entry {rel!r} has no size (a non-negative integer)")
+        if "sha256" in info and not (isinstance(info["sha256"], str) and _SHA256_RE.match(info["sha256"])):
+            raise CorruptStep(f"{where}: files entry {rel!r} has a malformed sha256")
 
 
 def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
@@ -244,8 +283,11 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
             # published by an earlier incarnation after rl.prepare started a newer one: a stale process
             raise CorruptStep(f"{path}: published by incarnation {epoch} after incarnation {now[0]} "
                               f"started (a stale process's step)")
+    root = path.resolve()
     for rel, info in manifest["files"].items():
         f = path / rel
+        if not f.resolve().is_relative_to(root):
+            raise CorruptStep(f"{f}: files entry {rel!r} leaves the step (resolves to {f.resolve()})")
         if not f.is_file():
             raise CorruptStep(f"{f}: listed in the manifest but missing")
         size = f.stat().st_size
@@ -278,6 +320,43 @@ def latest_complete(run_dir: str | os.PathLike, kind: str, checksums: bool = Fal
         except CorruptStep as e:
             print(f"[exchange] skipping {kind}/{step_name(step)}: {e}", flush=True)
     return None
+
+
+def set_aside(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
+    """Move a step that failed verification to `<kind>/corrupt/step_N-<time>`: out of every reader's
+    sight (one atomic rename), kept for inspection, never deleted here."""
+    from rl.contract.paths import corrupt_dir
+    src = step_dir(run_dir, kind, step)
+    dest = corrupt_dir(run_dir, kind) / f"{src.name}-{int(time.time())}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    while dest.exists():
+        dest = dest.with_name(f"{dest.name}-{uuid.uuid4().hex[:4]}")
+    os.rename(src, dest)
+    return dest
+
+
+def restore_asides(run_dir: str | os.PathLike, kinds: Iterable[str]) -> list[str]:
+    """Finish overwrites a crash interrupted (see the module docstring): an aside whose step is missing
+    is renamed back (the old, complete step returns), one whose step is in place is removed. Call only
+    when no producer of `kinds` runs (rl.prepare): a live overwrite sits between its renames for a moment.
+    Returns what was done, one entry per aside: 'restored kind/step_N' or 'removed kind/<aside>'."""
+    done = []
+    for kind in kinds:
+        base = Path(run_dir) / kind
+        if not base.is_dir():
+            continue
+        for p in sorted(base.iterdir()):
+            m = _ASIDE_RE.match(p.name)
+            if not m:
+                continue
+            final = base / m.group(1)
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"removed {kind}/{p.name}")
+            else:
+                os.rename(p, final)
+                done.append(f"restored {kind}/{final.name}")
+    return done
 
 
 def wait_for(run_dir: str | os.PathLike, kind: str, step: int, *, timeout: float | None = None,
@@ -329,22 +408,10 @@ class ConsumedLog:
         self.consumer = consumer
 
     def record(self, step: int, **extra) -> None:
-        line = json.dumps({"step": step, "consumer": self.consumer, "time": time.time(), **extra})
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.path, {"step": step, "consumer": self.consumer, "time": time.time(), **extra})
 
     def entries(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line after a crash: that record never completed
-        return [e for e in out if e.get("consumer") == self.consumer]
+        return [e for e in read_jsonl(self.path) if e.get("consumer") == self.consumer]
 
     def steps(self) -> list[int]:
         return [e["step"] for e in self.entries()]
@@ -358,22 +425,5 @@ def delta_base(path: str | os.PathLike) -> int | None:
         return None
 
 
-def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
-    """Retention: delete all but the newest `keep_last` steps, never one in `protect`, nor a step a kept
-    one needs to be rebuilt (the chain of delta steps down to a full one)."""
-    steps = list_steps(run_dir, kind)
-    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
-    keep |= set(protect)
-    for s in list(keep):
-        while s in steps and (b := delta_base(step_dir(run_dir, kind, s))) is not None and b not in keep:
-            keep.add(b)
-            s = b
-    gone = []
-    for s in steps:
-        if s not in keep:
-            p = step_dir(run_dir, kind, s)
-            trash = p.with_name(p.name + f".tmp-prune-{uuid.uuid4().hex[:6]}")
-            os.rename(p, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-            gone.append(s)
-    return gone
+# Retention lives in its own module; re-exported so every caller keeps spelling it exchange.prune.
+from rl.exchange.retention import prune, served_versions, weights_in_use  # noqa: E402,F401

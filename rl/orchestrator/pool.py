@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -89,20 +88,10 @@ class GroupLog:
         self.path = Path(run_dir) / paths.ROLLOUTS / GROUPS_LOG
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.restart = restart
-        if self.path.exists() and self.path.stat().st_size:
-            with open(self.path, "rb+") as f:  # a crash mid-line: end it, so the next line stands alone
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
 
     def _append(self, rec: dict) -> None:
-        line = (json.dumps({**rec, "restart": self.restart, "time": time.time()}) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)  # one write of one line: a crash leaves at most a torn last line
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        # rl.exchange's shared appender ends a crash's torn last line first, so this record stands alone
+        exchange.append_jsonl(self.path, {**rec, "restart": self.restart, "time": time.time()})
 
     def started(self, gid: int, version: int) -> None:
         self._append({"event": "start", "group": gid, "version": version})
@@ -112,16 +101,7 @@ class GroupLog:
 
     @staticmethod
     def read(run_dir: Path) -> list[dict]:
-        path = Path(run_dir) / paths.ROLLOUTS / GROUPS_LOG
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # the torn last line of a crash: that event never completed
-        return out
+        return exchange.read_jsonl(Path(run_dir) / paths.ROLLOUTS / GROUPS_LOG)  # torn last line skipped
 
 
 def trained_group_ids(run_dir: Path) -> dict[int, int]:

@@ -1,0 +1,110 @@
+"""Retention: which published steps may be deleted, and which must stay.
+
+Rules (docs/internals.md, "Run directory: retention, set-aside, resume"):
+- only steps that verify count as kept: `prune(kind, keep_last)` keeps the newest `keep_last` steps that
+  verify, so a corrupt newest step never displaces the good one before it. Steps newer than the newest
+  verified one are left in place whatever their state (rl.prepare sets a corrupt checkpoint aside);
+  older steps that are neither kept nor protected go, corrupt ones included, since no reader takes them.
+- a kept step's delta chain (down to a full step) is kept with it.
+- checksums where they are worth their cost: the trainer prunes checkpoints with `checksums=True` (a
+  checkpoint is what a restart stands on, and one is written only every `checkpoint_every` steps), and
+  each checkpoint is hashed once per process: a step already hashed here whose manifest is unchanged is
+  only size-checked again. Weights are pruned on sizes (every step, and their manifests carry sizes
+  only; their per-tensor digests are checked by the servers that load them).
+- weights a consumer may still load are protected, derived from the off-policy bound rather than from
+  `keep_weights`: with the newest verified version V, a server that is loading, or is about to load,
+  version L has L >= V - max_off_policy (while it loads it generates nothing, and batch n needs tokens
+  of versions >= n - max_off_policy, so the trainer cannot publish past L + max_off_policy), and the
+  versions the servers are recorded to serve (`served_versions`) are kept too.
+No torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from rl.exchange import MANIFEST, CorruptStep, delta_base, latest_complete, list_steps, step_dir, verify
+
+# step path -> (inode, mtime_ns) of the manifest it was hashed against, in this process
+_HASHED: dict[str, tuple[int, int]] = {}
+
+
+def _verifies(path: Path, checksums: bool) -> bool:
+    key = None
+    try:
+        if checksums:
+            st = (path / MANIFEST).stat()
+            key = (st.st_ino, st.st_mtime_ns)
+            checksums = _HASHED.get(str(path)) != key
+        verify(path, checksums=checksums)
+    except (CorruptStep, OSError) as e:
+        print(f"[exchange] retention does not count {path.parent.name}/{path.name}: {e}", flush=True)
+        return False
+    if key is not None:
+        _HASHED[str(path)] = key
+    return True
+
+
+def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterable[int] = (),
+          checksums: bool = False) -> list[int]:
+    """Delete the steps of `kind` that neither retention rule keeps (module docstring); return them."""
+    steps = list_steps(run_dir, kind)
+    kept: list[int] = []
+    for s in reversed(steps):
+        if len(kept) >= max(keep_last, 0):
+            break
+        if _verifies(step_dir(run_dir, kind, s), checksums):
+            kept.append(s)
+    if not kept:
+        return []  # nothing verifies: deleting anything could delete the last usable step
+    keep = set(kept) | set(protect)
+    for s in list(keep):
+        while s in steps and (b := delta_base(step_dir(run_dir, kind, s))) is not None and b not in keep:
+            keep.add(b)
+            s = b
+    gone = []
+    for s in steps:
+        if s not in keep and s < kept[0]:
+            p = step_dir(run_dir, kind, s)
+            trash = p.with_name(p.name + f".tmp-prune-{uuid.uuid4().hex[:6]}")
+            os.rename(p, trash)  # atomic: a reader sees the whole step or nothing
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append(s)
+    return gone
+
+
+def served_versions(run_dir: str | os.PathLike) -> set[int]:
+    """The policy version each running server is recorded to serve: its `inference/server_<i>.json`
+    (the version it started on), or the newest successful reload reported in
+    `inference/reloads/server_<i>/` since that record was written. rl.prepare deletes the server
+    records of a previous incarnation, so only this incarnation's servers count."""
+    inference = Path(run_dir) / "inference"
+    out = set()
+    for rec in sorted(inference.glob("server_*.json")):
+        try:
+            r = json.loads(rec.read_text())
+            version, index, since = int(r["version"]), int(r["index"]), rec.stat().st_mtime
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being rewritten, or not a server record: the bound below still holds
+        for rep in (inference / "reloads" / f"server_{index}").glob("*.json"):
+            try:
+                rr = json.loads(rep.read_text())
+                if rr.get("loaded") and rep.stat().st_mtime >= since:
+                    version = max(version, int(rr["version"]))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+        out.add(version)
+    return out
+
+
+def weights_in_use(run_dir: str | os.PathLike, max_off_policy: int) -> set[int]:
+    """Weight versions a consumer may still load (module docstring): the newest verified version V and
+    the `max_off_policy` before it, and every version a server is recorded to serve."""
+    newest = latest_complete(run_dir, "weights")
+    use = set(range(max(0, newest - int(max_off_policy)), newest + 1)) if newest is not None else set()
+    return use | served_versions(run_dir)
+
