@@ -15,11 +15,20 @@ HTTP API (the router speaks the servers' API, so `InferenceClient(router_url)` w
   POST /pause, /resume, /collective_rpc, /update_weight_version, /reset_prefix_cache, /sleep, /wake_up
        fanned out to every server: {"success", "results" (concatenated), "servers": [...]}; a
        successful /reset_prefix_cache also clears the router's index of that server
-  GET  /health (200 when a server is healthy), /weight_info (every server's), /v1/models (forwarded)
+  GET  /health (200 when a server is healthy, else 503; the body says only how many are)
+  GET  /weight_info (every server's), /v1/models and /version (FORWARDED_PATHS: to the least loaded server)
   GET  /metrics (the router's own, Prometheus text), /router/stats (JSON: per server load, index,
        prefix hit rate since start, predicted vs reported cached tokens; decisions by reason)
   POST /router/reset_index (forget prefixes, keep sessions: after a weight update)
   Responses carry `X-Hetrl-Backend` (and `X-Hetrl-Prefill` for P/D) naming the server(s) used.
+With the run's secret (`D/secret`), every path but `GET /health` needs `Authorization: Bearer <secret>`
+(compared in constant time, rl.inference.auth.token_ok) and answers 401 without it; that is checked
+once, in an aiohttp middleware, before any handler, so the router adds the secret to its requests to the
+servers only for a caller who presented it. Any other path answers 404 (to an authenticated caller:
+an unauthenticated one learns nothing about which paths exist); nothing else is forwarded, so the router
+never opens a server path the servers themselves guard (rl.inference.auth) to whoever reaches it.
+Without a secret (`--backend` mode, or a run dir without one) nothing is checked and the caller's own
+`Authorization` header, if any, is passed on.
 The orchestrator loads new weights into the servers directly (per-server in-flight counts matter
 there); it sends generation through the router and calls /router/reset_index after each update.
 
@@ -41,10 +50,14 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from rl.inference.auth import bearer, is_open, token_ok
 from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
                                   RequestKey, RouterConfig, completion_key, decode_body, parse_metrics,
                                   prefill_body, reported_cached_tokens, request_key)
+
+# Server paths the router forwards as they are (GET, to the least loaded healthy server); read-only.
+FORWARDED_PATHS = ("/v1/models", "/version")
 
 
 def discover(run_dir: Path) -> tuple[list[tuple[str, str, str]], int]:
@@ -71,7 +84,7 @@ class Router:
         self.backends: dict[str, Backend] = {}
         for name, url, pool in backends:
             self.backends[name] = Backend(name, url.rstrip("/"), pool, PrefixIndex(self.cfg.index_blocks))
-        self.secret = secret
+        self.secret = secret  # a property: setting it also sets the digest the middleware compares
         self.run_dir = run_dir
         self.log = log
         self.started = time.time()
@@ -88,7 +101,7 @@ class Router:
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=10))
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._auth])
         for p in ROUTED_PATHS:
             app.router.add_post(p, self._routed)
         for p in FANOUT_PATHS:
@@ -98,7 +111,9 @@ class Router:
         app.router.add_get("/router/stats", self._stats)
         app.router.add_post("/router/reset_index", self._reset_index)
         app.router.add_get("/weight_info", self._weight_info)
-        app.router.add_route("*", "/{tail:.*}", self._passthrough)
+        for p in FORWARDED_PATHS:
+            app.router.add_get(p, self._passthrough)
+        # Anything else: 404 from aiohttp, after the middleware's 401 for a caller without the token.
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -121,19 +136,44 @@ class Router:
         if self._http:
             await self._http.close()
 
+    # the run's secret
+    @property
+    def secret(self) -> str | None:
+        return self._secret
+
+    @secret.setter
+    def secret(self, value: str | None) -> None:
+        import hashlib
+        self._secret = value or None
+        self._secret_digest = hashlib.sha256(value.encode()).digest() if value else None
+
+    def _authorized(self, request) -> bool:
+        return self._secret_digest is None or token_ok(request.headers.get("Authorization"),
+                                                       self._secret_digest)
+
+    async def _auth(self, request, handler):
+        """aiohttp middleware: the one place where a request is let in (see the module docstring)."""
+        from aiohttp import web
+        if not is_open(request.method, request.path) and not self._authorized(request):
+            self.counts["status_401"] += 1
+            return web.json_response({"error": "unauthorized: this path needs the run's bearer token"},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    _auth.__middleware_version__ = 1  # what aiohttp.web.middleware marks (aiohttp is imported lazily here)
+
     # upstream helpers
     def _headers(self, request=None) -> dict:
+        """Headers to a server: the secret (the caller passed `_auth`, or the request is the router's
+        own), or without a secret the caller's own Authorization; the caller's request id."""
         h = {}
-        if self.secret:
-            h["Authorization"] = f"Bearer {self.secret}"
+        if self._secret:
+            h.update(bearer(self._secret))
         elif request is not None and "Authorization" in request.headers:
             h["Authorization"] = request.headers["Authorization"]
         if request is not None and "X-Request-Id" in request.headers:
             h["X-Request-Id"] = request.headers["X-Request-Id"]
         return h
-
-    def _authorized(self, request) -> bool:
-        return not self.secret or request.headers.get("Authorization") == f"Bearer {self.secret}"
 
     def _down(self, b: Backend, why: str) -> None:
         if b.healthy:
@@ -185,8 +225,6 @@ class Router:
     # routed requests
     async def _routed(self, request):
         from aiohttp import web
-        if not self._authorized(request):
-            return web.json_response({"error": "unauthorized"}, status=401)
         try:
             body = await request.json()
         except (json.JSONDecodeError, ValueError):
@@ -265,8 +303,6 @@ class Router:
     # admin fan-out and the rest
     async def _fanout(self, request):
         from aiohttp import web
-        if not self._authorized(request):
-            return web.json_response({"error": "unauthorized"}, status=401)
         raw = await request.read()
         body = json.loads(raw) if raw else None
         targets = [b for b in self.backends.values() if b.healthy]
@@ -301,7 +337,7 @@ class Router:
 
     async def _health(self, request):
         from aiohttp import web
-        up = [b.name for b in self.backends.values() if b.healthy]
+        up = sum(b.healthy for b in self.backends.values())  # open to anyone (is_open): a count only
         return web.json_response({"healthy": up}, status=200 if up else 503)
 
     async def _weight_info(self, request):
@@ -320,8 +356,6 @@ class Router:
 
     async def _reset_index(self, request):
         from aiohttp import web
-        if not self._authorized(request):
-            return web.json_response({"error": "unauthorized"}, status=401)
         for b in self.backends.values():
             b.index.clear()
         return web.json_response({"success": True})

@@ -21,8 +21,10 @@ starts this role once per node of the replica (one Slurm task per node, so the n
      extension rl.inference.worker_ext from it);
    - the policy version the engine starts with (`HETRL_POLICY_VERSION`, read by the worker extension);
    - the run's secret as `VLLM_API_KEY`, which vLLM's API server honours like `--api-key` (its
-     authentication middleware takes `args.api_key or [envs.VLLM_API_KEY]`) without putting the secret
-     on a command line every user of the node can read; unset when the run has no secret.
+     authentication middleware takes `args.api_key or [envs.VLLM_API_KEY]`) and which the plan's
+     `--middleware rl.inference.auth.RunSecret` requires on every other path (/health excepted), without
+     putting the secret on a command line every user of the node can read; when the run has no secret,
+     unset, and `HETRL_UNAUTHENTICATED=1` tells the middleware that this is on purpose.
 4. the head waits for `/health`, labels the engine with the policy version it loaded
    (`/update_weight_version`) and writes the replica's one server record (rl.contract.records.ServerRecord)
    with a URL the other het group can reach: this node's hostname when vLLM binds every interface
@@ -54,6 +56,7 @@ from rl import exchange, runtime
 from rl.contract import paths
 from rl.contract.plan import Replica, expand
 from rl.contract.records import ServerRecord
+from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"
@@ -189,9 +192,11 @@ def vllm_env(replica: Replica, *, version: int, secret: str | None, base) -> dic
     env[VERSION_ENV] = str(version)
     env[VERIFIED_ENV] = str(Path(replica.model_dir).parent / "verified")  # node-local, shared by its engines
     if secret:
-        env["VLLM_API_KEY"] = secret
-    else:
-        env.pop("VLLM_API_KEY", None)  # the clients send no key: the server must not ask for one
+        env[SECRET_ENV] = secret
+        env.pop(UNAUTHENTICATED_ENV, None)
+    else:  # the clients send no key: the server must not ask for one, and the auth middleware is told so
+        env.pop(SECRET_ENV, None)
+        env[UNAUTHENTICATED_ENV] = "1"
     return env
 
 
@@ -523,8 +528,8 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         if head:
             t0 = time.monotonic()
             wait_healthy(url, proc, float(cfg.inference.startup_timeout_s), log_path, stop)
-            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-            httpx.post(f"{url}/update_weight_version", json={"new_version": str(version)}, headers=headers,
+            httpx.post(f"{url}/update_weight_version", json={"new_version": str(version)},
+                       headers=bearer(secret) if secret else {},
                        timeout=30.0).raise_for_status()
             log(f"vLLM healthy after {time.monotonic() - t0:.0f} s, policy version {version}")
             ServerRecord(url=url, version=version, host=socket.gethostname(), pid=proc.pid, index=index,

@@ -330,7 +330,7 @@ class FakeServer:
         app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_get("/metrics", self.metrics)
-        for p in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc"):
+        for p in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/update_weight_version"):
             app.router.add_post(p, self.admin)
         app.router.add_get("/weight_info", self.weight_info)
         app.router.add_get("/v1/models", self.models)
@@ -371,6 +371,7 @@ class FakeServer:
 
     async def models(self, request):
         from aiohttp import web
+        self.calls.append((request.path, {}, dict(request.headers)))
         return web.json_response({"data": [{"id": "policy"}]})
 
 
@@ -460,6 +461,47 @@ def test_http_retries_on_a_dead_server_and_checks_the_secret():
         router.secret = "s3cret"
         return await case(http, url, router, fakes)
     asyncio.run(_router_case(["mixed", "mixed"], with_secret, poll_interval_s=60))
+
+
+def test_http_secret_guards_every_path_but_health_in_constant_time():
+    """With the run's secret every path but GET /health answers 401 without the token or with a wrong
+    one of the same length, and nothing reaches a server; with it, the allow-listed paths work and
+    carry the secret upstream; anything else is 404, but only to a caller holding the token."""
+    secret = "a" * 32
+    good, wrong = {"Authorization": f"Bearer {secret}"}, {"Authorization": f"Bearer {'a' * 31}b"}
+    gen = {"token_ids": list(range(8)), "sampling_params": {"max_tokens": 2}}
+    paths = [("POST", "/inference/v1/generate", gen), ("POST", "/v1/completions", {"prompt": [1]}),
+             ("POST", "/collective_rpc", {"method": "x"}), ("POST", "/pause", None),
+             ("POST", "/update_weight_version", {"new_version": "1"}), ("POST", "/router/reset_index", None),
+             ("GET", "/metrics", None), ("GET", "/router/stats", None), ("GET", "/weight_info", None),
+             ("GET", "/v1/models", None), ("GET", "/is_paused", None), ("POST", "/start_profile", None),
+             ("DELETE", "/health", None)]
+
+    async def case(http, url, router, fakes):
+        router.secret = secret
+        for method, path, body in paths:
+            for headers in ({}, wrong, {"Authorization": secret}, {"Authorization": f"Basic {secret}"},
+                            {"Authorization": f"bearer {secret}x"}):
+                async with http.request(method, f"{url}{path}", json=body, headers=headers) as r:
+                    assert r.status == 401, (method, path, headers, r.status)
+        assert all(f.calls == [] for f in fakes)       # nothing unauthenticated reached a server
+        async with http.get(f"{url}/health") as r:     # the readiness probe: no token, a count only
+            assert r.status == 200 and await r.json() == {"healthy": 2}
+        for method, path, body in paths:
+            async with http.request(method, f"{url}{path}", json=body, headers=good) as r:
+                want = 404 if path in ("/is_paused", "/start_profile") else \
+                    405 if path == "/health" else 200
+                assert r.status == want, (method, path, r.status, await r.text())
+        sent = [h for f in fakes for _, _, h in f.calls if h is not None]
+        assert len(sent) >= 2 and all(h["Authorization"] == f"Bearer {secret}" for h in sent)
+        router.secret = None                            # a router without a secret checks nothing
+        async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer theirs"}) as r:
+            assert r.status == 200
+        assert [h["Authorization"] for f in fakes for p, _, h in f.calls if p == "/v1/models"][-1] == \
+            "Bearer theirs"                             # the caller's own header, passed on
+        async with http.get(f"{url}/is_paused") as r:
+            assert r.status == 404
+    asyncio.run(_router_case(["mixed", "mixed"], case, poll_interval_s=60))
 
 
 def test_router_client_sends_the_session_header():
