@@ -27,7 +27,6 @@ from rl.contract.config import PlanError
 from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
 REPO = Path(__file__).resolve().parent.parent
-AUTH_MIDDLEWARE = "rl.inference.auth.RunSecret"  # vLLM imports it (--middleware); reads VLLM_API_KEY
 ALL2ALL = ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
            "pplx", "nixl_ep")
 
@@ -191,10 +190,7 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                     # the token-in/token-out endpoint with per-token weight versions
                     "--enable-scale-out",
                     # the router's affinity relies on prefix caching; cached-token counts per request
-                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                    # every path but /health needs the run's secret (vLLM's --api-key guards only /v1-style
-                    # ones); the launcher gives every run a secret, and launch imports no role: its name here
-                    "--middleware", AUTH_MIDDLEWARE]
+                    "--enable-prefix-caching", "--enable-prompt-tokens-details"]
             if gpn:
                 args += ["--gpu-memory-utilization", str(i.get("gpu_memory_utilization", 0.9))]
             if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
@@ -326,6 +322,7 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
         "signal_grace_s": grace, "exit_preempted": paths.EXIT_PREEMPTED,
         "groups": groups, "trainer": trainer, "inference": inf,
         "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
+        "requeue_check": {"command": [python, "-m", "rl.requeue", "--run-dir", run_dir]},
         "roles": roles,
     }
     import dataclasses

@@ -246,6 +246,7 @@ class ClusterConfig:
     time: str = "04:00:00"
     signal_grace_s: int = 120
     requeue: bool = True
+    max_restarts: int = 20             # requeues of one job at most (rl.requeue); each also needs a new checkpoint
     exclusive: bool = True             # whole nodes per het component (#SBATCH --exclusive)
     job_name: Optional[str] = None     # default: hetrl-<experiment>
     extra_sbatch: list = field(default_factory=list)
@@ -475,6 +476,7 @@ def validate(cfg: DictConfig | dict) -> None:
     need(0 < r.kv_full <= 1, "inference.routing.kv_full", "must be in (0, 1]")
     c = cfg.cluster
     need(c.signal_grace_s >= 10, "cluster.signal_grace_s", "leave at least 10 s to checkpoint")
+    need(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: never requeue)")
     need(bool(_SLURM_TIME.match(str(c.time))), "cluster.time",
          "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
     for k in ("account", "partition", "qos", "job_name"):

@@ -190,6 +190,7 @@ class Plan:
     trainer: TrainerPlan
     inference: InferencePlan
     prepare: Command
+    requeue_check: Command                     # after a clean stop: exit 0 = requeue (rl.requeue)
     roles: list[Role]
     memory: dict = field(default_factory=dict)   # launch.memory's report (per role, per GPU)
 

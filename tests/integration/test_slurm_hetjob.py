@@ -36,7 +36,7 @@ def dummy_role(name: str, mode: str) -> int:
     (run_dir / "roles").mkdir(exist_ok=True)
     (run_dir / "roles" / f"{name}.{restart}.{rec['SLURM_PROCID']}.json").write_text(json.dumps(rec))
     print(f"{name} running on {rec['SLURMD_NODENAME']} (restart {restart})", flush=True)
-    if mode in ("wait", "terminated") and restart > 0:
+    if mode in ("wait", "terminated", "crash_on_stop") and restart > 0:
         mode = "ok"
     if mode == "terminated":  # what srun reports for a step slurmstepd cancelled on preemption: 143
         time.sleep(1)
@@ -55,6 +55,13 @@ def dummy_role(name: str, mode: str) -> int:
     (run_dir / f"signalled.{name}").write_text(",".join(got))
     print(f"{name}: {got} received, checkpointing", flush=True)
     time.sleep(0.5)
+    if mode == "crash_on_stop":
+        print(f"{name}: simulated crash while checkpointing", flush=True)
+        return 7
+    if name == "trainer":  # a real checkpoint step, for the real rl.requeue in the batch script
+        from rl import exchange
+        exchange.publish(run_dir, "checkpoints", 1 + restart, lambda d: (d / "state").write_text(name),
+                         producer=name)
     (run_dir / f"checkpointed.{name}").write_text("ok")
     return 3
 
@@ -73,8 +80,10 @@ def dummy_plan(run_dir: Path, modes: dict[str, str], **cluster) -> tuple[dict, d
 
 
 def submit(run_dir: Path, modes: dict[str, str], **cluster) -> str:
+    import yaml
     cfg, plan = dummy_plan(run_dir, modes, **cluster)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "_overrides"}))
     (run_dir / "plan.json").write_text(json.dumps(plan))
     (run_dir / "job.sbatch").write_text(ls.render_script(plan, cfg))
     return ls.submit(run_dir, run_dir / "job.sbatch")
@@ -184,6 +193,36 @@ def test_partition_preemption_requeues(slurm, tmp_path):
                      f"--output={tmp_path}/high.out", "--wrap", "sleep 2").stdout.strip()
     _assert_requeued_and_completed(slurm, run_dir, job, "SIGTERM")
     assert ls.job_state(high)["state"] == "COMPLETED"
+
+
+def test_a_role_failing_while_it_stops_is_not_requeued(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    modes = {"trainer": "crash_on_stop", "inference_0": "wait", "inference_1": "wait", "orchestrator": "wait"}
+    job = submit(run_dir, modes)
+    wait_state(job, ("RUNNING",), 30)
+    for name in modes:
+        wait_file(run_dir / "roles" / f"{name}.0.0.json", 30)
+    ls.cancel(job, signal="USR1", batch=True)
+    st = wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
+    log = batch_log(run_dir, job)
+    assert st["state"] == "FAILED" and st["restarts"] == 0, log
+    assert "trainer (status 7) failed while stopping: not requeueing" in log, log
+    assert "requeueing job" not in log
+
+
+def test_max_restarts_zero_stops_after_the_checkpoint_without_requeue(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    modes = {n: "wait" for n in ("trainer", "inference_0", "inference_1", "orchestrator")}
+    job = submit(run_dir, modes, max_restarts=0)
+    wait_state(job, ("RUNNING",), 30)
+    for name in modes:
+        wait_file(run_dir / "roles" / f"{name}.0.0.json", 30)
+    ls.cancel(job, signal="USR1", batch=True)
+    st = wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
+    log = batch_log(run_dir, job)
+    assert st["restarts"] == 0 and "requeueing job" not in log, log
+    assert "not requeueing: this was restart 0 and cluster.max_restarts=0" in log, log
+    assert (run_dir / "checkpoints" / "step_000001").is_dir()
 
 
 def test_step_terminated_by_slurm_before_the_batch_shell_is_signalled_requeues(slurm, tmp_path):

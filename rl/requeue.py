@@ -1,0 +1,60 @@
+"""After a stop: may this job requeue itself? `python -m rl.requeue --run-dir D` answers with its exit status.
+
+The batch script asks this once every role has exited after USR1 (time limit) or TERM (preemption) and
+none of them failed. A requeue is worth it only if the incarnation that is ending left something to
+resume from that the previous one did not have: a checkpoint newer than the one `rl.prepare` resumed
+from (resume.json). Without one, the next incarnation would start exactly where this one did, and a run
+whose roles cannot reach their first checkpoint before the next signal (a grace period shorter than a
+checkpoint, a step longer than the time limit) would requeue forever, holding its place in the queue
+and a node each time. `cluster.max_restarts` caps the number of incarnations outright, against every
+other way of looping.
+
+Exit status 0: requeue. 1: do not; the one-line reason is printed, with how to continue by hand
+(`python -m launch resume RUN_DIR`). No torch: it runs in the batch shell before the allocation ends.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from rl import exchange
+from rl.contract import config as _config
+from rl.contract import paths
+from rl.contract.records import ResumeState
+
+
+def decide(run_dir: str | Path, restart: int | None = None) -> tuple[bool, str]:
+    """(requeue?, why). `restart`: the incarnation ending now (Slurm's SLURM_RESTART_COUNT); by default the
+    one resume.json records."""
+    run_dir = Path(run_dir)
+    state = ResumeState.read(run_dir)
+    restart = state.restart if restart is None else restart
+    limit = _config.load(run_dir).cluster.max_restarts
+    if restart >= limit:
+        return False, (f"not requeueing: this was restart {restart} and cluster.max_restarts={limit} "
+                       f"(continue with: python -m launch resume {run_dir})")
+    newest = exchange.latest_complete(run_dir, paths.CHECKPOINTS)
+    before = state.checkpoint_step
+    if newest is None or (before is not None and newest <= before):
+        since = "from scratch" if before is None else f"from checkpoint step {before}"
+        return False, (f"not requeueing: this incarnation (restart {restart}, resumed {since}) wrote no newer "
+                       f"checkpoint, so a requeue would start from the same point (continue with: "
+                       f"python -m launch resume {run_dir})")
+    return True, (f"requeueing: checkpoint step {newest} written since "
+                  f"{'the start' if before is None else f'step {before}'} (restart {restart + 1} of at most {limit})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl.requeue")
+    p.add_argument("--run-dir", required=True, type=Path)
+    ns = p.parse_args(argv)
+    env_restart = os.environ.get("SLURM_RESTART_COUNT")
+    ok, why = decide(ns.run_dir, int(env_restart) if env_restart else None)
+    print(why, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
