@@ -25,13 +25,16 @@ def make_env(cfg: Any):
 
 
 def _swe_env(env_cfg: Any):
-    """SWEEnv from the typed `env` section: `env.max_turns` and `env.swe` (tasks: a SWE-bench-format
-    JSONL path, default the built-in set; wall_s, tool_timeout_s, output_chars; limits: the sandbox's
+    """SWEEnv from the typed `env` section: `env.max_turns` and `env.swe` (tasks: a dataset path in any
+    format of docs/swe.md, default the built-in set; format, repos_dir, partial_credit; wall_s,
+    tool_timeout_s, output_chars; limits: the sandbox's
     per-command `Limits`)."""
     from rl.envs.swe.env import EnvConfig, SWEEnv
     from rl.envs.swe.sandbox import Limits
     s = env_cfg.swe
     config = EnvConfig(max_turns=int(env_cfg.max_turns), wall_s=float(s.wall_s),
                        tool_timeout_s=float(s.tool_timeout_s), output_chars=int(s.output_chars),
-                       limits=Limits(**{k: int(v) for k, v in s.limits.items()}))
-    return SWEEnv(tasks=str(s.tasks) if s.tasks else None, config=config)
+                       limits=Limits(**{k: int(v) for k, v in s.limits.items()}),
+                       partial_credit=bool(s.partial_credit))
+    return SWEEnv(tasks=str(s.tasks) if s.tasks else None, config=config, format=str(s.format),
+                  repos_dir=str(s.repos_dir) if s.repos_dir else None)

@@ -56,5 +56,5 @@ def test_swe_load_swebench_record_with_json_string_lists(tmp_path):
     assert isinstance(t, Task) and t.fail_to_pass == TASKS[0].fail_to_pass
     del rec["files"]
     f.write_text(json.dumps(rec) + "\n")
-    with pytest.raises(ValueError, match="missing fields"):
+    with pytest.raises(ValueError, match=r"row 0 \(builtin__stats-median-even\): base_commit: empty"):
         load_tasks(f)

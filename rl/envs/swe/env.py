@@ -1,7 +1,7 @@
 """The SWE environment: sample tasks, run one episode per task in its own sandbox, reward at the end.
 
-`SWEEnv(tasks, config).start(task)` copies the task's snapshot into a fresh sandbox tree and returns an
-`Episode`. The orchestrator drives it turn by turn: `initial_messages()` opens the conversation (system
+`SWEEnv(tasks, config).start(task)` puts the task's starting tree (its snapshot, or base_commit of its
+git repository) into a fresh sandbox and returns an `Episode`. The orchestrator drives it turn by turn: `initial_messages()` opens the conversation (system
 prompt with the tool list, then the issue), each model turn goes to `step(text)`, which runs the one tool
 call in it and returns the observation to send back (`tool_message(obs)` wraps it as a chat message), and
 `reward()` grades the tree on the hidden tests once the episode is done. The hidden tests and the
@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from rl.envs.swe.sandbox import Limits, Sandbox
-from rl.envs.swe.tasks import Task, grade, load_tasks
+from rl.envs.swe.datasets import playable
+from rl.envs.swe.tasks import Task, grade, load_tasks, open_sandbox
 from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
 
 
@@ -30,6 +31,7 @@ class EnvConfig:
     tool_timeout_s: float = 60.0
     output_chars: int = 4000
     limits: Limits = field(default_factory=lambda: Limits(cpu_s=60, memory_bytes=2 << 30))
+    partial_credit: bool = True        # fraction of graded tests passed; off: 1 only if all pass
 
 
 SYSTEM_PROMPT = """You are a software engineer fixing an issue in a Python repository.
@@ -61,7 +63,7 @@ class Episode:
     def __init__(self, task: Task, config: EnvConfig):
         self.task = task
         self.config = config
-        self.sandbox = Sandbox.from_files(task.files, config.limits)
+        self.sandbox = open_sandbox(task, config.limits)
         self.tools = Tools(self.sandbox, output_chars=config.output_chars, timeout_s=config.tool_timeout_s)
         self.turns = 0
         self.done = False
@@ -116,10 +118,11 @@ class Episode:
         self.end_reason = reason
 
     def reward(self) -> float:
-        """Fraction of the hidden tests (FAIL_TO_PASS + PASS_TO_PASS) the tree passes; graded once."""
+        """The hidden-test reward of the tree (tasks.grade; partial credit per the config); graded once."""
         if self._reward is None:
             self._reward = grade(self.task, self.sandbox.tree, limits=self.config.limits,
-                                 timeout_s=self.config.tool_timeout_s).reward
+                                 timeout_s=self.config.tool_timeout_s,
+                                 partial_credit=self.config.partial_credit).reward
         return self._reward
 
     def metrics(self) -> dict:
@@ -131,10 +134,15 @@ class Episode:
 
 
 class SWEEnv:
-    """Tasks from SWE-bench-format JSONL (default: the built-in set) and episodes over them."""
+    """Tasks of a dataset in any public SWE format (default: the built-in set) and episodes over them.
+    Rows are made playable here at construction: repositories resolved (under `repos_dir`), rows that
+    need a container image refused with a one-line error."""
 
-    def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig()):
-        self.tasks = load_tasks() if tasks is None else load_tasks(tasks) if isinstance(tasks, str) else tasks
+    def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig(), *,
+                 format: str = "auto", repos_dir: str | None = None):
+        where = str(tasks) if isinstance(tasks, str) else "tasks"
+        rows = load_tasks() if tasks is None else load_tasks(tasks, format) if isinstance(tasks, str) else tasks
+        self.tasks = playable(rows, repos_dir, where)
         if not self.tasks:
             raise ValueError("SWEEnv needs at least one task")
         self.config = config

@@ -1,38 +1,48 @@
-"""SWE tasks: loading SWE-bench-format JSONL and grading a tree against a task's hidden tests.
+"""SWE tasks: the typed task record, loading rows, and grading a tree against a task's hidden tests.
 
-A task is one JSONL record with SWE-bench's fields (instance_id, repo, base_commit, problem_statement,
-patch = reference solution, test_patch = hidden tests, FAIL_TO_PASS, PASS_TO_PASS; the two lists may be
-JSON-encoded strings as in SWE-bench's own files) plus `files`, the repository snapshot as
-{path: text}, because there is no git remote to check `base_commit` out from here. The built-in set
-(`data/builtin.jsonl`, written by `data/make_builtin.py`) is 20+ tiny Python repositories.
+A task is one row of a public SWE dataset, normalized by rl/envs/swe/datasets.py (SWE-bench and its
+variants, SWE-smith, SWE-rebench, R2E-Gym; docs/swe.md describes them): instance_id, repo, base_commit,
+problem_statement, patch = reference solution, test_patch = hidden tests, FAIL_TO_PASS, PASS_TO_PASS.
+The agent's starting tree is `base_commit` of a local git repository (rl/envs/swe/repos.py), or, for the
+original built-in rows, `files` (the snapshot inline). The built-in set is 23 tiny Python repositories,
+shipped both ways: `data/builtin.jsonl` (snapshots, written by `data/make_builtin.py`) and
+`data/builtin_swebench.jsonl` (SWE-bench rows over real git repositories, `data/make_swebench.py`).
 
 Grading follows SWE-bench: copy the agent's tree into a fresh sandbox, reset the graded test files to the
-snapshot (the agent cannot weaken the tests it is graded on), apply test_patch, run pytest on those files,
-reward = passed / (FAIL_TO_PASS + PASS_TO_PASS). pytest runs with `--noconftest` and `-o addopts=` so a
-conftest.py or ini file the agent wrote cannot reshape the run, and with plugin autoloading off
-(which also cuts pytest's start from ~0.8 s to ~0.2 s here, most of the grading time). It still runs in
-the same process as the agent's code, so a deliberately adversarial patch could forge results (as in
-SWE-bench): the sandbox limits what such code can touch, not what it can print.
+starting tree (the agent cannot weaken the tests it is graded on), apply test_patch, run pytest on those
+files, and score the log (rl/envs/swe/grading.py: FAIL_TO_PASS fixed and PASS_TO_PASS kept; all-or-
+nothing, or the fraction with partial credit). R2E-Gym rows are scored against their expected output.
+pytest runs with `--noconftest` and `-o addopts=` so a conftest.py or ini file the agent wrote cannot
+reshape the run, and with plugin autoloading off (which also cuts pytest's start from ~0.8 s to ~0.2 s
+here, most of the grading time). It still runs in the same process as the agent's code, so a
+deliberately adversarial patch could forge results (as in SWE-bench): the sandbox limits what such code
+can touch, not what it can print.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rl.envs.swe import repos
+from rl.envs.swe.grading import Grade, expected_output_reward, parse_pytest, parse_r2e, swebench_reward
 from rl.envs.swe.sandbox import Limits, Sandbox
 
 BUILTIN = Path(__file__).with_name("data") / "builtin.jsonl"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "--noconftest", "-p", "no:cacheprovider",
           "-o", "addopts=", "--no-header", "-W", "ignore"]
 PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
-_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL) (\S+)", re.M)
 
 
 @dataclass(frozen=True)
 class Task:
+    """One task, whatever public format its row came in (rl/envs/swe/datasets.py normalizes them).
+
+    The tree the agent starts from is either `files` (the built-in snapshot rows) or `base_commit` of
+    the git repository at `repo_dir` (resolved from `repo` when the task is made playable here).
+    `image`, `test_cmd` and `log_parser` are the instance's own environment and test command, for
+    runtimes that run its image; `expected_output` is R2E-Gym's {test: status}."""
     instance_id: str
     repo: str
     base_commit: str
@@ -41,44 +51,31 @@ class Task:
     test_patch: str
     fail_to_pass: list[str]
     pass_to_pass: list[str]
-    files: dict[str, str] = field(repr=False)
+    files: dict[str, str] = field(default_factory=dict, repr=False)
+    format: str = "swe_bench"
+    version: str = ""
+    environment_setup_commit: str = ""
+    image: str = ""
+    test_cmd: str = ""
+    log_parser: str = "pytest"
+    expected_output: dict[str, str] | None = field(default=None, repr=False)
+    repo_dir: str = ""
 
     @property
     def graded(self) -> list[str]:
         return self.fail_to_pass + self.pass_to_pass
 
-    @classmethod
-    def from_record(cls, rec: dict) -> "Task":
-        def ids(v):
-            return json.loads(v) if isinstance(v, str) else list(v)
-        missing = [k for k in ("instance_id", "problem_statement", "patch", "test_patch", "FAIL_TO_PASS",
-                               "PASS_TO_PASS", "files") if k not in rec]
-        if missing:
-            raise ValueError(f"task {rec.get('instance_id', '?')}: missing fields {missing}")
-        return cls(rec["instance_id"], rec.get("repo", ""), rec.get("base_commit", ""),
-                   rec["problem_statement"], rec["patch"], rec["test_patch"], ids(rec["FAIL_TO_PASS"]),
-                   ids(rec["PASS_TO_PASS"]), dict(rec["files"]))
+    def base_file(self, rel: str) -> str | None:
+        """The text of `rel` in the task's starting tree, None if it has no such file."""
+        if self.files or not self.repo_dir:
+            return self.files.get(rel)
+        return repos.show(self.repo_dir, self.base_commit, rel)
 
 
-@dataclass(frozen=True)
-class Grade:
-    reward: float
-    passed: list[str]
-    failed: list[str]
-    output: str
-
-
-def load_tasks(path: str | Path = BUILTIN) -> list[Task]:
-    """Tasks of one SWE-bench-format JSONL file (blank lines skipped)."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(Task.from_record(json.loads(line)))
-                except (json.JSONDecodeError, ValueError) as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
-    return out
+def load_tasks(path: str | Path = BUILTIN, format: str = "auto") -> list[Task]:
+    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset)."""
+    from rl.envs.swe.datasets import load_dataset  # datasets.py builds on Task
+    return load_dataset(path, format)
 
 
 def patched_paths(diff: str) -> list[str]:
@@ -96,32 +93,50 @@ def run_pytest(sb: Sandbox, targets: list[str], timeout_s: float) -> tuple[dict[
     """Run pytest on targets in the sandbox; returns ({test id: outcome}, combined output)."""
     r = sb.run(PYTEST + targets, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     out = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
-    return {m.group(2): m.group(1) for m in _RESULT.finditer(r.stdout)}, out
+    return parse_pytest(r.stdout), out
+
+
+def open_sandbox(task: Task, limits: Limits = Limits()) -> Sandbox:
+    """A sandbox whose tree is the task's starting tree (its snapshot, or base_commit checked out)."""
+    if task.files or not task.repo_dir:
+        return Sandbox.from_files(task.files, limits)
+    sb = Sandbox(None, limits)
+    try:
+        repos.checkout(task.repo_dir, task.base_commit, sb.tree)
+    except BaseException:
+        sb.close()
+        raise
+    return sb
 
 
 def grade(task: Task, tree: Path | None = None, *, extra_patch: str | None = None,
-          limits: Limits = Limits(cpu_s=60), timeout_s: float = 60) -> Grade:
-    """Hidden-test reward of `tree` (default: the task's unmodified snapshot), optionally after applying
-    `extra_patch` (the reference patch, to check a task). The tree itself is never modified."""
-    sb = Sandbox(tree, limits) if tree is not None else Sandbox.from_files(task.files, limits)
+          limits: Limits = Limits(cpu_s=60), timeout_s: float = 60, partial_credit: bool = True) -> Grade:
+    """Hidden-test reward of `tree` (default: the task's unmodified starting tree), optionally after
+    applying `extra_patch` (the reference patch, to check a task). The tree itself is never modified."""
+    sb = Sandbox(tree, limits) if tree is not None else open_sandbox(task, limits)
     with sb:
         if extra_patch:
             r = apply_patch(sb, extra_patch)
             if r.returncode != 0:
                 raise ValueError(f"{task.instance_id}: patch does not apply: {(r.stdout + r.stderr).strip()}")
+        if task.format == "r2e_gym":  # the hidden tests are in the image; here, the repository's own
+            r = sb.run(PYTEST, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+            return expected_output_reward(parse_r2e(r.stdout), task.expected_output or {},
+                                          partial_credit=partial_credit, output=r.stdout + r.stderr)
         test_files = sorted({i.split("::")[0] for i in task.graded} | set(patched_paths(task.test_patch)))
-        for rel in test_files:  # reset graded test files to the snapshot, then add the hidden tests
+        for rel in test_files:  # reset graded test files to the starting tree, then add the hidden tests
             p = sb.tree / rel
             if p.is_symlink() or p.is_file():
                 p.unlink()
-            if rel in task.files:
+            text = task.base_file(rel)
+            if text is not None:
                 p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text(task.files[rel])
-        r = apply_patch(sb, task.test_patch)
-        if r.returncode != 0:
-            raise ValueError(f"{task.instance_id}: test_patch does not apply: "
-                             f"{(r.stdout + r.stderr).strip()}")
+                p.write_text(text)
+        if task.test_patch:
+            r = apply_patch(sb, task.test_patch)
+            if r.returncode != 0:
+                raise ValueError(f"{task.instance_id}: test_patch does not apply: "
+                                 f"{(r.stdout + r.stderr).strip()}")
         outcomes, output = run_pytest(sb, [f for f in test_files if (sb.tree / f).is_file()], timeout_s)
-    passed = [i for i in task.graded if outcomes.get(i) == "PASSED"]
-    failed = [i for i in task.graded if outcomes.get(i) != "PASSED"]
-    return Grade(len(passed) / max(1, len(task.graded)), passed, failed, output)
+    return swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass, partial_credit=partial_credit,
+                           output=output)
