@@ -15,13 +15,23 @@ its final name. Contents:
 - `trainer_state.json`: `next_step` (the data position: the rollout step this state consumes next; equal
   to N), and `consumed`, the rollout steps this lineage trained on, in order.
 
-Caveat: DCP's own `.metadata` file is a pickle written by torch; it is produced and read only by the
-trainer, never by another role.
+DCP's own `.metadata` file is a pickle written by torch (its format has no other encoding), the one
+pickle on the shared filesystem. It is never unpickled as found: `load` verifies the whole checkpoint
+against its manifest (sha256) in the loading process, then reads `.metadata` once into memory, checks
+those bytes against the manifest again (nothing can swap the file between check and use), and
+unpickles them with an allowlist of DCP's own metadata classes, torch.Size, dtypes and paths
+(`_MetadataUnpickler`): a crafted pickle cannot call anything else. DCP's non-tensor entries (the
+optimizer's hyperparameters) are read with `torch.load(weights_only=True)` instead of DCP's default
+`weights_only=False`; tensor shards already are.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
+import pathlib
+import pickle
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -126,13 +136,68 @@ def load(run_dir, step: int, model, optimizer) -> TrainerProgress:
     import torch.distributed.checkpoint as dcp
 
     path = exchange.step_dir(run_dir, KIND, step)
-    exchange.verify(path, checksums=True)
+    manifest = exchange.verify(path, checksums=True)  # in this process, right before loading
     state = json.loads((path / STATE_FILE).read_text())
     with _quiet():
         dcp.load(_stateful(model, optimizer if state["optimizer_state"] else None),
-                 checkpoint_id=str(path / DCP_DIR))
+                 storage_reader=_reader(path.resolve(), manifest), planner=_planner())
     _set_rng_state(load_file(str(path / RNG_FILE)), state["rng"])
     return TrainerProgress(next_step=int(state["next_step"]), consumed=[int(s) for s in state["consumed"]])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: only the classes such a file names are found."""
+    _MODULES = ("torch.distributed.checkpoint.metadata",)
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in self._MODULES or (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which a checkpoint's metadata "
+                                     f"never holds: refused")
+
+
+def _reader(step_path: pathlib.Path, manifest: dict):
+    """DCP's FileSystemReader, reading `.metadata` from verified bytes through `_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = pathlib.Path(self._get_metadata_path(kwargs.get("rank")))
+            rel = path.relative_to(step_path).as_posix()
+            expected = manifest["files"].get(rel, {}).get("sha256")
+            data = path.read_bytes()
+            if expected is None or hashlib.sha256(data).hexdigest() != expected:
+                raise exchange.CorruptStep(f"{path}: not listed with a matching sha256 in {step_path}/"
+                                           f"{exchange.MANIFEST}: refusing to unpickle it")
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+            return metadata
+
+    return VerifiedReader(str(step_path / DCP_DIR))
+
+
+def _planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class PlainDataPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            # DCP reads non-tensor entries with weights_only=False; read them as plain data here, then
+            # hand DCP a copy this process serialised itself, so its own placement logic still applies
+            plain = torch.load(value, weights_only=True)
+            buf = io.BytesIO()
+            torch.save(plain, buf)
+            buf.seek(0)
+            super().load_bytes(read_item, buf)
+
+    return PlainDataPlanner()
 
 
 def resume_step(run_dir) -> int | None:

@@ -387,7 +387,8 @@ class Trainer:
     def save(self, run_dir, step: int) -> None:
         ckpt.save(run_dir, step, self.model, self.optimizer, self.progress, dist=self.dist)
         if self.dist.is_main:
-            exchange.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints))
+            # checksums: a corrupt newest checkpoint must not count as kept (rl.exchange.retention)
+            exchange.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints), checksums=True)
 
     def load(self, run_dir, step: int) -> None:
         self.progress = ckpt.load(run_dir, step, self.model, self.optimizer)
@@ -443,6 +444,13 @@ def _default_examples(run_dir, cfg) -> Examples:
     env = make_env(cfg)
     tok = AutoTokenizer.from_pretrained(str(exchange.step_dir(run_dir, "assets", 0)))
     return lambda n, rng: env.sft_examples(n, rng, tok)
+
+
+def _prune_weights(run_dir, cfg, last_ckpt: int) -> list[int]:
+    """Retention of weights: `keep_weights` verified versions, the newest checkpoint's (a restart
+    serves it), and every version a server may still load (rl.exchange.retention.weights_in_use)."""
+    protect = {last_ckpt} | exchange.weights_in_use(run_dir, int(cfg.orchestrator.max_off_policy))
+    return exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=protect)
 
 
 def _metrics_logger(run_dir, cfg):
@@ -562,7 +570,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         tr.publish_weights(run_dir, n + 1)
         publish_s = time.monotonic() - t1  # the trainer's share: copy-out (and joining the previous publish)
         if main:
-            exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
+            _prune_weights(run_dir, cfg, last_ckpt)
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
                  publish_background_s=tr._pub.last_write_s if tr._pub is not None else 0.0,
                  wait_s=t0 - t_wait, policy_version=n + 1,
@@ -590,7 +598,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
             break
     tr.wait_published()  # the last version is complete before DONE (or before a stopped role exits)
     if main:  # in the loop the newest version was still being written: prune again now it counts
-        exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=[last_ckpt])
+        _prune_weights(run_dir, cfg, last_ckpt)
     if tr.progress.next_step >= max_steps:
         if last_ckpt != tr.progress.next_step:
             tr.save(run_dir, tr.progress.next_step)
