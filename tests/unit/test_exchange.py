@@ -1,6 +1,7 @@
 """The run-directory protocol: atomic publish, verification, corruption, retention, consumption."""
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,182 @@ def test_a_stale_incarnation_cannot_publish_and_its_late_steps_are_ignored(tmp_p
         exchange.verify(tmp_path / "weights" / "step_000003")
     assert exchange.latest_complete(tmp_path, "weights") == 2   # the zombie's step is skipped
     exchange.verify(tmp_path / "weights" / "step_000001")       # incarnation 0's step from before is kept
+
+
+def _manifest(step_path):
+    return json.loads((step_path / "manifest.json").read_text())
+
+
+def _rewrite_manifest(step_path, m):
+    (step_path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("entry", ["../x", "/etc/passwd", "a/../../x", "./f", "sub//f", "manifest.json"])
+def test_a_manifest_entry_outside_the_step_is_refused(tmp_path, entry):
+    pub = exchange.publish(tmp_path, "rollouts", 0, _write({"f": b"abc"}), producer="t")
+    (tmp_path / "rollouts" / "x").write_bytes(b"abc")  # what `../x` would name: it exists and matches
+    m = _manifest(pub.path)
+    m["files"][entry] = dict(m["files"]["f"])
+    _rewrite_manifest(pub.path, m)
+    with pytest.raises(CorruptStep, match=f"files entry '{re.escape(entry)}' is not a path inside the step"):
+        exchange.verify(pub.path)
+    assert exchange.latest_complete(tmp_path, "rollouts") is None
+
+
+def test_a_symlink_leaving_the_step_is_refused(tmp_path):
+    secret = tmp_path / "outside.bin"
+    secret.write_bytes(b"abc")
+    pub = exchange.publish(tmp_path, "rollouts", 0, _write({"f": b"abc"}), producer="t")
+    (pub.path / "f").unlink()
+    (pub.path / "f").symlink_to(secret)  # same size, same sha256: only the confinement check sees it
+    with pytest.raises(CorruptStep, match=r"files entry 'f' leaves the step \(resolves to .*outside.bin\)"):
+        exchange.verify(pub.path)
+    (pub.path / "f").unlink()
+    (pub.path / "f").symlink_to("g")  # a link that stays inside is still a file of the step
+    (pub.path / "g").write_bytes(b"abc")
+    exchange.verify(pub.path)
+
+
+@pytest.mark.parametrize("files, says", [
+    (None, "`files` must map file names"), ([["f", 3]], "`files` must map file names"),
+    ({"f": 3}, "files entry 'f' has no size"), ({"f": {"size": "3"}}, "files entry 'f' has no size"),
+    ({"f": {"size": -1}}, "files entry 'f' has no size"),
+    ({"f": {"size": 3, "sha256": 7}}, "files entry 'f' has a malformed sha256"),
+])
+def test_a_malformed_manifest_is_corrupt_not_a_crash(tmp_path, files, says):
+    pub = exchange.publish(tmp_path, "rollouts", 0, _write({"f": b"abc"}), producer="t")
+    m = _manifest(pub.path)
+    if files is None:
+        del m["files"]
+    else:
+        m["files"] = files
+    _rewrite_manifest(pub.path, m)
+    with pytest.raises(CorruptStep, match=re.escape(says)):
+        exchange.verify(pub.path)
+    (pub.path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(CorruptStep, match="not a JSON object"):
+        exchange.read_manifest(pub.path)
+
+
+def test_the_trainer_sets_a_batch_with_a_malformed_manifest_aside(tmp_path):
+    """rl.trainer.train.next_batch: a batch whose manifest has no file list is moved to rollouts/corrupt/
+    (not trained on, no crash) and the trainer waits for it again; a good republished one is taken."""
+    from rl.contract.batch import RolloutBatch, Sample
+    from rl.runtime import StopFlag
+    from rl.trainer.train import next_batch
+    batch = RolloutBatch.from_samples([Sample([1, 2], [3, 4], [-1.0, -1.0], [0, 0], 1.0, 0)])
+    pub = exchange.publish(tmp_path, "rollouts", 0, batch.save, producer="orchestrator")
+    m = _manifest(pub.path)
+    del m["files"]
+    _rewrite_manifest(pub.path, m)
+    polls = []
+
+    def stop():  # the orchestrator republishes the missing step on the trainer's next poll
+        polls.append(1)
+        if len(polls) == 1:
+            exchange.publish(tmp_path, "rollouts", 0, batch.save, producer="orchestrator")
+        return len(polls) > 50
+    flag = StopFlag(install=False)
+    flag.is_set = stop
+    got = next_batch(tmp_path, 0, flag, poll=0.01)
+    assert got is not None and got[1]["producer"] == "orchestrator" and "files" in got[1]
+    (aside,) = (tmp_path / "rollouts" / "corrupt").iterdir()
+    assert aside.name.startswith("step_000000-") and "files" not in _manifest(aside)
+
+
+def _crash_after_first_rename(monkeypatch):
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 2:
+            raise OSError("killed between the two renames")
+        return real_rename(src, dst)
+    monkeypatch.setattr(exchange.os, "rename", rename)
+    return calls
+
+
+def test_an_overwrite_killed_between_its_renames_is_recovered(tmp_path, monkeypatch):
+    exchange.publish(tmp_path, "checkpoints", 5, _write({"f": b"old"}), producer="t")
+    calls = _crash_after_first_rename(monkeypatch)
+    with pytest.raises(OSError, match="killed between"):
+        exchange.publish(tmp_path, "checkpoints", 5, _write({"f": b"new"}), producer="t", overwrite=True)
+    monkeypatch.undo()
+    assert calls[0][0] == "step_000005" and ".aside-" in calls[0][1]
+    assert exchange.list_steps(tmp_path, "checkpoints") == []  # the step is gone from its name...
+    exchange.clean_tmp(tmp_path, ["checkpoints"])              # ...and cleaning tmp leftovers keeps it
+    assert exchange.restore_asides(tmp_path, ["checkpoints"]) == ["restored checkpoints/step_000005"]
+    assert (tmp_path / "checkpoints" / "step_000005" / "f").read_bytes() == b"old"
+    exchange.verify(tmp_path / "checkpoints" / "step_000005")
+    # killed after both renames, before removing the aside: the new step stands, the aside goes
+    aside = tmp_path / "checkpoints" / "step_000005.aside-0123abcd"
+    aside.mkdir()
+    assert exchange.restore_asides(tmp_path, ["checkpoints"]) == ["removed checkpoints/step_000005.aside-0123abcd"]
+    assert not aside.exists() and exchange.list_steps(tmp_path, "checkpoints") == [5]
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_prune_counts_only_verified_steps(tmp_path):
+    """keep_checkpoints=1 with a bit-flipped newest checkpoint: the good one before it is what is kept
+    (today's code kept the corrupt one and deleted the good one); the corrupt one is left for prepare."""
+    for s in (5, 10, 15):
+        exchange.publish(tmp_path, "checkpoints", s, _write({"f": b"state" * 10}), producer="t")
+    _flip(tmp_path / "checkpoints" / "step_000015" / "f")
+    assert exchange.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == [5]
+    assert exchange.list_steps(tmp_path, "checkpoints") == [10, 15]
+    # nothing verifies: nothing is deleted
+    _flip(tmp_path / "checkpoints" / "step_000010" / "f")
+    assert exchange.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == []
+    # sizes only (weights): a truncated newest step does not count either
+    for s in range(4):
+        exchange.publish(tmp_path, "weights", s, _write({"f": b"w" * 8}), producer="t")
+    with open(tmp_path / "weights" / "step_000003" / "f", "r+b") as f:
+        f.truncate(4)
+    assert exchange.prune(tmp_path, "weights", keep_last=2) == [0]
+    assert exchange.list_steps(tmp_path, "weights") == [1, 2, 3]
+
+
+def test_weights_in_use_follow_the_off_policy_bound_and_the_servers(tmp_path):
+    for s in range(8):
+        exchange.publish(tmp_path, "weights", s, _write({"f": b"w"}), producer="t")
+    assert exchange.weights_in_use(tmp_path, max_off_policy=2) == {5, 6, 7}
+    inference = tmp_path / "inference"
+    inference.mkdir()
+    (inference / "server_0.json").write_text(json.dumps({"version": 1, "index": 0}))
+    (inference / "server_1.json").write_text(json.dumps({"version": 2, "index": 1}))
+    assert exchange.weights_in_use(tmp_path, max_off_policy=0) == {1, 2, 7}
+    # server 1 has since reloaded version 3 (its worker's report); a refused load does not count
+    (inference / "reloads" / "server_1").mkdir(parents=True)
+    (inference / "reloads" / "server_1" / "dp0000-rank0000.json").write_text(json.dumps(
+        {"version": 3, "loaded": True}))
+    (inference / "reloads" / "server_1" / "dp0000-rank0001.json").write_text(json.dumps(
+        {"version": 2, "loaded": False, "error": "refused"}))
+    assert exchange.served_versions(tmp_path) == {1, 3}
+    gone = exchange.prune(tmp_path, "weights", keep_last=1,
+                          protect=exchange.weights_in_use(tmp_path, max_off_policy=1))
+    assert gone == [0, 2, 4, 5] and exchange.list_steps(tmp_path, "weights") == [1, 3, 6, 7]
+
+
+def test_jsonl_append_ends_a_torn_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    exchange.append_jsonl(path, {"a": 1})
+    with open(path, "a") as f:
+        f.write('{"a": 2, "b"')  # a writer killed mid-line
+    exchange.append_jsonl(path, {"a": 3})  # today's GroupLog-less appenders glued this onto the fragment
+    assert exchange.read_jsonl(path) == [{"a": 1}, {"a": 3}]
+    assert path.read_text().endswith('{"a": 3}\n')
+    assert exchange.read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_consumed_log_records_after_a_torn_line(tmp_path):
+    log = exchange.ConsumedLog(tmp_path, "rollouts", "trainer")
+    log.record(0)
+    with open(log.path, "a") as f:
+        f.write('{"step": 1, "consu')  # killed mid-write
+    log.record(1)  # the resumed trainer's record must not be lost to the fragment
+    assert log.steps() == [0, 1]
