@@ -151,15 +151,16 @@ def cmd_cancel(ns) -> int:
         from launch.slurm import cancel_run
         cancel_run(ns.run_dir)
         return 0
-    n = 0
-    for p in (Path(ns.run_dir) / "roles").glob("*.json"):
-        r = json.loads(p.read_text())
-        try:
-            os.kill(r["pid"], signal.SIGTERM)
-            n += 1
-        except OSError:
-            pass
-    print(f"sent SIGTERM to {n} role(s) of {ns.run_dir}")
+    # Only processes that are still the recorded ones (this host, started before their record): a pid
+    # from another host or reused since is never signalled. A live launcher stops its roles itself.
+    from launch.local import recorded_processes
+    from launch.procs import signal_recorded
+    procs = recorded_processes(Path(ns.run_dir))
+    launcher = [r for r in procs if r.what == "launcher" and r.alive()[0]]
+    done, skipped = signal_recorded(launcher or [r for r in procs if r.what != "launcher"], signal.SIGTERM)
+    for r, why in skipped:
+        print(f"not signalled: {r.what} (pid {r.pid}): {why}")
+    print(f"sent SIGTERM to {', '.join(r.what for r in done) or 'nothing'} of {ns.run_dir}")
     return 0
 
 

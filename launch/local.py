@@ -16,10 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from launch.procs import Recorded
 from launch.rundir import freeze_run_dir
 from rl.contract import paths
+from rl.contract.config import ConfigError
 from rl.contract.plan import Plan
-from rl.contract.records import LocalLauncher
+from rl.contract.records import LocalLauncher, RoleRecord
 
 REPO = Path(__file__).resolve().parent.parent
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
@@ -91,8 +93,55 @@ class _Progress:
             self.live.stop()
 
 
+LOCK = "launcher.lock"
+
+
+def recorded_processes(run_dir: Path) -> list[Recorded]:
+    """The launcher and the roles a run directory records (live or not)."""
+    out = []
+    launcher = LocalLauncher.read(run_dir)
+    if launcher is not None:
+        out.append(Recorded("launcher", launcher.host, launcher.pid, launcher.started))
+        out += [Recorded(f"role {r}", launcher.host, pid, launcher.started) for r, pid in launcher.roles.items()]
+    seen = {(r.host, r.pid) for r in out}
+    for rec in RoleRecord.read_all(run_dir):
+        if (rec.host, rec.pid) not in seen:
+            out.append(Recorded(f"role {rec.role}", rec.host, rec.pid, rec.time))
+    return out
+
+
+def _take_run_dir(run_dir: Path):
+    """Hold RUN_DIR/launcher.lock for this launcher's lifetime and refuse a run directory whose earlier
+    launcher or roles still run (a second launcher would start a second trainer on the same steps).
+    Returns the open lock file (the lock lives as long as it)."""
+    import fcntl
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConfigError(f"run_dir={str(run_dir)!r}: another launcher holds {LOCK} "
+                          f"(python -m launch status / cancel {run_dir})") from None
+    live = [r for r in recorded_processes(run_dir) if r.alive()[0]]
+    if live:
+        f.close()
+        names = ", ".join(f"{r.what} (pid {r.pid})" for r in live)
+        raise ConfigError(f"run_dir={str(run_dir)!r}: processes of an earlier launch still run: {names} "
+                          f"(python -m launch cancel {run_dir}, then run again)")
+    return f
+
+
 def run_local(cfg: dict, plan: dict) -> int:
     run_dir = Path(cfg["run_dir"])
+    lock = _take_run_dir(run_dir)
+    try:
+        return _run_local(cfg, plan, run_dir)
+    finally:
+        lock.close()
+
+
+def _run_local(cfg: dict, plan: dict, run_dir: Path) -> int:
     resuming = freeze_run_dir(cfg, run_dir, plan, backend="local")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

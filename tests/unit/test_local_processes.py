@@ -1,0 +1,92 @@
+"""Local runs: a pid in a run directory is signalled only while it is the recorded process, and a second
+launcher on a run directory whose launcher or roles still run is refused before it writes anything."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from launch.procs import Recorded, process_start_time, signal_recorded
+from rl.contract.records import LocalLauncher
+
+LAUNCH = [sys.executable, "-m", "launch"]
+
+
+def _sleeper():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(0.2)
+    return p
+
+
+def test_a_record_names_its_process_only_on_its_host_and_before_pid_reuse():
+    p = _sleeper()
+    try:
+        started = process_start_time(p.pid)
+        assert started is not None and abs(started - time.time()) < 30
+        assert Recorded("role x", socket.gethostname(), p.pid, time.time()).alive()[0]
+        ok, why = Recorded("role x", "elsewhere", p.pid, time.time()).alive()
+        assert not ok and "host elsewhere" in why
+        ok, why = Recorded("role x", socket.gethostname(), p.pid, started - 60).alive()  # written before it started
+        assert not ok and "reused" in why
+        done, skipped = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, started - 60)],
+                                        signal.SIGTERM)
+        assert not done and p.poll() is None  # the unrelated process was left alone
+        done, _ = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, time.time())], signal.SIGTERM)
+        assert done and p.wait(10) == -signal.SIGTERM
+    finally:
+        p.kill()
+    assert not Recorded("role x", socket.gethostname(), p.pid, time.time()).alive()[0]
+
+
+def test_an_exited_unreaped_process_is_not_alive():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(1.0)  # exited; not waited for, so a zombie until we reap it
+    assert open(f"/proc/{p.pid}/stat").read().split(") ")[1][0] == "Z"
+    assert process_start_time(p.pid) is None
+    p.wait()
+
+
+def test_a_second_launcher_is_refused_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    import fcntl
+    with open(run / "launcher.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        r = subprocess.run([*LAUNCH, "run", f"run_dir={run}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "another launcher holds launcher.lock" in r.stderr, r.stderr
+    assert not (run / "config.yaml").exists()
+    # the lock is free, but a role of the earlier launch still runs: refused too
+    p = _sleeper()
+    try:
+        LocalLauncher(host=socket.gethostname(), pid=999999, started=time.time(), roles={"trainer": p.pid}).write(run)
+        r = subprocess.run([*LAUNCH, "run", f"run_dir={run}"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"role trainer (pid {p.pid})" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert not (run / "config.yaml").exists()
+    finally:
+        p.kill()
+
+
+def test_cancel_signals_recorded_roles_only_while_they_are_theirs(tmp_path):
+    from builders import make_run_dir
+    run = tmp_path / "run"
+    make_run_dir(run)
+    live, reused = _sleeper(), _sleeper()
+    try:
+        LocalLauncher(host=socket.gethostname(), pid=999999, started=time.time(),
+                      roles={"trainer": live.pid}).write(run)
+        # a role recorded long ago whose pid now belongs to a younger process
+        (run / "roles").mkdir(exist_ok=True)
+        import json
+        (run / "roles" / "orchestrator.json").write_text(json.dumps(
+            {"role": "orchestrator", "host": socket.gethostname(), "pid": reused.pid, "time": time.time() - 3600}))
+        r = subprocess.run([*LAUNCH, "cancel", str(run)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert live.wait(10) == -signal.SIGTERM
+        assert reused.poll() is None and "reused" in r.stdout, r.stdout
+    finally:
+        live.kill()
+        reused.kill()
