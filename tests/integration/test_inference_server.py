@@ -3,7 +3,8 @@
 The run directory is made the way the launcher makes it (`launch.plan.make_plan` +
 `launch.rundir.freeze_run_dir`: config, plan, secret) and the role is started with the plan's command and
 environment, as the local backend does; the first test checks that the vLLM process it started runs
-exactly the planned argv with the planned environment, and that the run's secret guards the API.
+exactly the planned argv with the planned environment, and that the run's secret guards the API (every
+path but /health, rl.inference.auth) and is on no command line and in no log.
 The reference is transformers in fp32 on the same dequantized weights; the first check shows the
 freshly started engine matches it, so "reloaded engine == reference" means "reloaded == fresh".
 Also: a request in flight across a reload, its per-token versions; a corrupted shard is refused.
@@ -191,6 +192,78 @@ def test_server_runs_the_planned_command_behind_the_secret(setup):
     ok = httpx.post(f"{info.url}/v1/completions", json=body, timeout=60,
                     headers={"Authorization": f"Bearer {secret}"})
     assert ok.status_code == 200, ok.text
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += kids.get(out[-1], [])
+    return out
+
+
+@pytest.mark.slow
+def test_every_path_but_health_needs_the_secret_and_no_argv_or_log_holds_it(setup):
+    """The real server behind rl.inference.auth: the engine-control paths vLLM's own --api-key leaves
+    open answer 401 without the token and with a wrong one of the same length, and change nothing;
+    with the token they work. The secret is on no command line of the role, its vLLM server or any of
+    their children (the engine core), and in no log."""
+    info, secret, run_dir = setup["info"], setup["secret"], setup["run_dir"]
+    good = {"Authorization": f"Bearer {secret}"}
+    wrong = {"Authorization": f"Bearer {secret[:-1]}{'0' if secret[-1] != '0' else '1'}"}
+    calls = [("POST", "/collective_rpc", {"method": "policy_version"}, None),
+             ("POST", "/pause", None, {"mode": "keep"}),
+             ("POST", "/update_weight_version", {"new_version": "666"}, None),
+             ("GET", "/metrics", None, None),
+             ("POST", "/v1/completions", {"model": "policy", "prompt": PROMPTS[0], "max_tokens": 1}, None),
+             ("GET", "/weight_info", None, None), ("GET", "/is_paused", None, None),
+             ("POST", "/reset_prefix_cache", None, None), ("POST", "/sleep", None, None)]
+    with httpx.Client(base_url=info.url, timeout=60) as http:
+        for method, path, body, params in calls:
+            for headers in ({}, wrong, {"Authorization": secret}):
+                r = http.request(method, path, json=body, params=params, headers=headers)
+                assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
+        assert http.get("/health").status_code == 200          # the readiness probe needs no token
+        assert http.get("/is_paused", headers=good).json()["is_paused"] is False  # nothing got through
+        version = http.get("/weight_info", headers=good).json()["weight_version"]
+        assert version != "666"                                   # the unauthenticated label was refused
+        rpc = http.post("/collective_rpc", json={"method": "policy_version"}, headers=good)
+        assert rpc.status_code == 200 and rpc.json()["results"] == [version], rpc.text  # ints come as text
+        assert http.post("/pause", params={"mode": "keep"}, headers=good).status_code == 200
+        try:
+            assert http.get("/is_paused", headers=good).json()["is_paused"] is True
+        finally:
+            assert http.post("/resume", headers=good).status_code == 200
+        assert http.post("/update_weight_version", json={"new_version": version}, headers=good).status_code == 200
+        m = http.get("/metrics", headers=good)
+        assert m.status_code == 200 and "vllm:num_requests_running" in m.text
+        ok = http.post("/v1/completions", json=calls[4][2], headers=good)
+        assert ok.status_code == 200, ok.text
+    pids = _descendants(setup["proc"].pid)
+    assert info.pid in pids and len(pids) >= 3, pids               # role, vLLM server, engine core
+    seen = 0
+    for pid in pids:
+        try:
+            argv, env = _proc_argv_env(pid)
+        except OSError:
+            continue
+        seen += 1
+        assert not any(secret in a for a in argv) and "--api-key" not in argv, (pid, argv)
+        if pid == info.pid:
+            assert env["VLLM_API_KEY"] == secret and "rl.inference.auth.RunSecret" in argv
+    assert seen >= 3
+    for log in (paths.vllm_log_file(run_dir, 0), setup["root"] / "inference.out"):
+        assert secret not in log.read_text(errors="replace"), log
 
 
 def _run(coro):
