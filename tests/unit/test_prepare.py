@@ -1,0 +1,142 @@
+"""rl.prepare: where an incarnation resumes, what it sets aside, what it refuses (real files in tmp_path)."""
+import io
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rl import exchange
+from rl.contract.config import Config
+from rl.prepare import NoCheckpoint, main, prepare
+
+
+def _run_dir(tmp_path, max_off_policy=1) -> Path:
+    cfg = OmegaConf.structured(Config)
+    cfg.run_dir, cfg.orchestrator.max_off_policy = str(tmp_path), max_off_policy
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return tmp_path
+
+
+def _publish(run_dir, kind, steps, data=b"payload" * 20):
+    for s in steps:
+        exchange.publish(run_dir, kind, s, lambda d: (d / "f.bin").write_bytes(data), producer="t")
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path):
+    d = _run_dir(tmp_path)
+    _publish(d, "checkpoints", [5, 10])
+    _publish(d, "weights", range(12))
+    _publish(d, "rollouts", range(11))
+    _flip(d / "checkpoints" / "step_000010" / "f.bin")  # same size: only the checksum sees it
+    state = prepare(d)
+    assert state.checkpoint_step == 5
+    assert state.discarded == {"weights": [6, 7, 8, 9, 10, 11], "rollouts": [6, 7, 8, 9, 10],
+                               "checkpoints": [10]}
+    assert exchange.list_steps(d, "checkpoints") == [5]
+    (aside,) = (d / "checkpoints" / "corrupt").iterdir()  # renamed, not deleted: kept for inspection
+    assert aside.name.startswith("step_000010-") and (aside / "f.bin").is_file()
+    assert json.loads((d / "resume.json").read_text())["checkpoint_step"] == 5
+
+
+@pytest.mark.parametrize("history, says", [
+    ("corrupt_checkpoint", "1 checkpoint(s) that do not verify, newest checkpoints/step_000000"),
+    ("weights", "weights up to weights/step_000003"),
+    ("rollouts", "rollouts up to rollouts/step_000002"),
+    ("resume", "resume.json says restart 2 resumed from checkpoint step 5"),
+])
+def test_a_run_with_history_but_no_verifiable_checkpoint_is_refused(tmp_path, capsys, history, says):
+    d = _run_dir(tmp_path, max_off_policy=1)
+    _publish(d, "weights", [0])
+    if history == "corrupt_checkpoint":
+        _publish(d, "checkpoints", [0])
+        _flip(d / "checkpoints" / "step_000000" / "f.bin")
+    elif history == "weights":
+        _publish(d, "weights", [1, 2, 3])
+    elif history == "rollouts":
+        _publish(d, "rollouts", [0, 1, 2])  # batch 2 needs version >= 1 under max_off_policy=1
+    else:
+        (d / "resume.json").write_text(json.dumps({"checkpoint_step": 5, "restart": 2}))
+    before = sorted(p.relative_to(d).as_posix() for p in d.rglob("*"))
+    refused = r"no checkpoint verifies, but the run has history \(.*" + re.escape(says)
+    with pytest.raises(NoCheckpoint, match=refused):
+        prepare(d)
+    assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*")) == before  # nothing discarded
+    with pytest.raises(SystemExit) as e:
+        main(["--run-dir", str(d)])
+    assert str(e.value).startswith("[prepare] error: ") and "\n" not in str(e.value)
+    assert "--from-scratch" in str(e.value)
+    main(["--run-dir", str(d), "--from-scratch"])  # explicit: discard and start over
+    assert "resuming from scratch" in capsys.readouterr().out
+    assert exchange.list_steps(d, "weights") == [] and exchange.list_steps(d, "checkpoints") == []
+    assert prepare(d).checkpoint_step is None  # the next start sees no history: no refusal loop
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_from_scratch(tmp_path):
+    d = _run_dir(tmp_path, max_off_policy=1)
+    _publish(d, "weights", [0])
+    _publish(d, "rollouts", [0, 1])  # both may come from version 0 before checkpoint 0
+    assert prepare(d).checkpoint_step is None  # writes resume.json with no checkpoint
+    _publish(d, "weights", [0])
+    state = prepare(d)
+    assert state.checkpoint_step is None and state.restart == 1
+
+
+def test_prepare_restores_a_checkpoint_whose_overwrite_was_killed_between_renames(tmp_path, monkeypatch):
+    d = _run_dir(tmp_path)
+    _publish(d, "checkpoints", [0, 5])
+    _publish(d, "weights", range(7))
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed")
+        return real_rename(src, dst)
+    monkeypatch.setattr(exchange.os, "rename", rename)
+    tmp = exchange.begin(d, "checkpoints", 5)
+    (tmp / "f.bin").write_bytes(b"new")
+    with pytest.raises(OSError, match="killed"):
+        exchange.commit(d, "checkpoints", 5, tmp, producer="t", overwrite=True)
+    monkeypatch.undo()
+    assert exchange.list_steps(d, "checkpoints") == [0]
+    state = prepare(d)
+    assert state.checkpoint_step == 5 and state.discarded["weights"] == [6]
+    assert not [p for p in (d / "checkpoints").iterdir() if "step_000005." in p.name]
+
+
+def test_checkpoint_metadata_is_unpickled_only_from_verified_bytes_and_known_classes(tmp_path):
+    """DCP's `.metadata` (a pickle): a real one loads through the allowlist; bytes that differ from the
+    manifest are refused before unpickling; a pickle naming anything else is refused."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from rl.trainer.checkpoint import _MetadataUnpickler, _quiet, _reader
+
+    def write(step_dir):
+        with _quiet():
+            dcp.save({"w": torch.arange(6.0), "lr": 0.5}, checkpoint_id=str(step_dir / "dcp"))
+    pub = exchange.publish(tmp_path, "checkpoints", 1, write, producer="t")
+    path = pub.path.resolve()
+    manifest = exchange.verify(path)
+    md = _reader(path, manifest).read_metadata()
+    assert set(md.state_dict_metadata) == {"w", "lr"}
+    out = {"w": torch.zeros(6), "lr": 0.0}
+    from rl.trainer.checkpoint import _planner
+    with _quiet():
+        dcp.load(out, storage_reader=_reader(path, manifest), planner=_planner())
+    assert torch.equal(out["w"], torch.arange(6.0)) and out["lr"] == 0.5
+    bad = json.loads(json.dumps(manifest))
+    bad["files"]["dcp/.metadata"]["sha256"] = "0" * 64
+    with pytest.raises(exchange.CorruptStep, match="refusing to unpickle it"):
+        _reader(path, bad).read_metadata()
+    with pytest.raises(pickle.UnpicklingError, match=r"names (posix|os)\.system"):
+        _MetadataUnpickler(io.BytesIO(pickle.dumps(os.system))).load()
