@@ -106,12 +106,14 @@ class Completion:
 
 
 class InferenceClient:
-    """One server. `url` like http://host:port; `secret` is sent as a Bearer token when set."""
+    """One server. `url` like http://host:port; `secret` (the run's) is sent as a Bearer token on every
+    request when set: the servers (rl.inference.auth) and the router require it on every path but /health."""
 
     def __init__(self, url: str, secret: str | None = None, timeout: float = 300.0,
                  max_connections: int = 256):
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self.url = url.rstrip("/")
+        self._sends_secret = bool(secret)
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
@@ -138,6 +140,10 @@ class InferenceClient:
                     raise InferenceError(f"POST {self.url}{path}: {type(e).__name__} after {attempts} attempts "
                                          f"(is the server up? see its log)") from e
                 await asyncio.sleep(0.2 * 2 ** attempt)
+        if r.status_code == 401:
+            raise InferenceError(f"POST {self.url}{path} -> 401: " + (
+                "the server refused the run's secret (is it another run's server?)" if self._sends_secret else
+                "the server wants a token and this client has none (the run directory has no secret)"))
         if r.status_code >= 400:
             raise InferenceError(f"POST {self.url}{path} -> {r.status_code}: {r.text[:1000]}")
         return r.json() if r.content else {}

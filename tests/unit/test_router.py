@@ -504,6 +504,25 @@ def test_http_secret_guards_every_path_but_health_in_constant_time():
     asyncio.run(_router_case(["mixed", "mixed"], case, poll_interval_s=60))
 
 
+def test_orchestrator_client_sends_the_secret_and_names_a_refusal():
+    from rl.orchestrator.client import InferenceClient, InferenceError
+
+    async def case(http, url, router, fakes):
+        router.secret = "s" * 32
+        async with InferenceClient(url, secret="s" * 32) as c:
+            assert (await c._post("/pause", params={"mode": "keep"}))["success"]
+            assert await c.weight_version() == "3" and await c.health()
+            assert (await c.generate(list(range(8)), 2)).ids == [7, 7, 7, 7]
+        async with InferenceClient(url, secret="t" * 32) as c:
+            with pytest.raises(InferenceError, match=r"/pause -> 401: the server refused the run's secret"):
+                await c._post("/pause")
+        async with InferenceClient(url) as c:
+            with pytest.raises(InferenceError, match=r"-> 401: .* this client has none"):
+                await c._post("/collective_rpc", {"method": "x"})
+            assert await c.health()                      # the readiness probe needs none
+    asyncio.run(_router_case(["mixed"], case, poll_interval_s=60))
+
+
 def test_router_client_sends_the_session_header():
     from rl.orchestrator.client import SESSION, router_client_class
 
