@@ -216,6 +216,16 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except OSError as e:  # the filesystem (a full disk, a read-only or missing run dir): one line, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from launch.slurm import SlurmError
+        if isinstance(e, SlurmError):  # its message is already one line with sbatch's own words
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

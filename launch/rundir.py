@@ -48,21 +48,33 @@ def load_frozen(run_dir: Path) -> dict | None:
     return yaml.safe_load(p.read_text()) if p.exists() else None
 
 
+def check_resume(cfg: dict, run_dir: str | os.PathLike) -> bool:
+    """Refuse a config that differs from the run's frozen one in a key a resume may not change (one line
+    naming the key). Returns True if `run_dir` holds a frozen run (this is a resume). Writes nothing."""
+    run_dir = Path(run_dir).absolute()
+    cfg = {k: v for k, v in cfg.items() if k != "_overrides"}
+    try:
+        old = load_frozen(run_dir)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{paths.config_file(run_dir)}: cannot be read ({' '.join(str(e).split())})") from None
+    if old is None:
+        return False
+    diff = config_diff(old, cfg)
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"{k}: differs from the frozen config of {run_dir} "
+                          f"({_flatten(old).get(k, '<unset>')!r} -> {_flatten(cfg).get(k, '<unset>')!r}); "
+                          f"a resume cannot change it (use a new run_dir)")
+    return True
+
+
 def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: str | None = None,
                    backend: str = "local") -> bool:
     """Write (or check) the frozen files. Returns True if this is a resume of an existing run."""
     run_dir = Path(run_dir).absolute()
     cfg = {k: v for k, v in cfg.items() if k != "_overrides"}  # the command line, not config
+    resuming = check_resume(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    old = load_frozen(run_dir)
-    resuming = old is not None
-    if resuming:
-        diff = config_diff(old, cfg)
-        if diff:
-            k = diff[0]
-            raise ConfigError(f"{k}: differs from the frozen config of {run_dir} "
-                              f"({_flatten(old).get(k, '<unset>')!r} -> {_flatten(cfg).get(k, '<unset>')!r}); "
-                              f"a resume cannot change it (use a new run_dir)")
     for sub in paths.SUBDIRS:
         (run_dir / sub).mkdir(exist_ok=True)
     # The resumable keys may change, so the frozen files always hold the newest submission's values.

@@ -65,17 +65,20 @@ def _run(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Comp
         r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise SlurmError(f"{args[0]}: not found (is this a Slurm login node?)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(args[:2])}: no answer within {timeout:.0f} s (is slurmctld up?)") from None
     if check and r.returncode != 0:
         msg = " ".join((r.stderr or r.stdout).split()) or f"exit status {r.returncode}"
         raise SlurmError(f"{' '.join(args[:2])}: {msg}")
     return r
 
 
-def submit(run_dir: str | os.PathLike, script: str | os.PathLike) -> str:
-    """sbatch SCRIPT from RUN_DIR; returns the job id and appends it to RUN_DIR/slurm_jobs.jsonl."""
+def submit(run_dir: str | os.PathLike, script: str | os.PathLike, hold: bool = False) -> str:
+    """sbatch SCRIPT from RUN_DIR (held with `hold`); returns the job id and appends it to
+    RUN_DIR/slurm_jobs.jsonl."""
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    r = _run("sbatch", "--parsable", f"--chdir={run_dir}", str(script))
+    r = _run("sbatch", "--parsable", *(["--hold"] if hold else []), f"--chdir={run_dir}", str(script))
     job_id = r.stdout.strip().split(";")[0].split("+")[0]
     with open(run_dir / JOBS_FILE, "a") as f:
         f.write(json.dumps({"job_id": job_id, "time": time.time()}) + "\n")
@@ -125,8 +128,14 @@ def prepare_run(cfg: dict, run_dir: str | os.PathLike) -> tuple[dict, str]:
 
 
 def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
-    """Freeze the run dir (config, plan, script; a resume is checked) and submit. Returns the job id."""
-    from launch.rundir import freeze_run_dir
+    """Submit the run and freeze its run dir (config, plan, script; a resume is checked first). Returns
+    the job id.
+
+    The frozen files are written only once Slurm has accepted the job, so a submission Slurm refuses (a
+    wrong partition, account or limit) leaves the run directory as it was and the same command, corrected,
+    can be run again. The job is submitted held and released after the files are in place: it cannot start
+    and read a run directory that is not written yet. If freezing fails, the held job is cancelled."""
+    from launch.rundir import check_resume, freeze_run_dir
     run_dir = Path(run_dir).absolute()
     cfg = dict(cfg, run_dir=str(run_dir))
     cfg.pop("_overrides", None)
@@ -135,8 +144,24 @@ def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
         raise ConfigError(f"run_dir={str(run_dir)!r}: job {old} of this run is still active "
                           f"(python -m launch cancel {run_dir})")
     plan, script = prepare_run(cfg, run_dir)
-    freeze_run_dir(cfg, run_dir, plan, script, backend="slurm")
-    return submit(run_dir, run_dir / "job.sbatch")
+    check_resume(cfg, run_dir)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        pending = run_dir / f".{paths.JOB_SCRIPT}.pending-{os.getpid()}"
+        pending.write_text(script)
+    except OSError as e:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: cannot be written ({e.strerror or e})") from None
+    try:
+        job_id = submit(run_dir, pending, hold=True)
+    finally:
+        pending.unlink(missing_ok=True)
+    try:
+        freeze_run_dir(cfg, run_dir, plan, script, backend="slurm")
+    except BaseException:
+        cancel(job_id)
+        raise
+    _run("scontrol", "release", job_id)
+    return job_id
 
 
 def resume_slurm(run_dir: str | os.PathLike, max_steps: int | None = None) -> str:

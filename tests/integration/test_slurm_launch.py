@@ -49,6 +49,24 @@ def test_launch_status_cancel_resume(slurm, tmp_path):
     assert ls.log_path(run_dir, "job").name == f"slurm-{job2}.out"
 
 
+def test_a_refused_submission_freezes_nothing_and_can_be_corrected(slurm, tmp_path):
+    import subprocess
+    import sys
+    run_dir = tmp_path / "run"
+    bad = ["cluster=slurm", f"run_dir={run_dir}", "cluster.partition=nosuchpartition",
+           "cluster.extra_sbatch=['--begin=now+3600']"]
+    r = subprocess.run([sys.executable, "-m", "launch", "run", *bad], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: sbatch --parsable") and "partition" in r.stderr.lower(), r.stderr
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "secret").exists()
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".job.sbatch")]
+    # corrected, with another learning rate too: it is a first submission, not a resume
+    job = ls.launch_slurm(_cfg(run_dir, "trainer.lr=0.1"), run_dir)
+    assert ls.job_state(job)["state"] == "PENDING" and ls.job_state(job)["reason"] != "JobHeldUser"
+    assert "lr: 0.1" in (run_dir / "config.yaml").read_text()
+    ls.cancel_run(run_dir)
+
+
 def test_cluster_stop_leaves_no_process(tmp_path):
     from slurm_cluster import SlurmCluster, missing_binaries
     if missing_binaries() and not os.environ.get("CI"):
