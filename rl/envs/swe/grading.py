@@ -8,7 +8,8 @@ names the harness function; our own short names are aliases of the same code):
 - `pytest` = `parse_log_pytest`: the short summary of `pytest -rA`, lines "PASSED tests/t.py::test_a" and
   "FAILED tests/t.py::test_b - AssertionError..." (the " - message" tail is not part of the id).
 - `pytest_v2` = `parse_log_pytest_v2`: the same after stripping ANSI colour codes (`--color=yes` logs).
-- `pytest_verbose`: `pytest -v` progress lines, "tests/t.py::test_a PASSED   [ 50%]".
+- `pytest_verbose`: `pytest -v` progress lines, "tests/t.py::test_a PASSED   [ 50%]" (a skip or xfail
+  reason in parentheses after the status).
 - `name_status`: one "name: STATUS" per line (ok/pass/fail spellings accepted), for test runners that
   are not pytest, and for harnesses that print their own summary.
 - `r2e`: R2E-Gym's view of the `-rA` summary: the id without its file ("TestX.test_a" for
@@ -31,7 +32,7 @@ STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 PASSING = ("PASSED", "XFAIL")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+)$")
-_VERBOSE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?:\s+\[\s*\d+%\])?\s*$")
+_VERBOSE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \(.*\))?(?:\s+\[\s*\d+%\])?\s*$")
 _NAME_STATUS = re.compile(r"^(.+?):\s+(\w+)\s*$")
 _SPELLINGS = {"passed": "PASSED", "pass": "PASSED", "ok": "PASSED", "success": "PASSED",
               "failed": "FAILED", "fail": "FAILED", "failure": "FAILED", "error": "ERROR",
