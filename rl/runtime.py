@@ -34,6 +34,7 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if not paths.config_file(ns.run_dir).is_file():
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
+    start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)
     return ns
 
 
@@ -90,3 +91,74 @@ def mark_done(run_dir: str | os.PathLike, **info) -> None:
 
 def log(role: str, msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} {role}] {msg}", flush=True)
+
+
+EXIT_STALLED = paths.EXIT_STALLED
+
+
+class Watchdog:
+    """Ends this role when it has waited too long for its input without any progress.
+
+    A role whose producer is stuck (a trainer that hangs in a collective, an orchestrator whose servers
+    stopped answering, weights that never come) would otherwise hold its whole allocation until the time
+    limit, and then be requeued into the same hang. Every wait of a role for another role's output is
+    announced here (`waiting(what)`), every step of progress clears it (`progress()`); a daemon thread
+    ends the process with EXIT_STALLED and one line naming what it waited for once a wait exceeds
+    `cluster.stall_timeout_s`. The exit is a failure, not a stop, so the batch script ends the job without
+    requeueing it. os._exit, because the main thread is the stuck one: a trainer's pending publish is left
+    as a tmp directory, which the next prepare removes; a vLLM child goes with its parent (PDEATHSIG).
+    """
+
+    def __init__(self, role: str, timeout_s: float, poll_s: float = 1.0, exit=os._exit):
+        import threading
+        self.role, self.timeout_s, self.poll_s, self._exit = role, float(timeout_s), poll_s, exit
+        self.what: str | None = None
+        self.since = time.monotonic()
+        self._lock = threading.Lock()
+        if self.timeout_s > 0:
+            threading.Thread(target=self._watch, name=f"{role}-watchdog", daemon=True).start()
+
+    def waiting(self, what: str) -> None:
+        """This role now waits for `what` (the same `what` again keeps the original start)."""
+        with self._lock:
+            if what != self.what:
+                self.what, self.since = what, time.monotonic()
+
+    def progress(self) -> None:
+        with self._lock:
+            self.what = None
+
+    def stalled_for(self) -> float:
+        with self._lock:
+            return 0.0 if self.what is None else time.monotonic() - self.since
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                what, waited = self.what, time.monotonic() - self.since
+            if what is not None and waited > self.timeout_s:
+                log(self.role, f"STALLED: no progress for {waited:.0f} s while waiting for {what} "
+                               f"(cluster.stall_timeout_s={self.timeout_s:g}); ending the role")
+                self._exit(EXIT_STALLED)
+                return
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def start_watchdog(role: str, timeout_s: float) -> Watchdog:
+    """The process's watchdog (one per role process)."""
+    global _WATCHDOG
+    _WATCHDOG = Watchdog(role, timeout_s)
+    return _WATCHDOG
+
+
+def waiting(what: str) -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.waiting(what)
+
+
+def progress() -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.progress()

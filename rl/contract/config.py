@@ -219,7 +219,12 @@ class SandboxLimitsConfig:
 @dataclass
 class SweConfig:
     """The SWE environment (rl.envs.swe)."""
-    tasks: Optional[str] = None        # a SWE-bench-format JSONL file; None = the built-in set
+    # Task rows: a JSONL or parquet file or a saved `datasets` directory, in any format of docs/swe.md,
+    # or a shipped set: builtin (snapshots; also None) or builtin_swebench (SWE-bench rows, git repos).
+    tasks: Optional[str] = None
+    format: str = "auto"               # auto | swe_bench | swe_smith | swe_rebench | r2e_gym
+    repos_dir: Optional[str] = None    # git repositories of rows' `repo` names; None = ~/.cache/hetrl/swe_repos
+    partial_credit: bool = True        # reward = fraction of graded tests passed; False: 1 only if all pass
     wall_s: float = 1800.0             # one episode, tools and grading included
     tool_timeout_s: float = 60.0       # one tool run (pytest, patch); clipped to the time left
     output_chars: int = 4000           # tool output kept per observation
@@ -454,7 +459,10 @@ def validate(cfg: DictConfig | dict) -> None:
     for k, v in e.swe.limits.items():
         need(v > 0, f"env.swe.limits.{k}", "must be positive")
     if e.name == "swe" and e.swe.tasks:
-        need(Path(e.swe.tasks).is_file(), "env.swe.tasks", "file not found")
+        need(e.swe.tasks in ("builtin", "builtin_swebench") or Path(e.swe.tasks).exists(), "env.swe.tasks",
+             "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
+    need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
+         "must be auto, swe_bench, swe_smith, swe_rebench or r2e_gym")
     i = cfg.inference
     need(i.port == 0 or 1024 <= i.port <= 65535 - 64, "inference.port", "must be 0 (auto) or a TCP port in [1024, 65471]")
     need(i.router_port == 0 or 1024 <= i.router_port <= 65535, "inference.router_port",
@@ -492,7 +500,7 @@ def validate(cfg: DictConfig | dict) -> None:
     need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
          "must be an absolute path or a command name on PATH")
     for key in ("run_dir", "experiment", "model.name", "model.hf_path", "cluster.node_local_dir",
-                "cluster.python", "env.swe.tasks", "inference.host"):
+                "cluster.python", "env.swe.tasks", "env.swe.repos_dir", "inference.host"):
         _no_newline(key, _get(cfg, key))
     for key in ("cluster.setup", "cluster.extra_sbatch", "inference.extra_args"):
         for n, line in enumerate(_get(cfg, key) or []):

@@ -38,6 +38,7 @@ SUBDIRS = ("logs", "roles", ROLLOUTS, WEIGHTS, CHECKPOINTS, "inference")
 # Exit status of a role that stopped early because it was asked to (preemption, time limit, Ctrl-C):
 # the batch script and the local backend tell it apart from a crash and requeue / report "stopped".
 EXIT_PREEMPTED = 3
+EXIT_STALLED = 4    # rl.runtime.Watchdog: waited past cluster.stall_timeout_s for another role's output
 
 
 def p(run_dir: PathLike, *parts: str) -> Path:

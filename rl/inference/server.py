@@ -387,6 +387,7 @@ def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path,
         if not announced:
             log(f"waiting for {assets} and weights/step_* from the trainer")
             announced = True
+        runtime.waiting(f"{assets} and a complete weights/step_* from the trainer")
         time.sleep(0.5)
     return None
 
@@ -419,6 +420,7 @@ def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, 
         if not announced:
             log(f"waiting for {path} (the version the replica's head loads)")
             announced = True
+        runtime.waiting(f"{path} from the replica's head")
         time.sleep(0.5)
     return None
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rl import exchange
+from rl import exchange, runtime
 from rl.envs import make_env
 from rl.envs.base import is_multi_turn
 from rl.envs.digits import encode_prompt
@@ -150,10 +150,12 @@ class Orchestrator:
 
     async def _wait_version(self, need: int) -> bool:
         while self.tracker.version < need:
+            runtime.waiting(f"weights/step_{need:06d} from the trainer, loaded into the servers")
             if self.stop.is_set():
                 return False
             self.check_watcher()
             await asyncio.sleep(0.05)
+        runtime.progress()
         return True
 
     # --- sampling ------------------------------------------------------------------------------

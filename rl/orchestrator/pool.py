@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl import exchange
+from rl import exchange, runtime
 from rl.contract import paths
 from rl.contract.batch import Sample
 from rl.runtime import is_done, log
@@ -329,6 +329,8 @@ class ContinuousPool:
                 self._fill(n)
                 groups = self._take(n)
                 if groups is None:
+                    runtime.waiting(f"rollout groups for rollouts/step_{n:06d} (finished by the servers, within "
+                                    f"max_off_policy of it: needs weights/step_{max(n - self.k, 0):06d})")
                     self.wake.clear()
                     try:
                         await asyncio.wait_for(self.wake.wait(), 0.2)
@@ -336,6 +338,7 @@ class ContinuousPool:
                         pass
                     continue
                 orch.publish_batch(n, orch.finish_batch(n, [g.samples for g in groups], self._meta(n, groups)))
+                runtime.progress()
         finally:
             if self.inflight:
                 await self.drain("stop" if orch.stop.is_set() else "drain", next_missing() or self.max_steps)

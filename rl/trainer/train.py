@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from rl import exchange
+from rl import exchange, runtime
 from rl.exchange import weights as wire
 from rl.exchange.publisher import WeightPublisher
 from rl.contract.batch import BATCH_FILE, RolloutBatch
@@ -403,12 +403,15 @@ class Trainer:
 def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[RolloutBatch, dict] | None:
     """Wait for `rollouts/step_<step>`, verified with checksums; quarantine and re-wait if corrupt."""
     while True:
+        runtime.waiting(f"rollouts/step_{step:06d} from the orchestrator")
         path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
         if path is None:
             return None
         try:
             manifest = exchange.verify(path, checksums=True)
-            return RolloutBatch.load(path), manifest
+            batch = RolloutBatch.load(path)
+            runtime.progress()
+            return batch, manifest
         except (exchange.CorruptStep, OSError, ValueError) as e:
             dest = Path(run_dir) / "rollouts" / "corrupt" / f"{path.name}-{int(time.time())}"
             dest.parent.mkdir(parents=True, exist_ok=True)
