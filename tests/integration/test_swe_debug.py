@@ -56,6 +56,7 @@ def test_swe_debug_experiment_runs_end_to_end(tmp_path):
     cfg = OmegaConf.load(run_dir / "config.yaml")
     steps = int(cfg.trainer.max_steps)
     assert cfg.env.name == "swe" and steps == 3
+    assert cfg.env.swe.tasks == "builtin_swebench"  # SWE-bench rows over git repositories
     ms = read_metrics(run_dir)
     assert [m["step"] for m in ms] == list(range(steps))
     for m in ms:

@@ -312,3 +312,20 @@ def test_swe_row_with_a_local_repository_path(tmp_path):
     assert grade(t, extra_patch=DIFF).reward == 1.0 and grade(t).reward == 0.5
     with pytest.raises(ValueError, match=r"row 0 \(local__proj-1\): base_commit: 1{40} is not in"):
         playable(load_dataset(_write([{**row, "base_commit": "1" * 40}], tmp_path / "rows", "jsonl")), None)
+
+
+def test_swe_config_keys(tmp_path):
+    from builders import compose_cfg
+    from launch.compose import ConfigError
+    from rl.envs import make_env
+    from rl.contract.config import structured
+    cfg = compose_cfg(tmp_path / "run", "+experiment=swe_debug", f"env.swe.repos_dir={tmp_path / 'repos'}",
+                      "env.swe.partial_credit=false")
+    env = make_env(structured(cfg))
+    assert len(env.tasks) == 23 and env.tasks[0].repo_dir.startswith(str(tmp_path / "repos"))
+    assert env.config.partial_credit is False
+    for bad, key in ((["env.swe.format=swebench"], "env.swe.format"),
+                     (["env.swe.tasks=builtin_nope"], "env.swe.tasks")):
+        with pytest.raises(ConfigError) as e:
+            compose_cfg(tmp_path / "run", "env=swe", *bad)
+        assert key in str(e.value) and "\n" not in str(e.value)

@@ -30,6 +30,8 @@ from rl.envs.swe.grading import Grade, expected_output_reward, parse_pytest, par
 from rl.envs.swe.sandbox import Limits, Sandbox
 
 BUILTIN = Path(__file__).with_name("data") / "builtin.jsonl"
+# Shipped task sets, by the names env.swe.tasks accepts besides a path.
+SHIPPED = {"builtin": BUILTIN, "builtin_swebench": BUILTIN.with_name("builtin_swebench.jsonl")}
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "--noconftest", "-p", "no:cacheprovider",
           "-o", "addopts=", "--no-header", "-W", "ignore"]
 PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
@@ -73,9 +75,10 @@ class Task:
 
 
 def load_tasks(path: str | Path = BUILTIN, format: str = "auto") -> list[Task]:
-    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset)."""
+    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset), or
+    of a shipped set named in SHIPPED."""
     from rl.envs.swe.datasets import load_dataset  # datasets.py builds on Task
-    return load_dataset(path, format)
+    return load_dataset(SHIPPED.get(str(path), path), format)
 
 
 def patched_paths(diff: str) -> list[str]:
