@@ -252,6 +252,7 @@ class ClusterConfig:
     signal_grace_s: int = 120
     requeue: bool = True
     max_restarts: int = 20             # requeues of one job at most (rl.requeue); each also needs a new checkpoint
+    stall_timeout_s: float = 7200.0    # a role waiting this long for another role's output ends the job; 0 = never
     exclusive: bool = True             # whole nodes per het component (#SBATCH --exclusive)
     job_name: Optional[str] = None     # default: hetrl-<experiment>
     extra_sbatch: list = field(default_factory=list)
@@ -485,6 +486,7 @@ def validate(cfg: DictConfig | dict) -> None:
     c = cfg.cluster
     need(c.signal_grace_s >= 10, "cluster.signal_grace_s", "leave at least 10 s to checkpoint")
     need(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: never requeue)")
+    need(c.stall_timeout_s >= 0, "cluster.stall_timeout_s", "must be >= 0 (0: no watchdog)")
     need(bool(_SLURM_TIME.match(str(c.time))), "cluster.time",
          "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
     for k in ("account", "partition", "qos", "job_name"):
