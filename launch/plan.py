@@ -27,6 +27,7 @@ from rl.contract.config import PlanError
 from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
 REPO = Path(__file__).resolve().parent.parent
+AUTH_MIDDLEWARE = "rl.inference.auth.RunSecret"  # vLLM imports it (--middleware); reads VLLM_API_KEY
 ALL2ALL = ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
            "pplx", "nixl_ep")
 
@@ -190,7 +191,10 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                     # the token-in/token-out endpoint with per-token weight versions
                     "--enable-scale-out",
                     # the router's affinity relies on prefix caching; cached-token counts per request
-                    "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                    # every path but /health needs the run's secret (vLLM's --api-key guards only /v1-style
+                    # ones); the launcher gives every run a secret, and launch imports no role: its name here
+                    "--middleware", AUTH_MIDDLEWARE]
             if gpn:
                 args += ["--gpu-memory-utilization", str(i.get("gpu_memory_utilization", 0.9))]
             if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
