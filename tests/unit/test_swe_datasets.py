@@ -329,3 +329,16 @@ def test_swe_config_keys(tmp_path):
         with pytest.raises(ConfigError) as e:
             compose_cfg(tmp_path / "run", "env=swe", *bad)
         assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_swe_r2e_row_without_image_is_graded_here_against_expected_output(tmp_path):
+    base = repos.make_repo({"m.py": "x = 1\n", "tests/test_m.py": "from m import x\n\nclass TestX:\n"
+                            "    def test_two(self):\n        assert x == 2\n\ndef test_int():\n"
+                            "    assert isinstance(x, int)\n"}, tmp_path / "proj")
+    row = {"repo_name": str(tmp_path / "proj"), "commit_hash": base, "problem_statement": "x should be 2",
+           "patch": DIFF, "expected_output_json": json.dumps({"TestX.test_two": "PASSED", "test_int": "PASSED"})}
+    [t] = playable(load_dataset(_write([row], tmp_path / "r2e", "jsonl")), None)
+    assert t.format == "r2e_gym" and not t.image
+    assert grade(t, extra_patch=DIFF, partial_credit=False).reward == 1.0
+    g = grade(t, partial_credit=True)
+    assert g.reward == 0.5 and g.failed == ["TestX.test_two"]
