@@ -121,7 +121,8 @@ def load_dataset(path: str | Path, format: str = "auto") -> list[Task]:
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.instance_id in seen:
-            raise ValueError(f"{path}: row {i} ({t.instance_id}): instance_id: duplicate of row {seen[t.instance_id]}")
+            raise ValueError(f"{path}: row {i} ({t.instance_id}): instance_id: duplicate of row "
+                             f"{seen[t.instance_id]}")
         seen[t.instance_id] = i
     return tasks
 
@@ -179,7 +180,8 @@ def normalize(row: dict, format: str, where: str = "row") -> Task:
             bad("expected_output_json", "empty: nothing to grade against")
         for name, status in expected.items():
             if status not in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
-                bad("expected_output_json", f"test {name!r} has status {status!r} (PASSED, FAILED, ERROR, ...)")
+                bad("expected_output_json", f"test {name!r} has status {status!r} (PASSED, FAILED, "
+                    "ERROR, ...)")
         return Task(iid, text("repo_name", nonempty=True), text("commit_hash", nonempty=True),
                     text("problem_statement", nonempty=True), text("patch", ""), "", [], [],
                     format=format, image=text("docker_image", ""),
@@ -191,7 +193,8 @@ def normalize(row: dict, format: str, where: str = "row") -> Task:
     if format != "swe_smith" and not f2p:
         bad("FAIL_TO_PASS", "empty: the reference patch fixes nothing")
     files = row.get("files") or {}
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in files.items()):
         bad("files", "must be an object {path: text}")
     test_cmd, log_parser = "", "pytest"
     image = text("image_name", "")
@@ -207,7 +210,8 @@ def normalize(row: dict, format: str, where: str = "row") -> Task:
             bad("install_config.test_cmd", "missing or not a command string")
         log_parser = cfg.get("log_parser", "parse_log_pytest")
         if log_parser not in PARSERS:
-            bad("install_config.log_parser", f"unknown parser {log_parser!r} (known: {', '.join(sorted(PARSERS))})")
+            bad("install_config.log_parser",
+                f"unknown parser {log_parser!r} (known: {', '.join(sorted(PARSERS))})")
         test_cmd = cmd
     elif format == "swe_smith" and not image:
         bad("image_name", "empty (SWE-smith rows run in their instance image)")
@@ -219,10 +223,11 @@ def normalize(row: dict, format: str, where: str = "row") -> Task:
     for k, diff in (("patch", patch), ("test_patch", test_patch)):
         if diff and "\n+++ " not in "\n" + diff:
             bad(k, "not a unified diff (no +++ line)")
-    return Task(text("instance_id"), text("repo", nonempty=True), base, text("problem_statement", nonempty=True),
-                patch, test_patch, f2p, p2p, files=dict(files), format=format, version=str(row.get("version") or ""),
-                environment_setup_commit=text("environment_setup_commit", ""), image=image, test_cmd=test_cmd,
-                log_parser=log_parser)
+    return Task(text("instance_id"), text("repo", nonempty=True), base,
+                text("problem_statement", nonempty=True), patch, test_patch, f2p, p2p, files=dict(files),
+                format=format, version=str(row.get("version") or ""),
+                environment_setup_commit=text("environment_setup_commit", ""), image=image,
+                test_cmd=test_cmd, log_parser=log_parser)
 
 
 # -- playable here -------------------------------------------------------------------------------------
@@ -256,6 +261,7 @@ def playable(tasks: list[Task], repos_dir: str | Path | None, where: Any = "task
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"{where}: row {i} ({t.instance_id}): repo: {e}") from None
         if not repos.has_commit(path, t.base_commit):
-            raise ValueError(f"{where}: row {i} ({t.instance_id}): base_commit: {t.base_commit} is not in {path}")
+            raise ValueError(f"{where}: row {i} ({t.instance_id}): base_commit: {t.base_commit} is not in "
+                             f"{path}")
         out.append(dataclasses.replace(t, repo_dir=str(path)))
     return out

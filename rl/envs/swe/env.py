@@ -1,11 +1,12 @@
 """The SWE environment: sample tasks, run one episode per task in its own sandbox, reward at the end.
 
 `SWEEnv(tasks, config).start(task)` puts the task's starting tree (its snapshot, or base_commit of its
-git repository) into a fresh sandbox and returns an `Episode`. The orchestrator drives it turn by turn: `initial_messages()` opens the conversation (system
-prompt with the tool list, then the issue), each model turn goes to `step(text)`, which runs the one tool
-call in it and returns the observation to send back (`tool_message(obs)` wraps it as a chat message), and
-`reward()` grades the tree on the hidden tests once the episode is done. The hidden tests and the
-reference patch never enter the tree, and the checkout that holds them is masked inside the sandbox.
+git repository) into a fresh sandbox and returns an `Episode`. The orchestrator drives it turn by turn:
+`initial_messages()` opens the conversation (system prompt with the tool list, then the issue), each
+model turn goes to `step(text)`, which runs the one tool call in it and returns the observation to send
+back (`tool_message(obs)` wraps it as a chat message), and `reward()` grades the tree on the hidden
+tests once the episode is done. The hidden tests and the reference patch never enter the tree, and the
+checkout that holds them is masked inside the sandbox.
 
 Limits: `max_turns` model turns and `wall_s` seconds per episode (tool timeouts are clipped to the time
 left). An episode ends at `submit`, or when a limit is reached; `step` then returns done=True. No torch or
@@ -141,7 +142,8 @@ class SWEEnv:
     def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig(), *,
                  format: str = "auto", repos_dir: str | None = None):
         where = str(tasks) if isinstance(tasks, str) else "tasks"
-        rows = load_tasks() if tasks is None else load_tasks(tasks, format) if isinstance(tasks, str) else tasks
+        rows = (load_tasks() if tasks is None else load_tasks(tasks, format) if isinstance(tasks, str)
+                else tasks)
         self.tasks = playable(rows, repos_dir, where)
         if not self.tasks:
             raise ValueError("SWEEnv needs at least one task")

@@ -32,7 +32,8 @@ STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 PASSING = ("PASSED", "XFAIL")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+)$")
-_VERBOSE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \(.*\))?(?:\s+\[\s*\d+%\])?\s*$")
+_VERBOSE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+                      r"(?: \(.*\))?(?:\s+\[\s*\d+%\])?\s*$")
 _NAME_STATUS = re.compile(r"^(.+?):\s+(\w+)\s*$")
 _SPELLINGS = {"passed": "PASSED", "pass": "PASSED", "ok": "PASSED", "success": "PASSED",
               "failed": "FAILED", "fail": "FAILED", "failure": "FAILED", "error": "ERROR",
@@ -46,7 +47,7 @@ def _test_id(rest: str) -> str | None:
     if rest.startswith("["):  # "SKIPPED [1] tests/t.py:12: reason" names no test id
         return None
     end = rest.find("[")
-    if end >= 0 and "::" in rest[:end] and " " not in rest[:end]:  # parametrized: the id ends at its closing bracket
+    if end >= 0 and "::" in rest[:end] and " " not in rest[:end]:  # parametrized: ends at its "]"
         depth = 0
         for i in range(end, len(rest)):
             depth += {"[": 1, "]": -1}.get(rest[i], 0)

@@ -31,7 +31,8 @@ def _outcomes(task: Task, fix: str | None) -> dict[str, str]:
         for diff in filter(None, (task.test_patch, fix)):
             r = apply_patch(sb, diff)
             if r.returncode != 0:
-                raise ValueError(f"{task.instance_id}: a diff does not apply: {(r.stdout + r.stderr).strip()}")
+                raise ValueError(f"{task.instance_id}: a diff does not apply: "
+                                 f"{(r.stdout + r.stderr).strip()}")
         tests = sorted(str(p.relative_to(sb.tree)) for p in (sb.tree / "tests").rglob("test_*.py"))
         out, text = run_pytest(sb, tests, timeout_s=60)
     if not out:
