@@ -213,6 +213,7 @@ class SandboxLimitsConfig:
     fsize_bytes: int = 64 << 20
     nofile: int = 256
     tmp_bytes: int = 64 << 20
+    disk_bytes: int = 1 << 30           # the episode's tree (non-inprocess runtimes check it after each command)
     output_chars: int = 1 << 20
 
 
@@ -229,6 +230,10 @@ class SweConfig:
     tool_timeout_s: float = 60.0       # one tool run (pytest, patch); clipped to the time left
     output_chars: int = 4000           # tool output kept per observation
     limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
+    # Where episode commands run (docs/sandboxes.md): inprocess | bubblewrap | podman | apptainer.
+    runtime: str = "inprocess"
+    image_cache: Optional[str] = None  # apptainer SIFs, built once per image: shared filesystem, never /tmp
+    max_sandbox_starts_per_s: float = 8.0  # per process (token bucket): start storms break runtimes
 
 
 @dataclass
@@ -464,6 +469,17 @@ def validate(cfg: DictConfig | dict) -> None:
              "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
     need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
          "must be auto, swe_bench, swe_smith, swe_rebench or r2e_gym")
+    need(e.swe.runtime in ("inprocess", "bubblewrap", "podman", "apptainer"), "env.swe.runtime",
+         "must be inprocess, bubblewrap, podman or apptainer")
+    need(e.swe.max_sandbox_starts_per_s > 0, "env.swe.max_sandbox_starts_per_s", "must be positive")
+    need(e.swe.runtime != "apptainer" or bool(e.swe.image_cache), "env.swe.image_cache",
+         "must be set for env.swe.runtime=apptainer (a directory on the shared filesystem for the SIFs)")
+    if e.swe.image_cache:
+        cache = os.path.realpath(str(e.swe.image_cache))
+        need(os.path.isabs(str(e.swe.image_cache)), "env.swe.image_cache", "must be an absolute path")
+        need(not any(cache == d or cache.startswith(d + "/") for d in ("/tmp", "/var/tmp", "/dev/shm")),
+             "env.swe.image_cache", "node-local scratch (/tmp, /var/tmp, /dev/shm) "
+             "is refused: SIFs are built once and shared, put them on the shared filesystem")
     i = cfg.inference
     need(i.port == 0 or 1024 <= i.port <= 65535 - 64, "inference.port", "must be 0 (auto) or a TCP port in [1024, 65471]")
     need(i.router_port == 0 or 1024 <= i.router_port <= 65535, "inference.router_port",
@@ -502,7 +518,7 @@ def validate(cfg: DictConfig | dict) -> None:
     need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
          "must be an absolute path or a command name on PATH")
     for key in ("run_dir", "experiment", "model.name", "model.hf_path", "cluster.node_local_dir",
-                "cluster.python", "env.swe.tasks", "env.swe.repos_dir", "inference.host"):
+                "cluster.python", "env.swe.tasks", "env.swe.repos_dir", "env.swe.image_cache", "inference.host"):
         _no_newline(key, _get(cfg, key))
     for key in ("cluster.setup", "cluster.extra_sbatch", "inference.extra_args"):
         for n, line in enumerate(_get(cfg, key) or []):

@@ -64,6 +64,7 @@ class Limits:
     fsize_bytes: int = _DEFAULTS.fsize_bytes
     nofile: int = _DEFAULTS.nofile
     tmp_bytes: int = _DEFAULTS.tmp_bytes
+    disk_bytes: int = _DEFAULTS.disk_bytes
     output_chars: int = _DEFAULTS.output_chars
 
 
@@ -117,7 +118,8 @@ class Sandbox:
         else:
             shutil.copytree(tree, self.tree, symlinks=True)
         self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
-        self.mask = [str(p) for p in (mask if mask is not None else [Path.home(), _REPO_ROOT])]
+        # /run holds host sockets (dbus, container engines): a socket file is reachable across net namespaces
+        self.mask = [str(p) for p in (mask if mask is not None else [Path.home(), _REPO_ROOT, "/run"])]
         self.expose = [str(p) for p in (expose if expose is not None else
                                         sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}))]
 
@@ -145,6 +147,7 @@ class Sandbox:
         if self.mode != "root":
             return
         os.lchown(self.tree, self.uid, self.uid)
+        os.chmod(self.tree, 0o700)  # another sandbox's uid cannot list or read it (TMPDIR may be shared)
         for d, dirs, files in os.walk(self.tree):
             for name in dirs + files:
                 os.lchown(os.path.join(d, name), self.uid, self.uid)

@@ -1,0 +1,339 @@
+"""Sandbox runtimes behind one interface: where an episode's commands run, picked by `env.swe.runtime`.
+
+Every runtime gives the SWE environment the same object: `open_runtime(name, tree, limits)` copies the
+task's starting tree (or makes an empty one) into a private host directory, `.tree`; `.run(argv,
+timeout_s, input, env)` runs one command with that tree as its working directory and returns a
+`Result`; `.read_file` / `.write_file` / `.copy_out` move files across the boundary without following
+links the agent planted; `.close()` deletes everything. It is the interface `rl.envs.swe.sandbox.Sandbox`
+already had (`.tree`, `.run`, `.close`), so the tools and grading work under any runtime unchanged.
+
+Why the tree always lives on the host, even for image runtimes: each command is a fresh sandbox (a new
+bwrap, container or apptainer instance) over the same tree, so a wall-clock kill tears down everything
+the command started, limits apply per command, and nothing of the sandbox outlives the command; the
+episode's state is the tree alone. For an image whose repository lives inside it (SWE-bench's
+/testbed), the image runtimes copy that directory out once when the sandbox is created.
+
+Runtimes (docs/sandboxes.md compares them):
+- `inprocess`: today's namespace sandbox (unshare + setpriv + rlimits), for the embedded default.
+- `bubblewrap`: no image; bwrap builds a filesystem from nothing but the node's toolchain (read-only)
+  and the tree (rl/envs/swe/runtime_bwrap.py).
+- `podman` (rootless) and `apptainer` (a SIF built once per image into `env.swe.image_cache`):
+  rl/envs/swe/runtime_podman.py, rl/envs/swe/runtime_apptainer.py, imported only when picked.
+A runtime whose program is missing or cannot isolate raises `RuntimeUnavailable` (one line naming the
+runtime and what is missing) when it is opened; nothing ever falls back to a weaker runtime.
+
+Sandbox starts are rate-limited per process (`StartLimiter`, a token bucket at
+`env.swe.max_sandbox_starts_per_s`): a storm of hundreds of simultaneous starts (a new batch of episodes)
+is what broke container runtimes at 128+ concurrent sandboxes elsewhere.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rl.envs.swe.sandbox import Limits, Result, Sandbox, SandboxError
+
+RUNTIMES = ("inprocess", "bubblewrap", "podman", "apptainer")
+
+
+class RuntimeUnavailable(SandboxError):
+    """The picked runtime cannot run here, or cannot isolate: never a silent downgrade."""
+
+
+class StartLimiter:
+    """Token bucket: at most `rate` starts per second on average, bursts of `burst`. `acquire()` blocks
+    until a token is free and returns the seconds it waited."""
+
+    def __init__(self, rate: float, burst: int | None = None):
+        if rate <= 0:
+            raise ValueError(f"env.swe.max_sandbox_starts_per_s={rate}: must be positive")
+        self.rate = float(rate)
+        self.burst = max(1, int(burst if burst is not None else rate))
+        self._tokens = float(self.burst)
+        self._t = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> float:
+        with self._lock:  # holding the lock while sleeping keeps the order of arrival
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+            self._t = now
+            wait = 0.0
+            if self._tokens < 1:
+                wait = (1 - self._tokens) / self.rate
+                time.sleep(wait)
+                self._t = time.monotonic()
+                self._tokens = 1.0
+            self._tokens -= 1
+            return wait
+
+
+_LIMITER: StartLimiter | None = None
+
+
+def set_start_rate(rate: float) -> None:
+    """The per-process start rate (from env.swe.max_sandbox_starts_per_s)."""
+    global _LIMITER
+    _LIMITER = StartLimiter(rate)
+
+
+def _start_token() -> None:
+    if _LIMITER is None:
+        set_start_rate(8.0)  # SweConfig's default, for callers that never read the config
+    _LIMITER.acquire()
+
+
+# -- files across the boundary, never through a link --------------------------------------------------
+def _parts(rel: str) -> list[str]:
+    parts = [p for p in Path(rel).parts if p not in ("", ".")]
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(f"path {rel!r}: must be relative to the tree, without '..'")
+    return parts
+
+
+def _open_beneath(root: Path, rel: str, flags: int, mode: int = 0o644, make_dirs: bool = False) -> int:
+    """Open root/rel with every component opened O_NOFOLLOW relative to its parent's fd, so a symlink
+    anywhere on the path (planted by the agent's code) is an error (ELOOP/ENOTDIR), never a way out."""
+    parts = _parts(rel)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name in parts[:-1]:
+            try:
+                nfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not make_dirs:
+                    raise
+                os.mkdir(name, 0o755, dir_fd=fd)
+                nfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+class Runtime:
+    """What every runtime offers; subclasses implement `_command` (the host argv that runs one command
+    in a fresh sandbox over the tree) and may override `run`. The tree is at `.tree` on the host."""
+
+    name = "runtime"
+
+    def __init__(self, tree: Path | None, limits: Limits = Limits(), *, base_dir: Path | None = None):
+        self.limits = limits
+        self._root = Path(tempfile.mkdtemp(prefix=f"hetrl-{self.name}-", dir=base_dir))
+        os.chmod(self._root, 0o711)  # the sandbox uid traverses to its tree, lists nothing else
+        self.tree = self._root / "tree"
+        if tree is None:
+            self.tree.mkdir()
+        else:
+            shutil.copytree(tree, self.tree, symlinks=True)
+        self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000) if os.geteuid() == 0 else None
+        self.over_disk = False
+        self.pass_fds: tuple[int, ...] = ()  # host fds the launcher must inherit
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise RuntimeUnavailable (one line: the runtime, what is missing) unless it can isolate here."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    # files
+    def read_file(self, rel: str) -> str | None:
+        """Text of tree/rel, None if missing; a link anywhere on the path raises OSError."""
+        try:
+            fd = _open_beneath(self.tree, rel, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(self.limits.fsize_bytes).decode("utf-8", "replace")
+
+    def write_file(self, rel: str, text: str) -> None:
+        """Replace tree/rel (a link there is removed, not followed); parent dirs are made as needed."""
+        parent, name = os.path.split(rel.rstrip("/"))
+        _parts(rel)
+        if parent:
+            os.close(_open_beneath(self.tree, parent, os.O_RDONLY | os.O_DIRECTORY, make_dirs=True))
+        dfd = (_open_beneath(self.tree, parent, os.O_RDONLY | os.O_DIRECTORY) if parent else
+               os.open(self.tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
+        try:  # unlink first: a link, or a hard link to a host file, must not be written through
+            if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise IsADirectoryError(errno.EISDIR, f"{rel}: is a directory")
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+        fd = _open_beneath(self.tree, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+        self._own(self.tree / rel)
+
+    def copy_out(self, dest: Path) -> Path:
+        """Copy the tree to dest; links are copied as links, never followed."""
+        shutil.copytree(self.tree, dest, symlinks=True)
+        return dest
+
+    # ownership: under root each sandbox runs as a uid of its own, which must own its tree
+    def _own(self, path: Path | None = None):
+        if self.uid is None:
+            return
+        for p in ([path] if path is not None else [self.tree]):
+            os.lchown(p, self.uid, self.uid)
+        if path is None:
+            os.chmod(self.tree, 0o700)  # other sandboxes' uids cannot even list it
+            for d, dirs, files in os.walk(self.tree):
+                for name in dirs + files:
+                    os.lchown(os.path.join(d, name), self.uid, self.uid)
+
+    def tree_bytes(self) -> int:
+        """Disk used by the tree (allocated blocks, links not followed)."""
+        total = 0
+        for d, dirs, files in os.walk(self.tree):
+            for name in dirs + files:
+                try:
+                    total += os.lstat(os.path.join(d, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
+
+    # commands
+    def _command(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        raise NotImplementedError
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """Tear down everything a timed-out command started (default: the launcher's process group;
+        the runtimes' pid namespaces then take every descendant with them)."""
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    def run(self, argv: list[str], timeout_s: float, input: str | bytes | None = None,
+            env: dict[str, str] | None = None) -> Result:
+        if not argv:
+            raise ValueError("empty argv")
+        if self.over_disk:
+            return Result(-signal.SIGXFSZ, "", f"sandbox: the tree is over its disk limit "
+                          f"(env.swe.limits.disk_bytes={self.limits.disk_bytes}); nothing runs", False, 0.0)
+        self._own()
+        cmd = self._command(list(map(str, argv)), env or {})
+        data = input.encode() if isinstance(input, str) else (input or b"")
+        with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
+                tempfile.TemporaryFile() as ferr:
+            fin.write(data)
+            fin.seek(0)
+            rfd, wfd = os.pipe()  # the runtime's own status channel: setup failure vs command failure
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.Popen([c.replace("{status_fd}", str(wfd)) for c in cmd], stdin=fin,
+                                        stdout=fout, stderr=ferr, start_new_session=True,
+                                        pass_fds=(wfd, *self.pass_fds),
+                                        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+            finally:
+                os.close(wfd)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                self._kill(proc)
+                proc.wait()
+            seconds = time.monotonic() - t0
+            with os.fdopen(rfd, "rb") as f:
+                status = f.read().decode("utf-8", "replace")
+            out, err = (self._read(f) for f in (fout, ferr))
+        if timed_out:
+            result = Result(-signal.SIGKILL, out, err, True, seconds)
+        else:
+            result = self._result(proc.returncode, status, out, err, seconds)
+        if self.tree_bytes() > self.limits.disk_bytes:
+            self.over_disk = True
+            result = Result(result.returncode or -signal.SIGXFSZ, result.stdout, result.stderr +
+                            f"\nsandbox: the tree exceeds its disk limit (env.swe.limits.disk_bytes="
+                            f"{self.limits.disk_bytes}); later commands are refused", result.timed_out,
+                            result.seconds)
+        return result
+
+    def _result(self, returncode: int, status: str, out: str, err: str, seconds: float) -> Result:
+        return Result(returncode, out, err, False, seconds)
+
+    def _read(self, f) -> str:
+        f.seek(0)
+        return f.read(self.limits.output_chars * 4).decode("utf-8", "replace")[: self.limits.output_chars]
+
+
+class InprocessRuntime(Runtime):
+    """The namespace sandbox of rl/envs/swe/sandbox.py, unchanged, behind the runtime interface."""
+
+    name = "inprocess"
+
+    def __init__(self, tree: Path | None, limits: Limits = Limits(), *, base_dir: Path | None = None):
+        self.check()
+        self._sb = Sandbox(tree, limits, base_dir=base_dir)
+        self.limits, self.tree, self._root, self.uid = limits, self._sb.tree, self._sb.tree.parent, None
+        self.over_disk = False
+
+    @classmethod
+    def check(cls) -> None:
+        if Sandbox.capabilities()["mode"] == "none":
+            raise RuntimeUnavailable(f"runtime inprocess: no namespace isolation on this machine "
+                                     f"({Sandbox.capabilities()['unavailable_modes']})")
+
+    def _own(self, path: Path | None = None):
+        if path is not None and self._sb.mode == "root":
+            os.lchown(path, self._sb.uid, self._sb.uid)
+
+    def run(self, argv, timeout_s, input=None, env=None) -> Result:
+        return self._sb.run(argv, timeout_s, input=input, env=env)
+
+    def close(self):
+        self._sb.close()
+
+
+def runtime_class(name: str) -> type[Runtime]:
+    """The class of a runtime, imported only when picked (podman/apptainer code is never loaded else)."""
+    if name == "inprocess":
+        return InprocessRuntime
+    if name == "bubblewrap":
+        from rl.envs.swe.runtime_bwrap import BubblewrapRuntime
+        return BubblewrapRuntime
+    if name == "podman":
+        from rl.envs.swe.runtime_podman import PodmanRuntime
+        return PodmanRuntime
+    if name == "apptainer":
+        from rl.envs.swe.runtime_apptainer import ApptainerRuntime
+        return ApptainerRuntime
+    raise ValueError(f"env.swe.runtime={name!r}: must be one of {', '.join(RUNTIMES)}")
+
+
+def open_runtime(name: str, tree: Path | None = None, limits: Limits = Limits(), **kw) -> Runtime:
+    """A fresh sandbox of runtime `name` over a copy of `tree` (image runtimes also take image=...,
+    image_cache=...). Waits for a start token first; raises RuntimeUnavailable if it cannot isolate."""
+    cls = runtime_class(name)
+    cls.check()
+    _start_token()
+    return cls(tree, limits, **kw)
+
+
+def from_config(swe) -> dict:
+    """The runtime settings of a typed `env.swe` section, and the process's start rate set from it:
+    {"name": ..., "image_cache": ...} to pass on to open_runtime."""
+    set_start_rate(float(swe.max_sandbox_starts_per_s))
+    out = {"name": str(swe.runtime)}
+    if swe.image_cache:
+        out["image_cache"] = str(swe.image_cache)
+    return out
+
