@@ -116,6 +116,11 @@ def _open_beneath(root: Path, rel: str, flags: int, mode: int = 0o644, make_dirs
                 nfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
+        if make_dirs and flags & os.O_DIRECTORY:
+            try:
+                os.mkdir(parts[-1], 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
         return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
     finally:
         os.close(fd)
