@@ -149,7 +149,11 @@ def _run_local(cfg: dict, plan: dict, run_dir: Path) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     print(f"{'resuming' if resuming else 'starting'} run in {run_dir}", flush=True)
     typed = Plan.from_dict(plan)
-    subprocess.run(typed.prepare.command, env=env, check=True, cwd=REPO)
+    rc = subprocess.run(typed.prepare.command, env=env, cwd=REPO).returncode
+    if rc != 0:
+        print(f"error: rl.prepare exited with status {rc} (its output is above); nothing was started",
+              file=sys.stderr, flush=True)
+        return 1
 
     logs = paths.logs_dir(run_dir)
     procs: dict[str, subprocess.Popen] = {}

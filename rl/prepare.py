@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from rl import exchange
+from rl.faults import crash_point, set_role
 from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.records import ResumeState, read_optional
@@ -70,6 +71,7 @@ def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
     discarded[paths.CHECKPOINTS] = list(corrupt)  # set aside, not deleted: checkpoints/corrupt/
     from rl.metrics import truncate_metrics
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
+    crash_point("prepare.mid")
     state = ResumeState(checkpoint_step=ckpt, restart=prev.restart + 1 if prev else 0,
                         discarded=discarded, cleaned_tmp=cleaned, time=time.time())
     state.write(run_dir)
@@ -120,6 +122,7 @@ def main(argv=None) -> None:
                    help="restart from scratch even though the run has history but no checkpoint that "
                         "verifies (its weights and rollouts are discarded, its checkpoints set aside)")
     ns = p.parse_args(argv)
+    set_role("prepare")
     try:
         state = prepare(ns.run_dir, from_scratch=ns.from_scratch)
     except NoCheckpoint as e:

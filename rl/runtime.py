@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from rl import faults
 from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.plan import Plan
@@ -35,6 +36,7 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
     if not paths.config_file(ns.run_dir).is_file():
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
     start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)
+    faults.set_role(role)
     return ns
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from rl.faults import crash_point
+
 from rl.exchange.jsonl import append_jsonl, read_jsonl
 
 MANIFEST = "manifest.json"
@@ -207,6 +209,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
         if missing := sorted(set(known) - set(files)):
             raise ValueError(f"{kind}/{step_name(step)}: {len(missing)} recorded file(s) missing, "
                              f"first {missing[0]}")
+        crash_point("commit.before_manifest")
         epoch = _check_fence(run_dir, kind, step)
         manifest = {
             "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
@@ -216,6 +219,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_path(tmp)
         _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
+        crash_point("commit.before_rename")
         if final.exists():
             if not overwrite:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -223,6 +227,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             # not `.tmp-`: until the new step is in place the aside is the only copy (restore_asides)
             aside = base / f"{step_name(step)}.aside-{uuid.uuid4().hex[:8]}"
             os.rename(final, aside)
+            crash_point("commit.between_renames")
             os.rename(tmp, final)
             shutil.rmtree(aside, ignore_errors=True)
         else:

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from rl.faults import crash_point
+
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The complete records of `path`, in order ([] when it does not exist)."""
@@ -39,6 +41,7 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
+        crash_point("jsonl.torn", before_exit=lambda: os.write(fd, line[: len(line) // 2]))
         os.write(fd, line)  # one write of one line: a crash leaves at most a torn last line
         os.fsync(fd)
     finally:

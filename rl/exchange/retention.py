@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from rl.faults import crash_point
 from rl.exchange import MANIFEST, CorruptStep, delta_base, latest_complete, list_steps, step_dir, verify
 
 # step path -> (inode, mtime_ns) of the manifest it was hashed against, in this process
@@ -74,6 +75,7 @@ def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterab
             os.rename(p, trash)  # atomic: a reader sees the whole step or nothing
             shutil.rmtree(trash, ignore_errors=True)
             gone.append(s)
+            crash_point("prune.mid")
     return gone
 
 

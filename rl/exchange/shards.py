@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 import torch
 
 from rl import exchange, fp8
+from rl.faults import crash_point
 
 from rl.exchange.weights import FP8_META, INDEX, SCALE_SUFFIX, default_quantize
 
@@ -322,6 +323,7 @@ def commit_parts(run_dir: Path, step: int, tmp: Path, world: int, *, producer: s
     known = merge_parts(tmp, parts)
     meta = {"ranks": world, "bytes_per_rank": [p["bytes"] for p in parts],
             "seconds_per_rank": [p.get("seconds", {}) for p in parts]}
+    crash_point("weights.publish")
     return exchange.commit(run_dir, "weights", step, tmp, producer=producer, policy_version=step,
                            meta=meta, known=known)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from rl.faults import crash_point
 from rl.contract.http import ROUTED_PATHS, ROUTER_RESET_INDEX, SESSION_HEADER
 from rl.contract.plan import SERVED_MODEL_NAME as MODEL_NAME
 
@@ -240,6 +241,7 @@ class InferenceClient:
         t0 = asyncio.get_running_loop().time()
         await self._post("/pause", params={"mode": "keep"})
         try:
+            crash_point("reload.paused")
             kwargs = {"weights_dir": str(weights_dir), "version": int(version)}
             if report_dir is not None:
                 shutil.rmtree(report_dir, ignore_errors=True)  # a retried reload must not read old reports

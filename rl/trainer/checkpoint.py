@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rl import exchange
+from rl.faults import crash_point
 
 KIND = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -116,6 +117,7 @@ def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, pro
     def write(tmp: Path) -> None:
         if distributed:
             dist.broadcast(str(tmp))
+        crash_point("checkpoint.save")
         with _quiet():
             dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
         tensors, rng_meta = _rng_state()

