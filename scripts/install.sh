@@ -30,5 +30,8 @@ fi
 .venv/bin/pip install -q -e . --no-deps
 if [ "$WITH_TEST" = 1 ]; then
   bash .ci/install_slurm.sh
+  # bubblewrap: the SWE sandbox runtime the escape tests run besides inprocess (docs/sandboxes.md)
+  command -v bwrap >/dev/null || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo;
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends bubblewrap; }
 fi
 echo "hetrl installed in $(pwd)/.venv"

@@ -350,3 +350,24 @@ def test_apptainer_builds_each_sif_once_under_a_lock(tmp_path, monkeypatch):
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
     assert apt.build_source("docker://a/b") == "docker://a/b"
     assert apt.sif_path("a/b:1", cache) != apt.sif_path("a_b:1", cache)
+
+
+def test_grading_steps_score_reference_1_and_unmodified_less(runtime):
+    """tasks.py's grading steps (apply_patch, run_pytest) on the runtime object: the real pytest runs on
+    the bound toolchain. Two built-in tasks, to stay fast; the env picks the runtime once tasks.py opens
+    its sandboxes through open_runtime."""
+    from rl.envs.swe.grading import swebench_reward
+    from rl.envs.swe.tasks import apply_patch, load_tasks, patched_paths, run_pytest
+    for task in load_tasks()[:2]:
+        rewards = []
+        for patch in (task.patch, None):
+            with open_runtime(runtime, None, LIMITS) as rt:
+                for rel, text in task.files.items():
+                    rt.write_file(rel, text)
+                for diff in filter(None, (patch, task.test_patch)):
+                    assert apply_patch(rt, diff).returncode == 0
+                files = sorted({i.split("::")[0] for i in task.graded} | set(patched_paths(task.test_patch)))
+                outcomes, output = run_pytest(rt, files, 60)
+            rewards.append(swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass,
+                                           partial_credit=True, output=output).reward)
+        assert rewards[0] == 1 and rewards[1] < 1, (task.instance_id, rewards)

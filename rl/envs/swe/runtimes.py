@@ -338,7 +338,7 @@ def from_config(swe) -> dict:
     {"name": ..., "image_cache": ...} to pass on to open_runtime."""
     set_start_rate(float(swe.max_sandbox_starts_per_s))
     out = {"name": str(swe.runtime)}
-    if swe.image_cache:
+    if swe.runtime == "apptainer":
         out["image_cache"] = str(swe.image_cache)
     return out
 
