@@ -364,6 +364,9 @@ def validate(cfg: DictConfig | dict) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
+    # Hydra's `+key=value` / `++key=value` add keys even to a struct config: every key must still be the
+    # schema's, whatever form of override put it there.
+    structured({k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("hydra", "_overrides")})
 
     def need(cond: bool, key: str, msg: str):
         if not cond:

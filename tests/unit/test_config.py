@@ -12,6 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 BAD = [
     (["trainer.foo=1"], "trainer.foo"),
+    (["+trainer.foo=1"], "trainer.foo"),                             # Hydra's + adds keys past the struct
+    (["++zzz=1"], "zzz"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts"),
+    (["cluster.stall_timeout_s=-5"], "cluster.stall_timeout_s"),
     (["trainer.max_steps=abc"], "trainer.max_steps"),
     (["trainer.max_steps=0"], "trainer.max_steps"),
     (["trainer.lr=-1"], "trainer.lr"),
