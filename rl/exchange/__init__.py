@@ -291,8 +291,12 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
     root = path.resolve()
     for rel, info in manifest["files"].items():
         f = path / rel
-        if not f.resolve().is_relative_to(root):
-            raise CorruptStep(f"{f}: files entry {rel!r} leaves the step (resolves to {f.resolve()})")
+        try:
+            real = f.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            raise CorruptStep(f"{f}: files entry {rel!r} does not resolve ({e})") from None
+        if not real.is_relative_to(root):
+            raise CorruptStep(f"{f}: files entry {rel!r} leaves the step (resolves to {real})")
         if not f.is_file():
             raise CorruptStep(f"{f}: listed in the manifest but missing")
         size = f.stat().st_size
