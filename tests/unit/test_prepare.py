@@ -140,3 +140,15 @@ def test_checkpoint_metadata_is_unpickled_only_from_verified_bytes_and_known_cla
         _reader(path, bad).read_metadata()
     with pytest.raises(pickle.UnpicklingError, match=r"names (posix|os)\.system"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(os.system))).load()
+
+
+def test_keep_checkpoints_1_with_a_corrupt_newest_still_resumes_from_the_good_one(tmp_path):
+    """The issue's probe: the trainer prunes with keep_checkpoints=1 right after a checkpoint that turns
+    out corrupt; retention keeps the good one, and the next prepare resumes from it (not from scratch)."""
+    d = _run_dir(tmp_path)
+    _publish(d, "weights", range(11))
+    _publish(d, "checkpoints", [5, 10])
+    _flip(d / "checkpoints" / "step_000010" / "f.bin")
+    assert exchange.prune(d, "checkpoints", keep_last=1, checksums=True) == []
+    state = prepare(d)
+    assert state.checkpoint_step == 5 and exchange.list_steps(d, "weights") == list(range(6))
