@@ -5,7 +5,10 @@ One heterogeneous Slurm job per run. Het group 0 holds the trainer nodes: one `t
 the trainer's world size. Het group 1 holds the inference nodes: vLLM replicas of `tp` x `dp` GPUs each
 (expert parallel over the whole replica when `inference.ep` > 1, the "wide EP" of large MoE models),
 optionally split into a prefill pool and a decode pool, the router and the orchestrator (CPU processes) on
-the first inference node. The plan is computed once, written to `RUN_DIR/plan.json` and read by every role
+the first inference node. With `cluster.sandbox_nodes` > 0, het group 2 holds CPU nodes of their own
+(`cluster.sandbox_partition` / `sandbox_account`, default the cluster's) that run one SWE sandbox
+service each (rl.envs.swe.service, role `sandbox_<i>`); the orchestrator's episodes open their
+sandboxes there. The plan is computed once, written to `RUN_DIR/plan.json` and read by every role
 and by the batch script template, so no role re-derives the topology.
 
 Every role entry carries its node range inside its het group, its command line, its environment and its
@@ -272,6 +275,23 @@ def _check_ports(trainer: dict, inf: dict, cfg: dict) -> None:
           "the plan's ports run past 65535")
 
 
+# -- sandbox nodes -----------------------------------------------------------------------------------
+def _sandboxes(cfg: dict, run_dir: str, python: str) -> dict | None:
+    """Het group 2: one sandbox service per CPU node, or None (sandboxes on the orchestrator's node)."""
+    cl = cfg.get("cluster", {})
+    n = int(cl.get("sandbox_nodes") or 0)
+    _need(n >= 0, "cluster.sandbox_nodes", n, "must be >= 0")
+    if n == 0:
+        return None
+    _need(cfg.get("env", {}).get("name") == "swe", "cluster.sandbox_nodes", n,
+          f"sandbox nodes serve SWE sandboxes; env.name={cfg.get('env', {}).get('name')} has none")
+    services = [{"index": i, "name": f"sandbox_{i}", "node": i,
+                 "command": [python, "-m", "rl.envs.swe.service", "--run-dir", run_dir, "--index", str(i)]}
+                for i in range(n)]
+    return {"nodes": n, "partition": cl.get("sandbox_partition") or cl.get("partition"),
+            "account": cl.get("sandbox_account") or cl.get("account"), "services": services}
+
+
 # -- the plan ----------------------------------------------------------------------------------------
 def _env(role: str, group: int, run_dir: str, **extra) -> dict:
     return {"HETRL_ROLE": role, "HETRL_HET_GROUP": str(group), "HETRL_RUN_DIR": run_dir,
@@ -313,12 +333,22 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
     roles.append({"name": "orchestrator", "het_group": 1, "node": 0, "nodes": 1, "gpus_per_node": 0,
                   "command": [python, "-m", "rl.orchestrator", "--run-dir", run_dir],
                   "env": _env("orchestrator", 1, run_dir)})
+    sbx = _sandboxes(cfg, run_dir, python)
+    for sv in (sbx or {}).get("services", []):
+        roles.append({"name": sv["name"], "het_group": 2, "node": sv["node"], "nodes": 1, "gpus_per_node": 0,
+                      "command": sv["command"],
+                      "env": _env("sandbox", 2, run_dir, HETRL_SANDBOX_INDEX=sv["index"])})
     for r in roles:
         r["log"] = f"logs/{r['name']}.log"
 
     groups = [{"het_group": 0, "name": "trainer", "nodes": trainer["nodes"],
-               "gpus_per_node": trainer["gpus_per_node"]},
-              {"het_group": 1, "name": "inference", "nodes": inf["nodes"], "gpus_per_node": inf["gpus_per_node"]}]
+               "gpus_per_node": trainer["gpus_per_node"], "sbatch": {}},
+              {"het_group": 1, "name": "inference", "nodes": inf["nodes"], "gpus_per_node": inf["gpus_per_node"],
+               "sbatch": {}}]
+    if sbx:  # CPU nodes: their own partition/account, none of the GPU components' gres or constraint
+        groups.append({"het_group": 2, "name": "sandboxes", "nodes": sbx["nodes"], "gpus_per_node": 0,
+                       "sbatch": {"partition": sbx["partition"], "account": sbx["account"], "gres": None,
+                                  "constraint": None}})
     plan = {
         "version": PLAN_VERSION, "experiment": cfg.get("experiment") or "run", "backend": backend,
         "run_dir": run_dir, "run_id": rid,
@@ -327,7 +357,7 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
         "groups": groups, "trainer": trainer, "inference": inf,
         "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
         "requeue_check": {"command": [python, "-m", "rl.requeue", "--run-dir", run_dir]},
-        "roles": roles,
+        "roles": roles, "sandboxes": sbx,
     }
     import dataclasses
     from launch import memory
@@ -353,6 +383,8 @@ def summary_rows(plan: dict) -> list[tuple[str, str, str, str]]:
             what = f"vLLM {rep['pool']} tp {rep['tp']} dp {rep['dp']} ep {rep['ep']} :{rep['port']}"
         elif r["name"] == "router":
             what = f"router :{plan['inference']['router']['port']}"
+        elif r["name"].startswith("sandbox_"):
+            what = "SWE sandbox service (episodes' tools and grading)"
         else:
             what = "rollouts, advantages, weight updates"
         rows.append((r["name"], str(r["het_group"]), span, what))

@@ -266,6 +266,11 @@ class ClusterConfig:
     node_local_dir: str = "/tmp/hetrl"
     gpu_memory_gib: float = 140.0      # usable memory of one GPU (H200: about 140 GiB)
     host_memory_gib: float = 0.0       # usable host memory of one node (offloaded state, KV tier); 0 = unchecked
+    # SWE sandboxes on CPU nodes of their own: het group 2, one sandbox service per node (docs/sandboxes.md).
+    # 0 = sandboxes run on the orchestrator's node.
+    sandbox_nodes: int = 0
+    sandbox_partition: Optional[str] = None  # default: cluster.partition
+    sandbox_account: Optional[str] = None    # default: cluster.account
 
 
 @dataclass
@@ -517,6 +522,13 @@ def validate(cfg: DictConfig | dict) -> None:
          "must be a Slurm GRES spec like gpu:8 or gpu:h200:8")
     need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be positive")
     need(c.host_memory_gib >= 0, "cluster.host_memory_gib", "must be >= 0 (0 = not checked)")
+    need(c.sandbox_nodes >= 0, "cluster.sandbox_nodes", "must be >= 0 (0: sandboxes on the orchestrator's "
+         "node)")
+    need(c.sandbox_nodes == 0 or e.name == "swe", "cluster.sandbox_nodes",
+         f"sandbox nodes serve SWE sandboxes; env.name={e.name} has none (set cluster.sandbox_nodes=0)")
+    for k in ("sandbox_partition", "sandbox_account"):
+        need(c[k] is None or bool(_SLURM_NAME.match(str(c[k]))), f"cluster.{k}",
+             "must be a Slurm name: letters, digits, _ . + - (no spaces or quotes)")
     need(str(c.node_local_dir).startswith("/"), "cluster.node_local_dir", "must be an absolute path")
     need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
          "must be an absolute path or a command name on PATH")

@@ -108,6 +108,20 @@ def router_record(run_dir: PathLike) -> Path:
     return p(run_dir, "inference", "router.json")
 
 
+def sandboxes_dir(run_dir: PathLike) -> Path:
+    return p(run_dir, "sandboxes")
+
+
+def sandbox_service_record(run_dir: PathLike, index: int) -> Path:
+    """Sandbox service i is up (rl.envs.swe.service): its URL."""
+    return p(run_dir, "sandboxes", f"service_{index}.json")
+
+
+def sandbox_log(run_dir: PathLike, index: int) -> Path:
+    """One line per sandbox service i closed: which task, how many commands, on which node."""
+    return p(run_dir, "sandboxes", f"sandboxes_{index}.jsonl")
+
+
 def consumed_log(run_dir: PathLike, kind: str) -> Path:
     return p(run_dir, kind, CONSUMED)
 

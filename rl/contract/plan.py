@@ -5,7 +5,9 @@
 re-derives topology: the inference role runs its replica's `vllm_argv(node_rank)` on each of the
 replica's nodes (the head serves; the other nodes of a multi-node replica run vLLM's headless
 data-parallel ranks), the trainer takes its device and process-group backend from `trainer`, the
-router its port from `inference.router`.
+router its port from `inference.router`, a sandbox service (`sandboxes`, het group 2 when
+`cluster.sandbox_nodes` > 0) its index, and the SWE environment the number of services to spread
+sandboxes over.
 
 Arguments may name `${HETRL_...}` variables (the first trainer node's address, the role's own head
 node address) that only exist at run time; `expand` substitutes them from the process environment
@@ -84,6 +86,9 @@ class Group:
     name: str
     nodes: int
     gpus_per_node: int
+    # #SBATCH options of this component that differ from the cluster.* ones (a value of None drops the
+    # option): the sandbox component's own partition and account, no GPU gres or constraint.
+    sbatch: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,24 @@ class InferencePlan:
 
 
 @dataclass(frozen=True)
+class SandboxService:
+    """One sandbox service (rl.envs.swe.service): node `node` of het group 2."""
+    index: int
+    name: str                 # its role: sandbox_<index>
+    node: int
+    command: list[str]
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """The optional third component: CPU nodes that run the SWE episodes' sandboxes."""
+    nodes: int
+    partition: Optional[str]
+    account: Optional[str]
+    services: list[SandboxService]
+
+
+@dataclass(frozen=True)
 class Command:
     command: list[str]
 
@@ -193,6 +216,7 @@ class Plan:
     requeue_check: Command                     # after a clean stop: exit 0 = requeue (rl.requeue)
     roles: list[Role]
     memory: dict = field(default_factory=dict)   # launch.memory's report (per role, per GPU)
+    sandboxes: Optional[SandboxPlan] = None      # None: sandboxes run on the orchestrator's node
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":

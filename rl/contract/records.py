@@ -148,6 +148,28 @@ class RouterRecord:
 
 
 @dataclass
+class SandboxServiceRecord:
+    """`sandboxes/service_<i>.json`: sandbox service i (rl.envs.swe.service) serves `url`, on `node`
+    (Slurm's node name where it runs, else the host name)."""
+    url: str
+    host: str
+    node: str
+    pid: int
+    index: int
+    runtime: str
+    time: float = 0.0
+    slurm_job_id: Optional[str] = None
+    slurm_restart_count: int = 0
+
+    def write(self, run_dir) -> None:
+        _write(paths.sandbox_service_record(run_dir, self.index), self)
+
+    @classmethod
+    def read(cls, run_dir, index: int) -> Optional["SandboxServiceRecord"]:
+        return read_optional(cls, paths.sandbox_service_record(run_dir, index))
+
+
+@dataclass
 class ExitRecord:
     """`roles/trainer.exit.json`: the trainer's status as rank 0 returned it (rl.trainer.torchrun)."""
     rc: int

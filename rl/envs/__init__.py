@@ -17,24 +17,31 @@ def make_env(cfg: Any):
         from rl.envs.digits import DigitsEnv
         return DigitsEnv(cfg.env.digits)
     if name == "swe":
-        return _swe_env(cfg.env)
+        return _swe_env(cfg.env, cfg)
     if name.startswith("verifiers:"):
         from rl.envs.verifiers_adapter import load_verifiers_env
         return load_verifiers_env(name.split(":", 1)[1], cfg.env)
     raise ValueError(f"env.name={name!r}: unknown environment (digits, swe, verifiers:<module>)")
 
 
-def _swe_env(env_cfg: Any):
+def _swe_env(env_cfg: Any, cfg: Any = None, remote: bool | None = None):
     """SWEEnv from the typed `env` section: `env.max_turns` and `env.swe` (tasks: a dataset path in any
     format of docs/swe.md, default the built-in set; format, repos_dir, partial_credit; wall_s,
     tool_timeout_s, output_chars; limits: the sandbox's
-    per-command `Limits`)."""
+    per-command `Limits`; runtime, image_cache, max_sandbox_starts_per_s). With sandbox nodes in the
+    run's plan (`cluster.sandbox_nodes`), episodes open their sandboxes on the sandbox services
+    (`remote=False`: the service itself, which runs them here)."""
     from rl.envs.swe.env import EnvConfig, SWEEnv
+    from rl.envs.swe.runtimes import from_config
     from rl.envs.swe.sandbox import Limits
     s = env_cfg.swe
     config = EnvConfig(max_turns=int(env_cfg.max_turns), wall_s=float(s.wall_s),
                        tool_timeout_s=float(s.tool_timeout_s), output_chars=int(s.output_chars),
                        limits=Limits(**{k: int(v) for k, v in s.limits.items()}),
-                       partial_credit=bool(s.partial_credit))
+                       partial_credit=bool(s.partial_credit), runtime=from_config(s))
+    pool = None
+    if remote is not False and cfg is not None and int(cfg.cluster.sandbox_nodes) > 0:
+        from rl.envs.swe.runtime_remote import ServicePool
+        pool = ServicePool.from_run_dir(str(cfg.run_dir), wait_s=float(s.wall_s))
     return SWEEnv(tasks=str(s.tasks) if s.tasks else None, config=config, format=str(s.format),
-                  repos_dir=str(s.repos_dir) if s.repos_dir else None)
+                  repos_dir=str(s.repos_dir) if s.repos_dir else None, sandboxes=pool)

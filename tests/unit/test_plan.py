@@ -288,3 +288,47 @@ def test_no_role_argv_or_planned_env_holds_the_secret(tmp_path, overrides):
         assert secret not in (run_dir / f).read_text()
     if typed.backend == "slurm":
         assert secret not in render_script(plan, cfg)
+
+
+def test_sandbox_nodes_are_a_third_component_running_the_service(tmp_path):
+    """`cluster.sandbox_nodes=4` on kimi_swe: het group 2 of 4 CPU nodes with its own partition and
+    account (none of the GPU components' gres or constraint), a sandbox_<i> role per node running
+    rl.envs.swe.service, and the batch script reads group 2's hosts and starts the service there."""
+    cfg, plan = plan_of(KIMI + ["cluster.sandbox_nodes=4", "cluster.partition=gpu", "cluster.gres=gpu:8",
+                                "cluster.constraint=h200", "cluster.sandbox_partition=cpu",
+                                "cluster.sandbox_account=swe"], tmp=str(tmp_path / "run"))
+    assert [g["het_group"] for g in plan["groups"]] == [0, 1, 2]
+    g2 = plan["groups"][2]
+    assert g2["nodes"] == 4 and g2["gpus_per_node"] == 0
+    sbx = [r for r in plan["roles"] if r["het_group"] == 2]
+    assert [(r["name"], r["node"], r["nodes"]) for r in sbx] == [(f"sandbox_{i}", i, 1) for i in range(4)]
+    for i, r in enumerate(sbx):
+        assert r["command"][1:] == ["-m", "rl.envs.swe.service", "--run-dir", str(tmp_path / "run"),
+                                    "--index", str(i)]
+        assert r["env"]["HETRL_ROLE"] == "sandbox" and r["env"]["HETRL_HET_GROUP"] == "2"
+    assert plan["sandboxes"]["partition"] == "cpu" and plan["sandboxes"]["account"] == "swe"
+    script = render_script(plan, cfg)
+    headers = script.split("#SBATCH hetjob")
+    assert len(headers) == 3
+    assert "--gres=gpu:8" in headers[1] and "--partition=gpu" in headers[1]
+    last = headers[2].split("set -uo")[0]
+    assert "--nodes=4 " in last and "--partition=cpu" in last and "--account=swe" in last
+    assert "gres" not in last and "gpus-per-node" not in last and "constraint" not in last
+    assert 'HOSTS_2=($(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_2"))' in script
+    for i in range(4):
+        assert f"HETRL_ROLE_ADDR=${{HOSTS_2[{i}]}}" in script
+        assert (f"srun --het-group=2 --nodes=1 --ntasks=1 --relative={i} " in script
+                and f"-m rl.envs.swe.service --run-dir {tmp_path / 'run'} --index {i}" in script)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    # the CLI shows the third component and the script
+    out = subprocess.run([sys.executable, "-m", "launch", "plan", *KIMI, "cluster.sandbox_nodes=4",
+                          f"run_dir={tmp_path / 'cli'}"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "sandbox_3" in out.stdout and "rl.envs.swe.service" in out.stdout and "HOSTS_2" in out.stdout
+    # without sandbox nodes: two components, no HOSTS_2; refused for an environment without sandboxes
+    _, two = plan_of(KIMI, tmp=str(tmp_path / "two"))
+    assert len(two["groups"]) == 2 and two["sandboxes"] is None
+    assert "HOSTS_2" not in render_script(two, cfg)
+    with pytest.raises(ConfigError, match=r"^cluster.sandbox_nodes=1: sandbox nodes serve SWE sandboxes; "
+                                          r"env.name=digits has none"):
+        plan_of(["cluster=slurm", "cluster.sandbox_nodes=1"], tmp=str(tmp_path / "d"))

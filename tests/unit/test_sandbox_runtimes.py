@@ -352,22 +352,42 @@ def test_apptainer_builds_each_sif_once_under_a_lock(tmp_path, monkeypatch):
     assert apt.sif_path("a/b:1", cache) != apt.sif_path("a_b:1", cache)
 
 
-def test_grading_steps_score_reference_1_and_unmodified_less(runtime):
-    """tasks.py's grading steps (apply_patch, run_pytest) on the runtime object: the real pytest runs on
-    the bound toolchain. Two built-in tasks, to stay fast; the env picks the runtime once tasks.py opens
-    its sandboxes through open_runtime."""
-    from rl.envs.swe.grading import swebench_reward
-    from rl.envs.swe.tasks import apply_patch, load_tasks, patched_paths, run_pytest
-    for task in load_tasks()[:2]:
-        rewards = []
-        for patch in (task.patch, None):
-            with open_runtime(runtime, None, LIMITS) as rt:
-                for rel, text in task.files.items():
-                    rt.write_file(rel, text)
-                for diff in filter(None, (patch, task.test_patch)):
-                    assert apply_patch(rt, diff).returncode == 0
-                files = sorted({i.split("::")[0] for i in task.graded} | set(patched_paths(task.test_patch)))
-                outcomes, output = run_pytest(rt, files, 60)
-            rewards.append(swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass,
-                                           partial_credit=True, output=output).reward)
-        assert rewards[0] == 1 and rewards[1] < 1, (task.instance_id, rewards)
+def test_grading_scores_reference_1_and_unmodified_less(runtime):
+    """tasks.grade under the runtime (the env passes env.swe.runtime on): a fresh sandbox of that runtime,
+    test files reset with its write_file, test_patch and pytest inside. Two built-in tasks, one snapshot
+    row and one SWE-bench row over a git repository."""
+    from rl.envs.swe.env import playable_under
+    from rl.envs.swe.tasks import grade, load_tasks
+    tasks = [load_tasks()[0], playable_under(load_tasks("builtin_swebench")[1:2], runtime, None, "t")[0]]
+    for task in tasks:
+        ref = grade(task, extra_patch=task.patch, limits=LIMITS, runtime={"name": runtime})
+        base = grade(task, limits=LIMITS, runtime={"name": runtime})
+        assert ref.reward == 1 and base.reward < 1, (task.instance_id, ref.output[-800:])
+
+
+def test_grading_never_writes_through_a_planted_directory_link(runtime, tmp_path):
+    """The agent replaces the graded tests' directory with a link to a host directory (`tests ->
+    /host/dir`, as its own code run in the sandbox can): grading removes the link from its copy and
+    writes the test files inside the tree; the host directory is untouched (it used to be written, and
+    its hidden-test namesake deleted, through Path.write_text / unlink on the host side)."""
+    from rl.envs.swe.tasks import grade, load_tasks
+    task = load_tasks()[0]
+    tree, host = tmp_path / "tree", tmp_path / "host"
+    for rel, text in task.files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    graded = sorted({i.split("::")[0] for i in task.graded})
+    top = Path(graded[0]).parts[0]
+    assert len(Path(graded[0]).parts) > 1 and all(Path(g).parts[0] == top for g in graded)
+    host.mkdir()
+    for g in graded:
+        (host / Path(g).name).write_text("HOST\n")
+    import shutil
+    shutil.rmtree(tree / top)
+    (tree / top).symlink_to(host, target_is_directory=True)
+    before = {p.name: p.read_text() for p in host.iterdir()}
+    base = grade(task, tree, limits=LIMITS, runtime={"name": runtime})
+    ref = grade(task, tree, extra_patch=task.patch, limits=LIMITS, runtime={"name": runtime})
+    assert {p.name: p.read_text() for p in host.iterdir()} == before
+    assert (tree / top).is_symlink()  # the agent's tree itself is never modified
+    assert base.reward < 1 and ref.reward == 1, ref.output[-800:]

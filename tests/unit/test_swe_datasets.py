@@ -151,12 +151,20 @@ def test_swe_file_level_errors(tmp_path):
 
 
 def test_swe_rows_that_need_an_image_are_refused_here(tmp_path):
-    for name in ("swe_smith", "swe_rebench", "r2e_gym"):
+    from rl.envs.swe.env import EnvConfig
+    for name, runtime in (("swe_smith", "inprocess"), ("swe_rebench", "bubblewrap"), ("r2e_gym", "inprocess")):
         f = _write([_rows()[name]], tmp_path / name, "jsonl")
         with pytest.raises(ValueError) as e:
-            SWEEnv(str(f), repos_dir=str(tmp_path / "repos"))
+            SWEEnv(str(f), EnvConfig(runtime={"name": runtime}), repos_dir=str(tmp_path / "repos"))
         assert "\n" not in str(e.value) and "row 0 (" in str(e.value)
-        assert "needs a container runtime (apptainer or podman)" in str(e.value), str(e.value)
+        assert (f"env.swe.runtime={runtime} has no images: it needs a container runtime "
+                "(env.swe.runtime=apptainer or podman)") in str(e.value), str(e.value)
+    # the image runtimes take them, and refuse rows without an image, naming the row
+    assert SWEEnv(str(tmp_path / "swe_smith.jsonl"), EnvConfig(runtime={"name": "podman"})).tasks[0].image
+    f = _write([_rows()["swe_bench"]], tmp_path / "plain", "jsonl")
+    with pytest.raises(ValueError, match=r"row 0 \(builtin__stats-median-even\): env.swe.runtime=apptainer "
+                                         r"runs each task in its image, and this row names none"):
+        SWEEnv(str(f), EnvConfig(runtime={"name": "apptainer", "image_cache": "/srv/sif"}))
     # a SWE-bench row whose repository is not here names where it looked
     row = {**_rows()["swe_bench"], "repo": "django/django"}
     f = _write([row], tmp_path / "django", "jsonl")

@@ -1,7 +1,11 @@
 """The SWE environment: sample tasks, run one episode per task in its own sandbox, reward at the end.
 
-`SWEEnv(tasks, config).start(task)` puts the task's starting tree (its snapshot, or base_commit of its
-git repository) into a fresh sandbox and returns an `Episode`. The orchestrator drives it turn by turn:
+`SWEEnv(tasks, config).start(task)` puts the task's starting tree (its snapshot, base_commit of its git
+repository, or the repository inside its image) into a fresh sandbox and returns an `Episode`. The
+sandbox comes from the runtime of `config.runtime` (`env.swe.runtime`: rl/envs/swe/runtimes.py), or,
+when the plan has sandbox nodes, from the sandbox service on one of them (`sandboxes=`, a
+rl.envs.swe.runtime_remote.ServicePool): the episode then calls the tools and grading on the service,
+which runs them there with the same code (docs/sandboxes.md). The orchestrator drives it turn by turn:
 `initial_messages()` opens the conversation (system prompt with the tool list, then the issue), each
 model turn goes to `step(text)`, which runs the one tool call in it and returns the observation to send
 back (`tool_message(obs)` wraps it as a chat message), and `reward()` grades the tree on the hidden
@@ -19,9 +23,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rl.envs.swe.sandbox import Limits, Sandbox
-from rl.envs.swe.datasets import playable
-from rl.envs.swe.tasks import Task, grade, load_tasks, open_sandbox
+from typing import Any
+
+from rl.envs.swe.datasets import needs_container, playable
+from rl.envs.swe.sandbox import Limits
+from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, grade, load_tasks, open_sandbox
 from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
 
 
@@ -33,6 +39,7 @@ class EnvConfig:
     output_chars: int = 4000
     limits: Limits = field(default_factory=lambda: Limits(cpu_s=60, memory_bytes=2 << 30))
     partial_credit: bool = True        # fraction of graded tests passed; off: 1 only if all pass
+    runtime: dict = field(default_factory=lambda: {"name": "inprocess"})  # open_runtime's settings
 
 
 SYSTEM_PROMPT = """You are a software engineer fixing an issue in a Python repository.
@@ -61,11 +68,17 @@ def initial_messages(task: Task) -> list[dict]:
 class Episode:
     """One task attempt in its own sandbox. Use as a context manager or call close()."""
 
-    def __init__(self, task: Task, config: EnvConfig):
+    def __init__(self, task: Task, config: EnvConfig, sandboxes: Any = None):
         self.task = task
         self.config = config
-        self.sandbox = open_sandbox(task, config.limits)
-        self.tools = Tools(self.sandbox, output_chars=config.output_chars, timeout_s=config.tool_timeout_s)
+        if sandboxes is not None:  # on a sandbox node: the service runs the tools and grading there
+            self.sandbox = sandboxes.open(task.instance_id)
+            self.tools = self.sandbox.tools()
+        else:
+            self.sandbox = open_sandbox(task, config.limits, config.runtime)
+            self.tools = Tools(self.sandbox, output_chars=config.output_chars,
+                               timeout_s=config.tool_timeout_s)
+        self._remote = sandboxes is not None
         self.turns = 0
         self.done = False
         self.end_reason: str | None = None
@@ -121,9 +134,13 @@ class Episode:
     def reward(self) -> float:
         """The hidden-test reward of the tree (tasks.grade; partial credit per the config); graded once."""
         if self._reward is None:
-            self._reward = grade(self.task, self.sandbox.tree, limits=self.config.limits,
-                                 timeout_s=self.config.tool_timeout_s,
-                                 partial_credit=self.config.partial_credit).reward
+            if self._remote:
+                self._reward = self.sandbox.grade().reward
+            else:
+                self._reward = grade(self.task, self.sandbox.tree, limits=self.config.limits,
+                                     timeout_s=self.config.tool_timeout_s,
+                                     partial_credit=self.config.partial_credit,
+                                     runtime=self.config.runtime).reward
         return self._reward
 
     def metrics(self) -> dict:
@@ -134,20 +151,40 @@ class Episode:
         self.sandbox.close()
 
 
+def playable_under(rows: list[Task], runtime: str, repos_dir: str | None, where: str) -> list[Task]:
+    """The rows made playable under `runtime`: image runtimes need every row's image (the repository is
+    in it); inprocess and bubblewrap refuse image rows (they have no images) and resolve repositories."""
+    if runtime in IMAGE_RUNTIMES:
+        for i, t in enumerate(rows):
+            if not t.image:
+                raise ValueError(f"{where}: row {i} ({t.instance_id}): env.swe.runtime={runtime} runs each "
+                                 "task in its image, and this row names none (image_name / docker_image)")
+        return [t for t in rows]
+    for i, t in enumerate(rows):
+        if needs_container(t):
+            raise ValueError(f"{where}: row {i} ({t.instance_id}): its {t.format} row runs in its instance "
+                             f"image {t.image!r}: env.swe.runtime={runtime} has no images: it needs a "
+                             "container runtime (env.swe.runtime=apptainer or podman)")
+    return playable(rows, repos_dir, where)
+
+
 class SWEEnv:
     """Tasks of a dataset in any public SWE format (default: the built-in set) and episodes over them.
-    Rows are made playable here at construction: repositories resolved (under `repos_dir`), rows that
-    need a container image refused with a one-line error."""
+    Rows are made playable here at construction: repositories resolved (under `repos_dir`), rows the
+    runtime cannot play refused with a one-line error (playable_under). `sandboxes`: a service pool
+    (sandbox nodes), or None for sandboxes of `config.runtime` in this process."""
 
     def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig(), *,
-                 format: str = "auto", repos_dir: str | None = None):
+                 format: str = "auto", repos_dir: str | None = None, sandboxes: Any = None):
         where = str(tasks) if isinstance(tasks, str) else "tasks"
         rows = (load_tasks() if tasks is None else load_tasks(tasks, format) if isinstance(tasks, str)
                 else tasks)
-        self.tasks = playable(rows, repos_dir, where)
+        self.tasks = playable_under(rows, config.runtime["name"], repos_dir, where)
         if not self.tasks:
             raise ValueError("SWEEnv needs at least one task")
         self.config = config
+        self.sandboxes = sandboxes
+        self.by_id = {t.instance_id: t for t in self.tasks}
 
     def sample_tasks(self, n: int, rng: random.Random) -> list[Task]:
         """n tasks: without replacement while n <= number of tasks, then cycling through reshuffles."""
@@ -157,7 +194,9 @@ class SWEEnv:
         return out
 
     def start(self, task: Task) -> Episode:
-        return Episode(task, self.config)
+        return Episode(task, self.config, self.sandboxes)
 
     def describe(self) -> str:
-        return json.dumps({"tasks": len(self.tasks), "sandbox": Sandbox.capabilities()["mode"]})
+        where = self.sandboxes.describe() if self.sandboxes is not None else "this process"
+        return json.dumps({"tasks": len(self.tasks), "runtime": self.config.runtime["name"],
+                           "sandboxes": where})
