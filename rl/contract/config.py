@@ -472,8 +472,12 @@ def validate(cfg: DictConfig | dict) -> None:
     need(e.swe.output_chars > 0, "env.swe.output_chars", "must be positive")
     for k, v in e.swe.limits.items():
         need(v > 0, f"env.swe.limits.{k}", "must be positive")
-    if e.name == "swe" and e.swe.tasks:
-        need(e.swe.tasks in ("builtin", "builtin_swebench") or Path(e.swe.tasks).exists(), "env.swe.tasks",
+    if e.name == "swe" and e.swe.tasks and e.swe.tasks not in ("builtin", "builtin_swebench"):
+        # On Slurm the orchestrator reads it on its node: a site filesystem this host does not mount at
+        # all (/datasets/... on a laptop) is left to it; a missing path on a mounted one is a typo here.
+        t = Path(e.swe.tasks)
+        visible = cfg.cluster.backend != "slurm" or not t.is_absolute() or Path(*t.parts[:2]).exists()
+        need(not visible or t.exists(), "env.swe.tasks",
              "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
     need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
          "must be auto, swe_bench, swe_smith, swe_rebench or r2e_gym")
