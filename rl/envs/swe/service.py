@@ -71,6 +71,7 @@ class Served:
         self.id, self.task, self.rt, self.config = sid, task, rt, config
         self.commands = self.tool_calls = 0
         self.graded = False
+        self.reward: float | None = None
         self.opened = time.time()
         run = rt.run
 
@@ -188,7 +189,7 @@ class Service:
         s, cfg = self._get(request), self.env.config
         g = await self._thread(grade, s.task, s.rt.tree, limits=cfg.limits, timeout_s=cfg.tool_timeout_s,
                                partial_credit=cfg.partial_credit, runtime=cfg.runtime)
-        s.graded = True
+        s.graded, s.reward = True, g.reward
         return web.json_response(dataclasses.asdict(g))
 
     async def tree(self, request):
@@ -212,7 +213,7 @@ class Service:
         s.rt.close()
         rec = {"id": s.id, "instance_id": s.task.instance_id, "service": self.index, "node": self.node,
                "host": self.host, "pid": os.getpid(), "runtime": self.env.config.runtime["name"],
-               "commands": s.commands, "tool_calls": s.tool_calls, "graded": s.graded,
+               "commands": s.commands, "tool_calls": s.tool_calls, "graded": s.graded, "reward": s.reward,
                "opened": s.opened, "closed": time.time()}
         with open(paths.sandbox_log(self.run_dir, self.index), "a") as f:
             f.write(json.dumps(rec) + "\n")
