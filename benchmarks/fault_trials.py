@@ -138,7 +138,7 @@ def wait_until(pred, timeout: float, p: subprocess.Popen | None = None) -> bool:
 
 def moment(trial: Trial, p: subprocess.Popen, rng: random.Random) -> bool:
     """Wait for a random moment of the first incarnation: after k trained steps plus up to 3 s."""
-    k = rng.randint(0, STEPS - 2)
+    k = rng.randint(1 if trial.kind in ("bitflip", "truncate") else 0, STEPS - 2)
     ok = wait_until(lambda: len(role_pids(trial.run_dir)) == 3 and steps_done(trial.run_dir) >= k, 300, p)
     time.sleep(rng.uniform(0, 3))
     trial.detail += f" after step {k}"
@@ -154,11 +154,11 @@ def kill_everything(run_dir: Path, p: subprocess.Popen) -> None:
 
 # -- faults ------------------------------------------------------------------------------------------
 def published_files(run_dir: Path, rng: random.Random) -> Path | None:
-    kind = rng.choice(["rollouts", "weights", "checkpoints"])
-    steps = exchange.list_steps(run_dir, kind)
-    if not steps:
+    kinds = [k for k in ("rollouts", "weights", "checkpoints") if exchange.list_steps(run_dir, k)]
+    if not kinds:
         return None
-    step_path = exchange.step_dir(run_dir, kind, steps[-1])
+    kind = rng.choice(kinds)
+    step_path = exchange.step_dir(run_dir, kind, exchange.list_steps(run_dir, kind)[-1])
     files = [f for f in step_path.rglob("*") if f.is_file() and f.name != "manifest.json" and f.stat().st_size]
     return rng.choice(files) if files else None
 
@@ -167,7 +167,10 @@ def inject(trial: Trial, rng: random.Random, p: subprocess.Popen) -> subprocess.
     """Inject the trial's fault into the running first incarnation `p`. Returns a zombie to reap, if any."""
     run_dir, kind = trial.run_dir, trial.kind
     if not moment(trial, p, rng):
-        trial.detail += " (run ended before the moment)"
+        rc = p.poll()
+        trial.detail += f" (run ended before the moment, exit {rc})"
+        if rc not in (None, 0):  # nothing was injected yet: a failure of its own
+            trial.failures.append(f"the first incarnation exited {rc} before any fault was injected")
         return None
     if kind == "kill_role":
         role = rng.choice(sorted(role_pids(run_dir)))
@@ -236,14 +239,26 @@ class _zombie_handle:
     def resume(self) -> None:
         kill(self.pid, signal.SIGCONT)
 
-    def reap(self) -> None:
+    def reap(self, run_dir: Path) -> str:
+        """Give the old trainer time to try a publish, end it; what it did, from its log."""
+        from launch.procs import process_start_time
+        wait_until(lambda: process_start_time(self.pid) is None, 20)
         kill(self.pid)
+        log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
+        if "has started since" in log:
+            return "zombie's publish refused (fenced)"
+        return "zombie published nothing"
 
 
 # -- checks ------------------------------------------------------------------------------------------
 def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
-    d = exchange.step_dir(run_dir, "weights", step)
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.safetensors"))}
+    """sha256 of every tensor of weights/step_N as stored (FP8 bytes and scales), a delta step rebuilt
+    from its chain: a full and a delta publication of the same version compare equal."""
+    import torch
+    from rl.exchange.deltas import stored_tensors
+    tensors, _ = stored_tensors(exchange.step_dir(run_dir, "weights", step))
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in sorted(tensors.items())}
 
 
 def check(trial: Trial, reference: dict[str, str] | None) -> None:
@@ -259,11 +274,9 @@ def check(trial: Trial, reference: dict[str, str] | None) -> None:
     if metric_steps != list(range(STEPS)):
         fail(f"metrics.jsonl steps {metric_steps}")
     for kind in ("weights", "rollouts", "checkpoints"):
-        for s in exchange.list_steps(run_dir, kind):
-            try:
-                exchange.verify(exchange.step_dir(run_dir, kind, s), checksums=True)
-            except exchange.CorruptStep as e:
-                fail(f"unverifiable step left after DONE: {e}")
+        from rl.exchange.deltas import stored_tensors
+        for s, why in exchange.corrupt_steps(run_dir, kind, stored_tensors if kind == "weights" else None).items():
+            fail(f"unverifiable step left after DONE: {kind}/step_{s:06d}: {why}")
     if exchange.latest_complete(run_dir, "weights") != STEPS:
         fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {STEPS}")
     from safetensors.numpy import load_file
@@ -305,8 +318,7 @@ def run_trial(trial: Trial, rng: random.Random, reference: dict | None, timeout:
             rc = "hang"
         trial.incarnations.append(rc)
         if zombie is not None:
-            time.sleep(1.0)
-            zombie.reap()
+            trial.detail += "; " + zombie.reap(trial.run_dir)
             zombie = None
         if (trial.run_dir / "DONE").exists() and rc == 0:
             break

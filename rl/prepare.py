@@ -67,7 +67,12 @@ def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
         print(f"[prepare] set aside a checkpoint that does not verify: {dest}", flush=True)
     # No checkpoint: the trainer starts from scratch, so nothing downstream of version 0 is valid.
     keep = ckpt if ckpt is not None else -1
-    discarded = {kind: exchange.discard_after(run_dir, kind, keep) for kind in (paths.WEIGHTS, paths.ROLLOUTS)}
+    # Weights from the checkpoint's version on go too: the trainer republishes version c from the
+    # checkpoint itself, so the servers of this incarnation start from bytes that match the lineage even if
+    # the published copy was damaged (hashing it here instead would cost a read of the whole model by one
+    # process; a publish is spread over every trainer rank).
+    discarded = {paths.WEIGHTS: exchange.discard_after(run_dir, paths.WEIGHTS, keep - 1 if ckpt is not None else -1),
+                 paths.ROLLOUTS: exchange.discard_after(run_dir, paths.ROLLOUTS, keep)}
     discarded[paths.CHECKPOINTS] = list(corrupt)  # set aside, not deleted: checkpoints/corrupt/
     from rl.metrics import truncate_metrics
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)

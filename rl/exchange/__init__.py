@@ -435,4 +435,4 @@ def delta_base(path: str | os.PathLike) -> int | None:
 
 
 # Retention lives in its own module; re-exported so every caller keeps spelling it exchange.prune.
-from rl.exchange.retention import prune, served_versions, weights_in_use  # noqa: E402,F401
+from rl.exchange.retention import corrupt_steps, prune, served_versions, weights_in_use  # noqa: E402,F401

@@ -25,7 +25,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from rl.faults import crash_point
 from rl.exchange import MANIFEST, CorruptStep, delta_base, latest_complete, list_steps, step_dir, verify
@@ -110,3 +110,33 @@ def weights_in_use(run_dir: str | os.PathLike, max_off_policy: int) -> set[int]:
     use = set(range(max(0, newest - int(max_off_policy)), newest + 1)) if newest is not None else set()
     return use | served_versions(run_dir)
 
+
+
+def corrupt_steps(run_dir: str | os.PathLike, kind: str,
+                  deep: "Callable[[Path], object] | None" = None) -> dict[int, str]:
+    """{step: why} for every step of `kind` that does not verify with checksums, and every weights step
+    whose delta chain passes through a step that does not (or is missing): it could not be rebuilt.
+    `deep(step_path)` is a further check that raises CorruptStep: weight shards are listed in the
+    manifest by size only, their digests are per tensor (checksums.json), and reading those needs torch
+    (rl.exchange.deltas.stored_tensors, which also rebuilds a delta from its chain and verifies the result).
+    Reads every byte of every step: for the end of a run (DONE) and for tools, not for hot paths."""
+    steps = list_steps(run_dir, kind)
+    bad: dict[int, str] = {}
+    for s in steps:
+        try:
+            verify(step_dir(run_dir, kind, s), checksums=True)
+            if deep is not None:
+                deep(step_dir(run_dir, kind, s))
+        except CorruptStep as e:
+            bad[s] = str(e)
+    for s in steps:  # ascending, so a base is judged before the deltas on it
+        if s in bad:
+            continue
+        try:
+            b = delta_base(step_dir(run_dir, kind, s))
+        except (ValueError, KeyError, OSError) as e:
+            bad[s] = f"delta.json unreadable ({e})"
+            continue
+        if b is not None and (b in bad or b not in steps):
+            bad[s] = f"its delta base step {b} {'does not verify' if b in bad else 'is missing'}"
+    return bad

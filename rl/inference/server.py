@@ -379,10 +379,13 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path, Path, int] | None:
     """Block until assets/step_000000 and a complete weights step exist; (assets, weights, version)."""
     announced = False
+    # Nothing older than this incarnation's checkpoint: rl.prepare removed its published version, which the
+    # trainer publishes again from the checkpoint; an older step left by retention may be damaged.
+    floor = runtime.resume_state(run_dir).checkpoint_step or 0
     while not stop.is_set() and not runtime.is_done(run_dir):
         assets = exchange.step_dir(run_dir, paths.ASSETS, 0)
         version = exchange.latest_complete(run_dir, paths.WEIGHTS) if assets.is_dir() else None
-        if version is not None:
+        if version is not None and version >= floor:
             return assets, exchange.step_dir(run_dir, paths.WEIGHTS, version), version
         if not announced:
             log(f"waiting for {assets} and weights/step_* from the trainer")

@@ -400,6 +400,31 @@ class Trainer:
         self.dist.close()
 
 
+def _final_sweep(run_dir, tr: "Trainer", d, final: int) -> None:
+    """Before DONE: every step left in the run directory verifies (checksums, weights' delta chains).
+
+    Damage to a step after it was written (a bit flip, a truncation on the filesystem) is found only when
+    something reads it again, and after DONE nothing does. A damaged step is set aside (<kind>/corrupt/);
+    the final checkpoint and the final weights are written again from the trainer's state, which is still
+    in memory, so a finished run never ends with its result only in a damaged copy. It reads every retained
+    byte once, at the end of the run only."""
+    from rl.exchange.deltas import stored_tensors
+    deep = {"weights": stored_tensors}
+    bad = d.broadcast({k: exchange.corrupt_steps(run_dir, k, deep.get(k))
+                       for k in ("checkpoints", "weights", "rollouts")} if d.is_main else None)
+    if d.is_main:
+        for kind, steps in bad.items():
+            for s, why in sorted(steps.items()):
+                dest = exchange.set_aside(run_dir, kind, s)
+                log(ROLE, f"final check: {kind}/step_{s:06d} set aside to {dest} ({why})")
+    d.barrier()
+    if final in bad["weights"]:
+        tr.publish_weights(run_dir, final)
+        tr.wait_published()
+    if final in bad["checkpoints"]:
+        tr.save(run_dir, final)
+
+
 def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[RolloutBatch, dict] | None:
     """Wait for `rollouts/step_<step>`, verified with checksums; quarantine and re-wait if corrupt."""
     while True:
@@ -605,6 +630,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
     if tr.progress.next_step >= max_steps:
         if last_ckpt != tr.progress.next_step:
             tr.save(run_dir, tr.progress.next_step)
+        _final_sweep(run_dir, tr, d, tr.progress.next_step)
         if main:
             mark_done(run_dir, step=tr.progress.next_step)
             log(ROLE, f"done: {max_steps} steps")

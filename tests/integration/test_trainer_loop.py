@@ -123,3 +123,50 @@ def test_published_fp8_shards_dequantize_to_fake_quantized_trainer_weights(tmp_p
     for name, w in ours.items():
         expected = fp8.fake_quantize_block(w) if name in quantized else w
         assert torch.equal(got[name], expected), name
+
+
+def test_damage_found_at_the_end_is_set_aside(tmp_path):
+    publish_batches(tmp_path, range(4))
+    cfg = tiny_cfg(tmp_path)
+    hits = []
+
+    def damage(n, m):
+        if n == 3:  # after the last step trained, before DONE: flip bits in what is already published
+            hits.append(exchange.step_dir(tmp_path, "rollouts", 1))
+            f = exchange.step_dir(tmp_path, "rollouts", 1) / "batch.safetensors"
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0x01
+            f.write_bytes(bytes(data))
+    assert run(tmp_path, cfg, examples=examples, poll=0.01, after_step=damage) == 0
+    assert hits and is_done(tmp_path)
+    for kind in ("rollouts", "weights", "checkpoints"):
+        assert exchange.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
+    assert 1 not in exchange.list_steps(tmp_path, "rollouts")
+    assert [p.name.split("-")[0] for p in (tmp_path / "rollouts" / "corrupt").iterdir()] == ["step_000001"]
+
+
+def test_the_final_weights_and_checkpoint_are_written_again_when_damaged(tmp_path, monkeypatch):
+    from rl.trainer import train
+    publish_batches(tmp_path, range(2))
+    cfg = tiny_cfg(tmp_path, max_steps=2)
+    real = train._final_sweep
+
+    def damage_then_sweep(run_dir, tr, d, final):
+        for kind in ("weights", "checkpoints"):
+            step = exchange.step_dir(run_dir, kind, final)
+            f = max((p for p in step.rglob("*") if p.is_file() and p.name != "manifest.json"),
+                    key=lambda p: p.stat().st_size)
+            with open(f, "r+b") as fh:
+                fh.seek(f.stat().st_size // 2)
+                b = fh.read(1)
+                fh.seek(f.stat().st_size // 2)
+                fh.write(bytes([b[0] ^ 0x10]))
+        assert set(exchange.corrupt_steps(run_dir, "weights", stored_tensors)) >= {final}
+        real(run_dir, tr, d, final)
+    monkeypatch.setattr(train, "_final_sweep", damage_then_sweep)
+    assert run(tmp_path, cfg, examples=examples, poll=0.01) == 0
+    for kind in ("weights", "checkpoints"):
+        assert exchange.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
+        assert exchange.latest_complete(tmp_path, kind, checksums=True) == 2, kind
+        assert len(list((tmp_path / kind / "corrupt").iterdir())) == 1
+    assert Trainer(cfg).load(tmp_path, 2) is None  # the rewritten checkpoint loads
