@@ -40,7 +40,8 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_used(tmp_
     _flip(d / "checkpoints" / "step_000010" / "f.bin")  # same size: only the checksum sees it
     state = prepare(d)
     assert state.checkpoint_step == 5
-    assert state.discarded == {"weights": [6, 7, 8, 9, 10, 11], "rollouts": [6, 7, 8, 9, 10],
+    # weights from version 5 on: the trainer republishes version 5 from the checkpoint itself
+    assert state.discarded == {"weights": [5, 6, 7, 8, 9, 10, 11], "rollouts": [6, 7, 8, 9, 10],
                                "checkpoints": [10]}
     assert exchange.list_steps(d, "checkpoints") == [5]
     (aside,) = (d / "checkpoints" / "corrupt").iterdir()  # renamed, not deleted: kept for inspection
@@ -110,7 +111,7 @@ def test_prepare_restores_a_checkpoint_whose_overwrite_was_killed_between_rename
     monkeypatch.undo()
     assert exchange.list_steps(d, "checkpoints") == [0]
     state = prepare(d)
-    assert state.checkpoint_step == 5 and state.discarded["weights"] == [6]
+    assert state.checkpoint_step == 5 and state.discarded["weights"] == [5, 6]  # 5: republished by the trainer
     assert not [p for p in (d / "checkpoints").iterdir() if "step_000005." in p.name]
 
 
@@ -151,4 +152,4 @@ def test_keep_checkpoints_1_with_a_corrupt_newest_still_resumes_from_the_good_on
     _flip(d / "checkpoints" / "step_000010" / "f.bin")
     assert exchange.prune(d, "checkpoints", keep_last=1, checksums=True) == []
     state = prepare(d)
-    assert state.checkpoint_step == 5 and exchange.list_steps(d, "weights") == list(range(6))
+    assert state.checkpoint_step == 5 and exchange.list_steps(d, "weights") == list(range(5))  # 5 republished
