@@ -32,6 +32,7 @@ Fault kinds (`--kinds`, default all):
 USR1/TERM to the real batch script runs on the local Slurm cluster in tests/integration/test_slurm_*.py.
 
     python benchmarks/fault_trials.py --trials 50 [--seed 0] [--kinds kill_all,bitflip] [--out DIR]
+    python benchmarks/fault_trials.py --campaign --kinds crash_point,sigstop,second_launcher,bitflip,kill_all
 
 It prints one row per trial and a table by kind; the last line is machine-readable:
 `trials=N passed=P failed=F seconds=T` followed by the line `P passed, F failed`.
@@ -68,7 +69,7 @@ CRASH_POINTS = [("commit.before_manifest", "trainer", 6), ("commit.before_rename
                 ("prepare.mid", "prepare", 1)]
 STEPS = 4
 BASE = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1",
-        "orchestrator.prompts_per_step=8", "orchestrator.drain_timeout_s=5", "cluster.stall_timeout_s=90"]
+        "orchestrator.prompts_per_step=8", "orchestrator.drain_timeout_s=5", "cluster.stall_timeout_s=300"]
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Trial:
     run_dir: Path
     detail: str = ""
     incarnations: list = field(default_factory=list)   # exit status of each launcher run
+    armed: bool = False                                 # a crash point is armed in the first incarnation
     failures: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -169,7 +171,7 @@ def inject(trial: Trial, rng: random.Random, p: subprocess.Popen) -> subprocess.
     if not moment(trial, p, rng):
         rc = p.poll()
         trial.detail += f" (run ended before the moment, exit {rc})"
-        if rc not in (None, 0):  # nothing was injected yet: a failure of its own
+        if rc not in (None, 0) and not trial.armed:  # nothing was injected yet: a failure of its own
             trial.failures.append(f"the first incarnation exited {rc} before any fault was injected")
         return None
     if kind == "kill_role":
@@ -251,6 +253,27 @@ class _zombie_handle:
 
 
 # -- checks ------------------------------------------------------------------------------------------
+def leftover_processes(run_dir: Path) -> list[tuple[int, str]]:
+    """Live processes whose environment names this run (every role and every vLLM process inherits
+    HETRL_RUN_DIR), zombies excluded."""
+    tag = f"HETRL_RUN_DIR={run_dir}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if tag not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            stat = (d / "stat").read_text()
+            if stat[stat.rindex(")") + 2] in "ZX":
+                continue
+            out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]))
+        except OSError:
+            continue
+    return out
+
+
+# -- checks (after DONE) ------------------------------------------------------------------------------
 def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
     """sha256 of every tensor of weights/step_N as stored (FP8 bytes and scales), a delta step rebuilt
     from its chain: a full and a delta publication of the same version compare equal."""
@@ -263,6 +286,11 @@ def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
 
 def check(trial: Trial, reference: dict[str, str] | None) -> None:
     run_dir, fail = trial.run_dir, trial.failures.append
+    if not wait_until(lambda: not leftover_processes(run_dir), 30):
+        left = leftover_processes(run_dir)
+        fail(f"{len(left)} process(es) of the run still alive 30 s after the launcher ended: {left[:3]}")
+        for pid, _ in left:
+            kill(pid)
     if not (run_dir / "DONE").exists():
         fail(f"not DONE after {len(trial.incarnations)} incarnations (exit statuses {trial.incarnations})")
         return
@@ -304,6 +332,55 @@ def run_trial(trial: Trial, rng: random.Random, reference: dict | None, timeout:
     zombie = None
     if trial.kind not in ("crash_point", "disk_full"):
         zombie = inject(trial, rng, p)
+    finish(trial, p, zombie, timeout)
+    check(trial, reference)
+    trial.seconds = time.monotonic() - t0
+    return trial
+
+
+def launcher_pid(run_dir: Path) -> int | None:
+    try:
+        return int(json.loads((run_dir / "local.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0) -> Trial:
+    """Several faults one after the other in ONE run (the CI subset: one run's worth of time instead of one
+    per fault). A crash point, if asked for, is armed in the first incarnation; the other kinds are injected
+    in order into whichever incarnation runs; then the run is completed and checked like a trial
+    (max_off_policy=1, so without the bit-identical comparison, which needs a reference run)."""
+    if bad := [k for k in kinds if k in ("zombie", "disk_full")]:
+        raise ValueError(f"campaign: {bad[0]} needs a run of its own")
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    trial = Trial(0, "+".join(kinds), 1, out / "campaign")
+    env = None
+    if "crash_point" in kinds:
+        point, role, top = rng.choice([c for c in CRASH_POINTS if c[1] != "prepare"])
+        env = {"HETRL_FAULT": f"{point}@{role}:{rng.randint(1, top)}"}
+        trial.detail, trial.armed = env["HETRL_FAULT"], True
+    p = launch(trial, env)
+    for kind in kinds:
+        if kind == "crash_point":
+            continue
+        if p.poll() is not None:  # the crash point or a kill ended that incarnation
+            trial.incarnations.append(p.returncode)
+            for pid in role_pids(trial.run_dir).values():
+                kill(pid)
+            p = launch(trial)
+        wait_until(lambda: launcher_pid(trial.run_dir) == p.pid, 120, p)  # not the last one's roles
+        trial.kind, trial.detail = kind, trial.detail + f"; {kind}"
+        inject(trial, rng, p)
+    trial.kind = "campaign"
+    finish(trial, p, None, timeout)
+    check(trial, None)
+    trial.seconds = time.monotonic() - t0
+    return trial
+
+
+def finish(trial: Trial, p: subprocess.Popen, zombie, timeout: float) -> None:
+    """Let the running incarnation end, then run the command again until the run is DONE (4 at most)."""
     for attempt in range(4):
         if attempt > 0 or zombie is not None:
             p = launch(trial)
@@ -324,9 +401,6 @@ def run_trial(trial: Trial, rng: random.Random, reference: dict | None, timeout:
             break
         for pid in role_pids(trial.run_dir).values():  # a launcher killed by the fault leaves its roles
             kill(pid)
-    check(trial, reference)
-    trial.seconds = time.monotonic() - t0
-    return trial
 
 
 def reference_run(out: Path, timeout: float) -> dict[str, str]:
@@ -364,12 +438,21 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--out", type=Path, default=None, help="where trial run dirs go (failed ones are kept)")
     ap.add_argument("--incarnation-timeout", type=float, default=420.0)
+    ap.add_argument("--campaign", action="store_true",
+                    help="all --kinds one after the other in one run (the CI subset), instead of --trials runs")
     ns = ap.parse_args(argv)
     kinds = [k for k in ns.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
         ap.error(f"--kinds: unknown {', '.join(bad)} (known: {', '.join(KINDS)})")
     out = ns.out or Path(tempfile.mkdtemp(prefix="hetrl-faults-"))
     t0 = time.monotonic()
+    if ns.campaign:
+        t = run_campaign(kinds, ns.seed, out, ns.incarnation_timeout)
+        print(f"campaign {t.kind}: {t.seconds:.0f} s, exits {t.incarnations}, {t.detail.strip('; ')}: "
+              + ("ok" if not t.failures else "FAILED: " + "; ".join(t.failures)))
+        print(f"trials=1 passed={int(not t.failures)} failed={int(bool(t.failures))} seconds={t.seconds:.0f}")
+        print(f"{int(not t.failures)} passed, {int(bool(t.failures))} failed")
+        return 0 if not t.failures else 1
     trials = run_trials(ns.trials, ns.seed, kinds, out, ns.incarnation_timeout)
     print(f"\n{'kind':16s} {'trials':>6s} {'passed':>6s} {'median s':>8s}")
     for k in kinds:

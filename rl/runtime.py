@@ -164,3 +164,19 @@ def waiting(what: str) -> None:
 def progress() -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.progress()
+
+
+class waiting_for:
+    """`with waiting_for(what):` the block is a wait for another role's output; however it ends (the
+    output came, a stop, an error), the wait is over: a role shutting down after it is not stalled."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        waiting(self.what)
+        return self
+
+    def __exit__(self, *exc):
+        progress()
+        return False

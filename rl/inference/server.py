@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -378,6 +379,12 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
 # -- what to load ----------------------------------------------------------------------------------------
 def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path, Path, int] | None:
     """Block until assets/step_000000 and a complete weights step exist; (assets, weights, version)."""
+    with runtime.waiting_for(f"{exchange.step_dir(run_dir, paths.ASSETS, 0)} and a complete weights/step_* "
+                             f"from the trainer"):
+        return _wait_first_publication(run_dir, stop)
+
+
+def _wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path, Path, int] | None:
     announced = False
     # Nothing older than this incarnation's checkpoint: rl.prepare removed its published version, which the
     # trainer publishes again from the checkpoint; an older step left by retention may be damaged.
@@ -390,7 +397,6 @@ def wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path,
         if not announced:
             log(f"waiting for {assets} and weights/step_* from the trainer")
             announced = True
-        runtime.waiting(f"{assets} and a complete weights/step_* from the trainer")
         time.sleep(0.5)
     return None
 
@@ -411,6 +417,11 @@ def write_start(run_dir: Path, index: int, version: int, fp8: bool) -> None:
 
 def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, bool] | None:
     """(version, fp8) from this incarnation's start record of replica `index`; None if stopped first."""
+    with runtime.waiting_for(f"{start_record(run_dir, index)} from the replica's head"):
+        return _wait_start(run_dir, index, stop)
+
+
+def _wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, bool] | None:
     want = _incarnation(run_dir)
     path, announced = start_record(run_dir, index), False
     while not stop.is_set() and not runtime.is_done(run_dir):
@@ -423,7 +434,6 @@ def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, 
         if not announced:
             log(f"waiting for {path} (the version the replica's head loads)")
             announced = True
-        runtime.waiting(f"{path} from the replica's head")
         time.sleep(0.5)
     return None
 
@@ -463,13 +473,19 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def stop_child(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
+    """SIGTERM, then (uvicorn waits for background tasks after the first signal, measured: until
+    killed) SIGINT, which makes it quit at once, then SIGKILL once `grace` is over."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(grace)
+            proc.wait(min(5.0, grace))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     return proc.returncode
 
 

@@ -149,13 +149,12 @@ class Orchestrator:
             raise w.exception()
 
     async def _wait_version(self, need: int) -> bool:
-        while self.tracker.version < need:
-            runtime.waiting(f"weights/step_{need:06d} from the trainer, loaded into the servers")
-            if self.stop.is_set():
-                return False
-            self.check_watcher()
-            await asyncio.sleep(0.05)
-        runtime.progress()
+        with runtime.waiting_for(f"weights/step_{need:06d} from the trainer, loaded into the servers"):
+            while self.tracker.version < need:
+                if self.stop.is_set():
+                    return False
+                self.check_watcher()
+                await asyncio.sleep(0.05)
         return True
 
     # --- sampling ------------------------------------------------------------------------------

@@ -313,6 +313,7 @@ class ContinuousPool:
             while not orch.stop.is_set() and not is_done(orch.run_dir):
                 n = next_missing()
                 if n is None:
+                    runtime.progress()  # everything is published: waiting for DONE is the trainer's turn
                     # everything is published; the trainer may still quarantine a corrupt batch, which
                     # makes its step missing again, so keep watching until it is done
                     if self.inflight:
@@ -340,6 +341,7 @@ class ContinuousPool:
                 orch.publish_batch(n, orch.finish_batch(n, [g.samples for g in groups], self._meta(n, groups)))
                 runtime.progress()
         finally:
+            runtime.progress()
             if self.inflight:
                 await self.drain("stop" if orch.stop.is_set() else "drain", next_missing() or self.max_steps)
 

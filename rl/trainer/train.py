@@ -428,15 +428,13 @@ def _final_sweep(run_dir, tr: "Trainer", d, final: int) -> None:
 def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[RolloutBatch, dict] | None:
     """Wait for `rollouts/step_<step>`, verified with checksums; quarantine and re-wait if corrupt."""
     while True:
-        runtime.waiting(f"rollouts/step_{step:06d} from the orchestrator")
-        path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
+        with runtime.waiting_for(f"rollouts/step_{step:06d} from the orchestrator"):
+            path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
         if path is None:
             return None
         try:
             manifest = exchange.verify(path, checksums=True)
-            batch = RolloutBatch.load(path)
-            runtime.progress()
-            return batch, manifest
+            return RolloutBatch.load(path), manifest
         except (exchange.CorruptStep, OSError, ValueError) as e:
             dest = Path(run_dir) / "rollouts" / "corrupt" / f"{path.name}-{int(time.time())}"
             dest.parent.mkdir(parents=True, exist_ok=True)

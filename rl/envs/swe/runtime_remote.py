@@ -46,7 +46,7 @@ class ServicePool:
         self.run_dir, self.n, self.wait_s = run_dir, services, wait_s
         self.http = httpx.Client(headers={"Authorization": f"Bearer {secret}"},
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                                 timeout=httpx.Timeout(60.0, read=None))
+                                 timeout=httpx.Timeout(60.0, read=wait_s + _MARGIN_S))
         self.counts = [0] * services
         self._urls: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -83,8 +83,10 @@ class ServicePool:
         for attempt in (0, 1):
             url = self.url(i, fresh=attempt > 0)
             try:
+                # never unbounded: a call without its own limit (create, files, close) gets the
+                # episode's (env.swe.wall_s, this pool's wait_s): a hung service ends the episode
                 r = self.http.request(method, url + path, timeout=httpx.Timeout(
-                    60.0, read=None if timeout_s is None else timeout_s + _MARGIN_S), **kw)
+                    60.0, read=(self.wait_s if timeout_s is None else timeout_s) + _MARGIN_S), **kw)
                 break
             except httpx.ConnectError as e:
                 if attempt:
