@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from rl.envs.swe.sandbox import Sandbox
+from rl.envs.swe.runtimes import InprocessRuntime
 from rl.envs.swe.tools import Tools, parse_tool_call
 
 
@@ -27,8 +27,15 @@ def test_swe_parse_tool_call():
 def tools(tmp_path):
     files = {"pkg/__init__.py": "", "pkg/m.py": "def f():\n    return 1\n",
              "tests/test_m.py": "from pkg.m import f\n\n\ndef test_f():\n    assert f() == 2\n"}
-    with Sandbox.from_files(files) as sb:
-        yield Tools(sb, output_chars=2000, timeout_s=30)
+    tree = tmp_path / "tree"
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    rt = InprocessRuntime(tree)
+    try:
+        yield Tools(rt, output_chars=2000, timeout_s=30)
+    finally:
+        rt.close()
 
 
 def test_swe_tools_paths_are_confined(tools, tmp_path):
@@ -69,3 +76,12 @@ def test_swe_tools_truncate_output(tools):
     tools.call("write_file", {"path": "big.txt", "content": "y\n" * 5000})
     out = tools.call("read_file", {"path": "big.txt"})
     assert len(out) < 2100 and "chars cut" in out
+
+
+def test_write_file_never_writes_through_a_hard_link_to_a_host_file(tools, tmp_path):
+    host = tmp_path / "host.txt"  # same filesystem as the tree: the agent's code could link it
+    host.write_text("host data\n")
+    os.link(host, tools.sb.tree / "pkg" / "hl.txt")
+    assert tools.call("write_file", {"path": "pkg/hl.txt", "content": "agent\n"}).startswith("wrote")
+    assert host.read_text() == "host data\n"
+    assert (tools.sb.tree / "pkg" / "hl.txt").read_text() == "agent\n"

@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
-from rl.envs.swe.sandbox import Sandbox
+from rl.envs.swe.runtimes import Runtime
 from rl.envs.swe.tasks import PATCH, patched_paths, run_pytest
 
 TOOL_SPECS = [
@@ -74,7 +74,7 @@ class Tools:
     """The tools of one episode. `call(name, args)` dispatches and always returns text; `submitted`
     turns true after `submit`."""
 
-    def __init__(self, sandbox: Sandbox, *, output_chars: int = 4000, timeout_s: float = 60,
+    def __init__(self, sandbox: Runtime, *, output_chars: int = 4000, timeout_s: float = 60,
                  max_file_chars: int = 200_000):
         self.sb = sandbox
         self.output_chars = output_chars
@@ -141,10 +141,9 @@ class Tools:
         f = self._resolve(path)
         if f.is_dir():
             raise IsADirectoryError(f"{path!r} is a directory")
-        f.parent.mkdir(parents=True, exist_ok=True)
-        if f.is_symlink():
-            f.unlink()
-        f.write_text(content)
+        # through the runtime: it opens every component without following links and replaces the file
+        # (never writes through a link or a hard link), so a link planted after the check changes nothing
+        self.sb.write_file(self._rel(f), content)
         return f"wrote {len(content)} chars to {self._rel(f)}"
 
     def apply_patch(self, diff: str, _timeout_s: float | None = None) -> str:
