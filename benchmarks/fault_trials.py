@@ -185,6 +185,10 @@ def inject(trial: Trial, rng: random.Random, p: subprocess.Popen) -> subprocess.
         trial.detail += ": SIGTERM launcher"
         kill(p.pid, signal.SIGTERM)
     elif kind in ("bitflip", "truncate"):
+        if (run_dir / "DONE").exists() or steps_done(run_dir) >= STEPS:
+            # damage after the trainer's final check is the filesystem's, not something a run can repair
+            trial.detail += ": run finishing, not injected"
+            return None
         f = published_files(run_dir, rng)
         if f is None:
             trial.detail += ": nothing published yet"
