@@ -68,7 +68,7 @@ CRASH_POINTS = [("commit.before_manifest", "trainer", 6), ("commit.before_rename
                 ("weights.publish", "trainer", 4), ("reload.paused", "orchestrator", 3),
                 ("prepare.mid", "prepare", 1)]
 STEPS = 4
-BASE = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1",
+BASE = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1",
         "orchestrator.prompts_per_step=8", "orchestrator.drain_timeout_s=5", "cluster.stall_timeout_s=300"]
 
 
@@ -81,11 +81,14 @@ class Trial:
     detail: str = ""
     incarnations: list = field(default_factory=list)   # exit status of each launcher run
     armed: bool = False                                 # a crash point is armed in the first incarnation
+    steps: int = STEPS
+    at: int | None = None                               # inject after this many steps (default: random)
     failures: list = field(default_factory=list)
     seconds: float = 0.0
 
     def overrides(self) -> list[str]:
-        return [*BASE, f"orchestrator.max_off_policy={self.max_off_policy}", f"run_dir={self.run_dir}"]
+        return [*BASE, f"trainer.max_steps={self.steps}", f"orchestrator.max_off_policy={self.max_off_policy}",
+                f"run_dir={self.run_dir}"]
 
 
 # -- processes -----------------------------------------------------------------------------------------
@@ -140,7 +143,8 @@ def wait_until(pred, timeout: float, p: subprocess.Popen | None = None) -> bool:
 
 def moment(trial: Trial, p: subprocess.Popen, rng: random.Random) -> bool:
     """Wait for a random moment of the first incarnation: after k trained steps plus up to 3 s."""
-    k = rng.randint(1 if trial.kind in ("bitflip", "truncate") else 0, STEPS - 2)
+    k = trial.at if trial.at is not None else rng.randint(1 if trial.kind in ("bitflip", "truncate") else 0,
+                                                         trial.steps - 2)
     ok = wait_until(lambda: len(role_pids(trial.run_dir)) == 3 and steps_done(trial.run_dir) >= k, 300, p)
     time.sleep(rng.uniform(0, 3))
     trial.detail += f" after step {k}"
@@ -185,7 +189,7 @@ def inject(trial: Trial, rng: random.Random, p: subprocess.Popen) -> subprocess.
         trial.detail += ": SIGTERM launcher"
         kill(p.pid, signal.SIGTERM)
     elif kind in ("bitflip", "truncate"):
-        if (run_dir / "DONE").exists() or steps_done(run_dir) >= STEPS:
+        if (run_dir / "DONE").exists() or steps_done(run_dir) >= trial.steps:
             # damage after the trainer's final check is the filesystem's, not something a run can repair
             trial.detail += ": run finishing, not injected"
             return None
@@ -300,24 +304,25 @@ def check(trial: Trial, reference: dict[str, str] | None) -> None:
         return
     ck = exchange.latest_complete(run_dir, "checkpoints", checksums=True)
     state = json.loads((exchange.step_dir(run_dir, "checkpoints", ck) / "trainer_state.json").read_text())
-    if state["consumed"] != list(range(STEPS)):
-        fail(f"the final lineage trained rollout steps {state['consumed']}, not 0..{STEPS - 1} once each")
+    steps = trial.steps
+    if state["consumed"] != list(range(steps)):
+        fail(f"the final lineage trained rollout steps {state['consumed']}, not 0..{steps - 1} once each")
     metric_steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    if metric_steps != list(range(STEPS)):
+    if metric_steps != list(range(steps)):
         fail(f"metrics.jsonl steps {metric_steps}")
     for kind in ("weights", "rollouts", "checkpoints"):
         from rl.exchange.deltas import stored_tensors
         for s, why in exchange.corrupt_steps(run_dir, kind, stored_tensors if kind == "weights" else None).items():
             fail(f"unverifiable step left after DONE: {kind}/step_{s:06d}: {why}")
-    if exchange.latest_complete(run_dir, "weights") != STEPS:
-        fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {STEPS}")
+    if exchange.latest_complete(run_dir, "weights") != steps:
+        fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {steps}")
     from safetensors.numpy import load_file
     for s in exchange.list_steps(run_dir, "rollouts"):
         v = load_file(str(exchange.step_dir(run_dir, "rollouts", s) / "batch.safetensors"))["versions"]
         v = v[v >= 0]
         if v.size and int(v.min()) < s - trial.max_off_policy:
             fail(f"rollouts/step_{s:06d} holds version {int(v.min())} (bound {trial.max_off_policy})")
-    if reference is not None and shard_digests(run_dir, STEPS) != reference:
+    if reference is not None and shard_digests(run_dir, steps) != reference:
         fail("final weights differ from the uninterrupted run's (max_off_policy=0)")
 
 
@@ -349,7 +354,7 @@ def launcher_pid(run_dir: Path) -> int | None:
         return None
 
 
-def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0) -> Trial:
+def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0, steps: int = 8) -> Trial:
     """Several faults one after the other in ONE run (the CI subset: one run's worth of time instead of one
     per fault). A crash point, if asked for, is armed in the first incarnation; the other kinds are injected
     in order into whichever incarnation runs; then the run is completed and checked like a trial
@@ -358,16 +363,16 @@ def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0)
         raise ValueError(f"campaign: {bad[0]} needs a run of its own")
     rng = random.Random(seed)
     t0 = time.monotonic()
-    trial = Trial(0, "+".join(kinds), 1, out / "campaign")
+    trial = Trial(0, "+".join(kinds), 1, out / "campaign", steps=steps)
     env = None
     if "crash_point" in kinds:
         point, role, top = rng.choice([c for c in CRASH_POINTS if c[1] != "prepare"])
         env = {"HETRL_FAULT": f"{point}@{role}:{rng.randint(1, top)}"}
         trial.detail, trial.armed = env["HETRL_FAULT"], True
     p = launch(trial, env)
-    for kind in kinds:
-        if kind == "crash_point":
-            continue
+    live = [k for k in kinds if k != "crash_point"]
+    for i, kind in enumerate(live):
+        trial.at = 1 + (i * (steps - 2)) // max(len(live), 1)  # spread over the run, one after the other
         if p.poll() is not None:  # the crash point or a kill ended that incarnation
             trial.incarnations.append(p.returncode)
             for pid in role_pids(trial.run_dir).values():
@@ -376,6 +381,8 @@ def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0)
         wait_until(lambda: launcher_pid(trial.run_dir) == p.pid, 120, p)  # not the last one's roles
         trial.kind, trial.detail = kind, trial.detail + f"; {kind}"
         inject(trial, rng, p)
+        if kind in ("second_launcher", "sigstop", "bitflip", "truncate"):  # the next fault a step later
+            wait_until(lambda: steps_done(trial.run_dir) > trial.at, 240, p)
     trial.kind = "campaign"
     finish(trial, p, None, timeout)
     check(trial, None)
