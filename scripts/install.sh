@@ -32,6 +32,6 @@ if [ "$WITH_TEST" = 1 ]; then
   bash .ci/install_slurm.sh
   # bubblewrap: the SWE sandbox runtime the escape tests run besides inprocess (docs/sandboxes.md)
   command -v bwrap >/dev/null || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo;
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends bubblewrap; }
+    $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends bubblewrap; }
 fi
 echo "hetrl installed in $(pwd)/.venv"
