@@ -64,6 +64,8 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict) -> None:
+        from rl.exchange import check_fence
+        check_fence(self.run_dir, f"metrics.jsonl: step {step}")
         line = {"step": step, **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")

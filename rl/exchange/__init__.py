@@ -90,6 +90,19 @@ def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None
     return mine
 
 
+def check_fence(run_dir: str | os.PathLike, what: str) -> None:
+    """Raise Fenced if this process's incarnation of `run_dir` is no longer the newest: for writes
+    outside steps (log records, metrics) and for a role that wakes up (a stopped process continued after
+    its successor started must not train, consume or record anything). No-op for unfenced processes."""
+    mine = _FENCES.get(str(Path(run_dir).resolve()))
+    if mine is None:
+        return
+    now = _incarnation(Path(run_dir))
+    if now is not None and now[0] > mine:
+        raise Fenced(f"{what}: refused: this process belongs to incarnation {mine} of {run_dir}, and "
+                     f"incarnation {now[0]} has started since ({RESUME})")
+
+
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
@@ -417,6 +430,7 @@ class ConsumedLog:
         self.consumer = consumer
 
     def record(self, step: int, **extra) -> None:
+        check_fence(self.path.parent.parent, f"{self.path.name}: step {step}")
         append_jsonl(self.path, {"step": step, "consumer": self.consumer, "time": time.time(), **extra})
 
     def entries(self) -> list[dict]:

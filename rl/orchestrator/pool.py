@@ -90,6 +90,7 @@ class GroupLog:
         self.restart = restart
 
     def _append(self, rec: dict) -> None:
+        exchange.check_fence(self.path.parent.parent, f"{GROUPS_LOG}: group {rec.get('group')}")
         # rl.exchange's shared appender ends a crash's torn last line first, so this record stands alone
         exchange.append_jsonl(self.path, {**rec, "restart": self.restart, "time": time.time()})
 
@@ -262,7 +263,11 @@ class ContinuousPool:
         g.handle.cancel()
         self.stats.cancelled += 1
         self.totals["cancelled"] += 1
-        self.log.dropped(g.gid, reason, n)
+        if reason != "stop":
+            self.log.dropped(g.gid, reason, n)
+        # A stop interrupts a group, it does not judge it: left without a drop line, the group is played
+        # again first by the next incarnation (resume_order), as after a crash, so a stopped and resumed
+        # run samples the same prompts as one that was never stopped.
 
     async def drain(self, reason: str, n: int) -> None:
         """Cancel everything in flight; wait for the cancellations at most drain_timeout_s."""

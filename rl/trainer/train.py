@@ -585,6 +585,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         if got is None:
             break
         batch, manifest = got
+        exchange.check_fence(run_dir, f"training on rollouts/step_{n:06d}")  # a continued stale process stops here
         t0 = time.monotonic()
         m = tr.train_step(batch, n)
         step_s = time.monotonic() - t0

@@ -348,3 +348,28 @@ def test_consumed_log_records_after_a_torn_line(tmp_path):
         f.write('{"step": 1, "consu')  # killed mid-write
     log.record(1)  # the resumed trainer's record must not be lost to the fragment
     assert log.steps() == [0, 1]
+
+
+def test_a_stale_incarnation_cannot_record_or_log_either(tmp_path, monkeypatch):
+    """A stopped process continued after its successor started (a zombie) must not add log records or
+    metrics lines: the successor's lineage owns them (seen in a fault trial: a zombie trainer appended
+    four metrics lines)."""
+    import time as _time
+    from rl.metrics import MetricsLogger
+    from builders import make_run_dir
+    make_run_dir(tmp_path / "run")
+    run = tmp_path / "run"
+    _incarnation(run, 0, _time.time() - 10)
+    monkeypatch.setattr(exchange, "_FENCES", {})
+    exchange.fence(run, 0)
+    log = exchange.ConsumedLog(run, "rollouts", "trainer")
+    log.record(0)
+    _incarnation(run, 1, _time.time())
+    with pytest.raises(exchange.Fenced, match="consumed.jsonl: step 1: refused"):
+        log.record(1)
+    from rl.contract.config import load
+    with pytest.raises(exchange.Fenced, match="metrics.jsonl: step 1: refused"):
+        MetricsLogger(run, load(run), "trainer").log(1, {"loss": 0.0})
+    assert log.steps() == [0] and not (run / "metrics.jsonl").exists()
+    with pytest.raises(exchange.Fenced, match="training on rollouts/step_000001: refused"):
+        exchange.check_fence(run, "training on rollouts/step_000001")

@@ -207,3 +207,23 @@ def test_a_failed_reload_is_retried_then_fails_the_role_instead_of_hanging(tmp_p
             asyncio.run(go())
     else:
         assert asyncio.run(go()) and orch.tracker.version == 1 and orch.clients[0].calls == failures + 1
+
+
+def test_a_stop_leaves_the_groups_it_interrupts_to_be_played_again(tmp_path):
+    """A stop (preemption, Ctrl-C) cancels what is in flight without judging it: no drop lines, so the
+    next incarnation plays those groups first, the prompts an uninterrupted run would have played."""
+    orch = _orchestrator(tmp_path, "env.digits.latency_median_s=5")
+
+    async def go():
+        pool = ContinuousPool(orch, 0, 10, 0)
+        job = asyncio.create_task(pool.run(lambda: orch._next_missing(0, 10)))
+        await asyncio.sleep(0.5)
+        in_flight = set(pool.inflight)
+        orch.stop.set("SIGTERM")
+        await asyncio.wait_for(job, 30)
+        return in_flight
+    in_flight = asyncio.run(go())
+    assert in_flight
+    assert not [e for e in GroupLog.read(tmp_path) if e["event"] == "drop"]
+    retry, _ = resume_order(tmp_path)
+    assert in_flight <= set(retry)
