@@ -80,14 +80,9 @@ def fence(run_dir: str | os.PathLike, epoch: int) -> None:
 
 
 def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None:
-    mine = _FENCES.get(str(Path(run_dir).resolve()))
-    if mine is None:
-        return None
-    now = _incarnation(Path(run_dir))
-    if now is not None and now[0] > mine:
-        raise Fenced(f"{kind}/{step_name(step)}: refused: this process belongs to incarnation {mine} of "
-                     f"{run_dir}, and incarnation {now[0]} has started since ({RESUME})")
-    return mine
+    """check_fence for a step about to be committed; returns the epoch its manifest records."""
+    check_fence(run_dir, f"{kind}/{step_name(step)}")
+    return _FENCES.get(str(Path(run_dir).resolve()))
 
 
 def check_fence(run_dir: str | os.PathLike, what: str) -> None:
