@@ -472,19 +472,23 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex(("127.0.0.1" if host in WILDCARD_HOSTS else host, port)) == 0
 
 
-def stop_child(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
-    """SIGTERM, then (uvicorn waits for background tasks after the first signal, measured: until
-    killed) SIGINT, which makes it quit at once, then SIGKILL once `grace` is over."""
+def stop_child(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
+    """SIGTERM; then SIGINT, uvicorn's force quit (after the first signal it waits for background tasks,
+    measured: sometimes until killed); then SIGKILL to the child's whole process group (it is a session
+    leader: the engine core and workers go with it), each after `grace` seconds."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(min(5.0, grace))
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
     return proc.returncode
 
