@@ -29,6 +29,8 @@ if ! .venv/bin/python -c "import vllm, torchtitan, hydra, submitit" 2>/dev/null;
 fi
 .venv/bin/pip install -q -e . --no-deps
 if [ "$WITH_TEST" = 1 ]; then
+  # an older venv may predate a test dependency
+  .venv/bin/python -c "import pytest, pytest_timeout" 2>/dev/null || .venv/bin/pip install -q "pytest>=8" "pytest-timeout>=2.3"
   bash .ci/install_slurm.sh
   # bubblewrap: the SWE sandbox runtime the escape tests run besides inprocess (docs/sandboxes.md)
   command -v bwrap >/dev/null || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo;

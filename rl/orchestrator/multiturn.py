@@ -191,11 +191,13 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
                     end = "wall_time"
                     break
             tg = time.monotonic()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the
+            # turn completes, and a group the pool cancelled (counted dropped) would play on and be trained
             try:
-                c, versions = await asyncio.wait_for(
-                    generate(r.prompt_ids + r.ids, min(limits.max_tokens_per_turn, room), len(r.turns)),
-                    timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    c, versions = await generate(r.prompt_ids + r.ids, min(limits.max_tokens_per_turn, room),
+                                                 len(r.turns))
+            except TimeoutError:
                 end = "wall_time"  # the unfinished turn is abandoned: nothing of it is kept
                 break
             gen_s = time.monotonic() - tg

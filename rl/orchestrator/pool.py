@@ -338,9 +338,12 @@ class ContinuousPool:
                     runtime.waiting(f"rollout groups for rollouts/step_{n:06d} (finished by the servers, within "
                                     f"max_off_policy of it: needs weights/step_{max(n - self.k, 0):06d})")
                     self.wake.clear()
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+                    # arrives as the wake fires, and a cancelled pool then never ends (a CI hang)
                     try:
-                        await asyncio.wait_for(self.wake.wait(), 0.2)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(0.2):
+                            await self.wake.wait()
+                    except TimeoutError:
                         pass
                     continue
                 orch.publish_batch(n, orch.finish_batch(n, [g.samples for g in groups], self._meta(n, groups)))

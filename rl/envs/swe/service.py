@@ -263,8 +263,9 @@ async def serve(run_dir: str, index: int) -> int:
     try:
         while not stop.is_set() and not runtime.is_done(run_dir):
             try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.5):  # not wait_for: it can swallow a cancellation on 3.11
+                    await stop.wait()
+            except TimeoutError:
                 pass
     finally:
         paths.sandbox_service_record(run_dir, index).unlink(missing_ok=True)
