@@ -30,6 +30,7 @@ checkpoints that do not verify are set aside too, so the next prepare sees no hi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,8 @@ def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
     crash_point("prepare.mid")
     state = ResumeState(checkpoint_step=ckpt, restart=prev.restart + 1 if prev else 0,
-                        discarded=discarded, cleaned_tmp=cleaned, time=time.time())
+                        discarded=discarded, cleaned_tmp=cleaned, time=time.time(),
+                        slurm_job_id=os.environ.get("SLURM_JOB_ID") or None)
     state.write(run_dir)
     if _more_steps_wanted(run_dir, ckpt):
         paths.done_file(run_dir).unlink(missing_ok=True)

@@ -58,6 +58,7 @@ class ResumeState:
     discarded: dict = field(default_factory=dict)
     cleaned_tmp: list = field(default_factory=list)
     time: float = 0.0          # when prepare started this incarnation (steps of older ones after it are stale)
+    slurm_job_id: Optional[str] = None  # the job running it (with `restart`, the epoch's two parts)
 
     @classmethod
     def read(cls, run_dir) -> "ResumeState":

@@ -63,13 +63,19 @@ _FENCES: dict[str, int] = {}
 RESUME = "resume.json"  # rl.contract.paths.RESUME: rl.prepare's record of the incarnation
 
 
-def _incarnation(run_dir: Path) -> tuple[int, float] | None:
-    """(restart count, the time rl.prepare started it) of the run's newest incarnation, if recorded."""
+def _incarnation(run_dir: Path) -> tuple[int, float, str | None] | None:
+    """(restart count, the time rl.prepare started it, the Slurm job that runs it) of the run's newest
+    incarnation, if recorded. The restart count is the epoch: every job's prepare increments it, so it
+    stays monotonic across jobs (a requeue keeps the job id, a resubmission gets a new one)."""
     try:
         r = json.loads((Path(run_dir) / RESUME).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return int(r.get("restart", 0)), float(r.get("time", 0.0))
+    return int(r.get("restart", 0)), float(r.get("time", 0.0)), r.get("slurm_job_id")
+
+
+def _job_words(job: str | None) -> str:
+    return f" (Slurm job {job})" if job else ""
 
 
 def fence(run_dir: str | os.PathLike, epoch: int) -> None:
@@ -94,8 +100,9 @@ def check_fence(run_dir: str | os.PathLike, what: str) -> None:
         return
     now = _incarnation(Path(run_dir))
     if now is not None and now[0] > mine:
-        raise Fenced(f"{what}: refused: this process belongs to incarnation {mine} of {run_dir}, and "
-                     f"incarnation {now[0]} has started since ({RESUME})")
+        own = os.environ.get("SLURM_JOB_ID")
+        raise Fenced(f"{what}: refused: this process belongs to incarnation {mine}{_job_words(own)} of "
+                     f"{run_dir}, and incarnation {now[0]}{_job_words(now[2])} has started since ({RESUME})")
 
 
 def step_name(step: int) -> str:
@@ -223,6 +230,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
             "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
             "meta": meta or {}, **({"epoch": epoch} if epoch is not None else {}),
+            **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}),
         }
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_path(tmp)

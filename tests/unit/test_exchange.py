@@ -171,6 +171,7 @@ def test_a_stale_incarnation_cannot_publish_and_its_late_steps_are_ignored(tmp_p
     exchange.verify(tmp_path / "weights" / "step_000001")       # incarnation 0's step from before is kept
 
 
+
 def _manifest(step_path):
     return json.loads((step_path / "manifest.json").read_text())
 

@@ -153,3 +153,24 @@ def test_keep_checkpoints_1_with_a_corrupt_newest_still_resumes_from_the_good_on
     assert exchange.prune(d, "checkpoints", keep_last=1, checksums=True) == []
     state = prepare(d)
     assert state.checkpoint_step == 5 and exchange.list_steps(d, "weights") == list(range(5))  # 5 republished
+
+
+def test_the_epoch_names_the_slurm_job_of_each_incarnation(tmp_path, monkeypatch):
+    """The epoch is the restart count (monotonic across jobs: every job's prepare increments it) with
+    the job that runs it: a refusal names both jobs, a step records its job."""
+    run_dir = _run_dir(tmp_path)
+    monkeypatch.setattr(exchange, "_FENCES", {})
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert prepare(run_dir).slurm_job_id == "41"
+    exchange.fence(run_dir, 0)
+    assert exchange.publish(run_dir, "weights", 1, _write(b"0"), producer="t").manifest["slurm_job_id"] == "41"
+    monkeypatch.setenv("SLURM_JOB_ID", "57")   # the job resubmitted after 41 was lost
+    assert prepare(run_dir, from_scratch=True).restart == 1   # (no checkpoint in this test)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")   # 41's trainer, still flushing
+    with pytest.raises(exchange.Fenced, match=r"incarnation 0 \(Slurm job 41\) of .*, and incarnation 1 "
+                                              r"\(Slurm job 57\) has started"):
+        exchange.publish(run_dir, "weights", 2, _write(b"z"), producer="t")
+
+
+def _write(data):
+    return lambda d: (d / "f").write_bytes(data)
