@@ -245,7 +245,7 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 "model_dir": model_dir,
                 "vllm_command": [*entry, *args],
                 "node_args": node_args,
-                "env": {**env_common, "VLLM_CACHE_ROOT": f"{local_dir}/vllm-cache{idx}", **kv_env},
+                "env": {**env_common, "VLLM_CACHE_ROOT": paths.node_vllm_cache(local_dir), **kv_env},
                 "command": [python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],
             })
         first_node += pool_nodes

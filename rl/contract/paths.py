@@ -142,6 +142,15 @@ def node_local_dir(base: str, run_dir: PathLike) -> str:
     return f"{base.rstrip('/')}/{run_id(run_dir)}"
 
 
+def node_vllm_cache(local_dir: str) -> str:
+    """VLLM_CACHE_ROOT: one per node, beside the runs' directories and shared by them. It holds what vLLM
+    derives from code and config alone (its model-class inspection, which otherwise costs a Python
+    subprocess of several seconds per start; torch.compile artifacts on a GPU), so every start after a
+    node's first is warm, a restart of the same run included. vLLM writes it atomically; it holds no
+    weights, and the stale-directory cleanup leaves it alone (it has no owner records)."""
+    return f"{local_dir.rstrip('/').rsplit('/', 1)[0]}/vllm-cache"
+
+
 def node_model_dir(local_dir: str, index: int) -> str:
     """Where replica `index` materialises its HF model dir (several replicas may share a node)."""
     return f"{local_dir}/model{index}"

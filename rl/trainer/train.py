@@ -550,7 +550,7 @@ def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples |
 def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -> int:
     main = d.is_main
     if main:
-        record_role(run_dir, ROLE, world_size=d.world)
+        record_role(run_dir, ROLE, world_size=d.world, torch_threads=torch.get_num_threads())
         if not exchange.step_dir(run_dir, "assets", 0).is_dir():
             exchange.publish(run_dir, "assets", 0, lambda p: write_assets(p, cfg.model), producer=ROLE)
     d.barrier()

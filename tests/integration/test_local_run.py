@@ -75,6 +75,14 @@ def test_debug_run_learns_and_leaves_a_consistent_run_dir(tmp_path):
     # where each role ran
     roles = {p.stem for p in (run_dir / "roles").glob("*.json")}
     assert {"trainer", "orchestrator", "inference_0"} <= roles
+    # the host's cores as the launcher divided them (launch.local.cpu_split) and as the roles took them
+    said = next(ln for ln in out.splitlines() if ln.startswith("cpus ("))
+    if "inference on cpu " in said:
+        bound = said.split("inference on cpu ")[1].split(", trainer")[0]
+        vllm_log = (run_dir / "logs" / "inference_0.vllm.log").read_text()
+        assert f"core ids=[{bound.replace(',', ', ')}]" in vllm_log, said
+    threads = int(said.split("trainer ")[1].split(" thread")[0])
+    assert json.loads((run_dir / "roles" / "trainer.json").read_text())["extra"]["torch_threads"] == threads
 
 
 def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> None:

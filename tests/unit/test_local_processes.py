@@ -90,3 +90,31 @@ def test_cancel_signals_recorded_roles_only_while_they_are_theirs(tmp_path):
     finally:
         live.kill()
         reused.kill()
+
+
+def _local_plan(tmp_path, *overrides):
+    from builders import compose_cfg
+    from launch.plan import make_plan
+    from rl.contract.plan import Plan
+    return Plan.from_dict(make_plan(compose_cfg(tmp_path / "run", *overrides)))
+
+
+def test_cpu_split_gives_servers_and_trainer_their_own_cores(tmp_path):
+    """A local run divides the host's cores (launch.local.cpu_split): the servers' OpenMP threads bound to
+    the first half, the trainer's thread count the rest, one thread for the orchestrator; a user's own
+    setting wins. What vLLM made of the binding is checked on a real server in test_local_run."""
+    from launch.local import cpu_split
+    plan = _local_plan(tmp_path)
+    env, said = cpu_split(plan, [0, 1], {})
+    assert env["inference_0"] == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert env["trainer"] == {"OMP_NUM_THREADS": "1"} and env["orchestrator"] == {"OMP_NUM_THREADS": "1"}
+    assert said == "cpus (2): inference on cpu 0, trainer 1 thread(s) per rank"
+    env, _ = cpu_split(plan, list(range(4, 12)), {})          # 8 cores of an affinity mask
+    assert env["inference_0"]["VLLM_CPU_OMP_THREADS_BIND"] == "4,5,6,7" and env["trainer"]["OMP_NUM_THREADS"] == "4"
+    env, _ = cpu_split(plan, [3], {})                         # one core: everything time-shares it
+    assert env["inference_0"]["VLLM_CPU_OMP_THREADS_BIND"] == "3" and env["trainer"]["OMP_NUM_THREADS"] == "1"
+    env, said = cpu_split(plan, [0, 1], {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert all(not e for e in env.values()) and said == ""
+    two = _local_plan(tmp_path, "inference.replicas=2")
+    env, _ = cpu_split(two, list(range(8)), {})
+    assert [env[f"inference_{i}"]["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0,1", "2,3"]
