@@ -527,6 +527,8 @@ def main(argv=None) -> int:
     kinds = [k for k in ns.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
         ap.error(f"--kinds: unknown {', '.join(bad)} (known: {', '.join(KINDS)})")
+    if ns.out is not None and ns.out.exists() and any(ns.out.iterdir()):
+        ap.error(f"--out {ns.out}: not empty (a trial would resume an earlier one's run dir); pick a new one")
     out = ns.out or Path(tempfile.mkdtemp(prefix="hetrl-faults-"))
     t0 = time.monotonic()
     if ns.campaign:
