@@ -200,6 +200,9 @@ def _run_local(cfg: dict, plan: dict, run_dir: Path) -> int:
         print(f"error: rl.prepare exited with status {rc} (its output is above); nothing was started",
               file=sys.stderr, flush=True)
         return 1
+    # every role of this incarnation fences itself to the epoch prepare just took (rl.runtime.own_epoch)
+    from rl.contract.records import ResumeState
+    env["HETRL_EPOCH"] = str(ResumeState.read(run_dir).restart)
 
     logs = paths.logs_dir(run_dir)
     procs: dict[str, subprocess.Popen] = {}

@@ -22,7 +22,7 @@ from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import ResumeState, RoleRecord
-from rl.exchange import atomic_write_json, fence
+from rl.exchange import atomic_write_json, check_fence, fence
 
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
 
@@ -76,10 +76,26 @@ class StopFlag:
         return self.reason is not None
 
 
+EPOCH_ENV = "HETRL_EPOCH"
+
+
+def own_epoch(run_dir: str | os.PathLike) -> int:
+    """The incarnation this process was launched for: HETRL_EPOCH, which the launcher (the local one, or
+    the batch script) sets from resume.json right after rl.prepare and before it starts any role. Read
+    from resume.json only where no launcher set it (a role started by hand, in-process tests). Not
+    resume.json at the role's own start: a role stopped before it got that far (SIGSTOP, a node frozen)
+    and continued after the next incarnation's prepare would read the newer epoch and take it for its
+    own (a fault trial caught a stopped trainer doing exactly that, and its metrics doubled)."""
+    env = os.environ.get(EPOCH_ENV)
+    return int(env) if env not in (None, "") else resume_state(run_dir).restart
+
+
 def record_role(run_dir: str | os.PathLike, role: str, **extra) -> None:
     """Where this role runs: host, pid, Slurm ids (rl.contract.records.RoleRecord). Also fences this
-    process's publishing to the incarnation rl.prepare started (rl.exchange.fence)."""
-    fence(run_dir, resume_state(run_dir).restart)
+    process's publishing to the incarnation it was launched for (own_epoch, rl.exchange.fence), and
+    refuses to start at all if a newer one has started since."""
+    fence(run_dir, own_epoch(run_dir))
+    check_fence(run_dir, f"starting {role}")
     RoleRecord.here(role, **extra).write(run_dir)
 
 

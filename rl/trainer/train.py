@@ -43,7 +43,7 @@ from rl import exchange, runtime
 from rl.exchange import weights as wire
 from rl.exchange.publisher import WeightPublisher
 from rl.contract.batch import BATCH_FILE, RolloutBatch
-from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, record_role, resume_state
+from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, own_epoch, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
 from rl.trainer import parallel, replay
 from rl.trainer.owners import OwnershipPlan
@@ -553,6 +553,8 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         record_role(run_dir, ROLE, world_size=d.world, torch_threads=torch.get_num_threads())
         if not exchange.step_dir(run_dir, "assets", 0).is_dir():
             exchange.publish(run_dir, "assets", 0, lambda p: write_assets(p, cfg.model), producer=ROLE)
+    else:  # every rank writes its shards of a publish: every rank is fenced, not only the one recorded
+        exchange.fence(run_dir, own_epoch(run_dir))
     d.barrier()
 
     tr = Trainer(cfg, device=device, dist=d)

@@ -174,3 +174,22 @@ def test_the_epoch_names_the_slurm_job_of_each_incarnation(tmp_path, monkeypatch
 
 def _write(data):
     return lambda d: (d / "f").write_bytes(data)
+
+
+def test_a_role_takes_the_epoch_it_was_launched_for_not_the_newest(tmp_path, monkeypatch):
+    """A role stopped before it recorded itself and continued after the next incarnation's prepare must
+    not take the newer epoch for its own: the launcher hands each role its epoch (HETRL_EPOCH)."""
+    from rl import runtime
+    run_dir = _run_dir(tmp_path)
+    monkeypatch.setattr(exchange, "_FENCES", {})
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    prepare(run_dir)
+    monkeypatch.setenv("HETRL_EPOCH", "0")               # what the launcher of incarnation 0 handed out
+    prepare(run_dir, from_scratch=True)                  # incarnation 1 started meanwhile
+    assert runtime.own_epoch(run_dir) == 0
+    with pytest.raises(exchange.Fenced, match="starting trainer: refused: .*incarnation 0 .*incarnation 1"):
+        runtime.record_role(run_dir, "trainer")
+    monkeypatch.setenv("HETRL_EPOCH", "1")
+    runtime.record_role(run_dir, "trainer")              # the current incarnation's own role starts
+    monkeypatch.delenv("HETRL_EPOCH")
+    assert runtime.own_epoch(run_dir) == 1               # no launcher: resume.json
