@@ -75,7 +75,9 @@ def dummy_plan(run_dir: Path, modes: dict[str, str], **cluster) -> tuple[dict, d
     for r in plan["roles"]:
         r["command"] = [sys.executable, THIS, r["name"], modes.get(r["name"], "ok")]
         r["env"]["PYTHONPATH"] = plan["workdir"]
-    plan["prepare"]["command"] = ["bash", "-c", f"echo prepared >> {run_dir}/prepared"]
+    # prepare's contract with the batch script: resume.json with the incarnation's restart count
+    plan["prepare"]["command"] = ["bash", "-c", f"echo prepared >> {run_dir}/prepared && "
+                                  f"echo '{{\"restart\": 0}}' > {run_dir}/resume.json"]
     return cfg, plan
 
 
