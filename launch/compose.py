@@ -79,6 +79,12 @@ def with_checkpoint(c: dict) -> dict:
     if not m.get("hf_path"):
         return c
     m = dict(m, hf_path=str(Path(m["hf_path"]).expanduser().absolute()))
+    if not (Path(m["hf_path"]) / hf.CONFIG).is_file():
+        # every family has a tiny twin (rl.model.twins): name the command that writes the missing one
+        fam = m.get("family") if m.get("family") != ModelConfig.family else None
+        make = (f"; make the tiny twin with: python -m rl.model.twins {fam} {m['hf_path']}" if fam else
+                "; a tiny twin is made with: python -m rl.model.twins FAMILY PATH")
+        raise ConfigError(f"model.hf_path={m['hf_path']}: no {hf.CONFIG} there{make}")
     try:
         c["model"] = hf.resolve_model(m, dataclasses.asdict(ModelConfig()))
     except hf.CheckpointError as e:

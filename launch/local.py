@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.procs import Recorded
+from launch.procs import LOCK, Recorded
 from launch.rundir import freeze_run_dir
 from rl.contract import paths
 from rl.contract.config import ConfigError
@@ -139,20 +139,18 @@ class _Progress:
             self.live.stop()
 
 
-LOCK = "launcher.lock"
-
-
 def recorded_processes(run_dir: Path) -> list[Recorded]:
     """The launcher and the roles a run directory records (live or not)."""
     out = []
     launcher = LocalLauncher.read(run_dir)
     if launcher is not None:
-        out.append(Recorded("launcher", launcher.host, launcher.pid, launcher.started))
-        out += [Recorded(f"role {r}", launcher.host, pid, launcher.started) for r, pid in launcher.roles.items()]
+        out.append(Recorded("launcher", launcher.host, launcher.pid, launcher.started, run_dir))
+        out += [Recorded(f"role {r}", launcher.host, pid, launcher.started, run_dir)
+                for r, pid in launcher.roles.items()]
     seen = {(r.host, r.pid) for r in out}
     for rec in RoleRecord.read_all(run_dir):
         if (rec.host, rec.pid) not in seen:
-            out.append(Recorded(f"role {rec.role}", rec.host, rec.pid, rec.time))
+            out.append(Recorded(f"role {rec.role}", rec.host, rec.pid, rec.time, run_dir))
     return out
 
 

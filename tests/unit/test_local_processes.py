@@ -15,30 +15,78 @@ from rl.contract.records import LocalLauncher
 LAUNCH = [sys.executable, "-m", "launch"]
 
 
-def _sleeper():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def _sleeper(run_dir=None):
+    """A process that looks like a role of `run_dir` in /proc (its planned command carries --run-dir)."""
+    args = ["--run-dir", str(run_dir)] if run_dir is not None else []
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
     time.sleep(0.2)
     return p
 
 
-def test_a_record_names_its_process_only_on_its_host_and_before_pid_reuse():
-    p = _sleeper()
+def test_a_record_names_its_process_only_on_its_host_and_before_pid_reuse(tmp_path):
+    p = _sleeper(tmp_path)
     try:
         started = process_start_time(p.pid)
         assert started is not None and abs(started - time.time()) < 30
-        assert Recorded("role x", socket.gethostname(), p.pid, time.time()).alive()[0]
-        ok, why = Recorded("role x", "elsewhere", p.pid, time.time()).alive()
+        assert Recorded("role x", socket.gethostname(), p.pid, time.time(), tmp_path).alive()[0]
+        ok, why = Recorded("role x", "elsewhere", p.pid, time.time(), tmp_path).alive()
         assert not ok and "host elsewhere" in why
-        ok, why = Recorded("role x", socket.gethostname(), p.pid, started - 60).alive()  # written before it started
+        ok, why = Recorded("role x", socket.gethostname(), p.pid, started - 60, tmp_path).alive()  # before it started
         assert not ok and "reused" in why
-        done, skipped = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, started - 60)],
+        done, skipped = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, started - 60, tmp_path)],
                                         signal.SIGTERM)
         assert not done and p.poll() is None  # the unrelated process was left alone
-        done, _ = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, time.time())], signal.SIGTERM)
+        done, _ = signal_recorded([Recorded("role x", socket.gethostname(), p.pid, time.time(), tmp_path)],
+                                  signal.SIGTERM)
         assert done and p.wait(10) == -signal.SIGTERM
     finally:
         p.kill()
-    assert not Recorded("role x", socket.gethostname(), p.pid, time.time()).alive()[0]
+    assert not Recorded("role x", socket.gethostname(), p.pid, time.time(), tmp_path).alive()[0]
+
+
+def test_a_crafted_record_never_signals_a_process_of_another_run(tmp_path):
+    """A record's own time can say anything: a crafted local.json dated far in the future naming any pid
+    (another user's shell, another run's role) is not taken for this run's process. Only what /proc shows
+    counts: a role's `--run-dir`, a launcher's open lock file."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    other.mkdir()
+    foreign, other_role = _sleeper(), _sleeper(other)
+    try:
+        future = time.time() + 10 ** 6
+        LocalLauncher(host=socket.gethostname(), pid=foreign.pid, started=future,
+                      roles={"trainer": foreign.pid, "orchestrator": other_role.pid}).write(run)
+        from launch.local import recorded_processes
+        procs = recorded_processes(run)
+        assert sorted(p.what for p in procs) == ["launcher", "role orchestrator", "role trainer"]
+        done, skipped = signal_recorded(procs, signal.SIGTERM)
+        assert not done
+        whys = {r.what: why for r, why in skipped}
+        assert "not this run's launcher" in whys["launcher"], whys
+        assert "not a role of this run" in whys["role trainer"] and "not a role of this run" in whys["role orchestrator"]
+        time.sleep(0.3)
+        assert foreign.poll() is None and other_role.poll() is None
+        # non-integer pids and times from a crafted record are refused, never compared or signalled
+        assert not Recorded("role x", socket.gethostname(), "1", time.time(), run).alive()[0]
+        assert not Recorded("role x", socket.gethostname(), foreign.pid, "soon", run).alive()[0]
+        assert not Recorded("role x", socket.gethostname(), 1, future, run).alive()[0]
+    finally:
+        foreign.kill()
+        other_role.kill()
+
+
+def test_a_launcher_is_recognised_by_the_lock_it_holds(tmp_path):
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('locked', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "launcher.lock")], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        assert Recorded("launcher", socket.gethostname(), p.pid, time.time(), tmp_path).alive() == (True, "")
+        ok, why = Recorded("launcher", socket.gethostname(), p.pid, time.time(), tmp_path / "x").alive()
+        assert not ok and "not this run's launcher" in why
+    finally:
+        p.kill()
 
 
 def test_an_exited_unreaped_process_is_not_alive():
@@ -59,7 +107,7 @@ def test_a_second_launcher_is_refused_and_writes_nothing(tmp_path):
     assert r.returncode == 2 and "another launcher holds launcher.lock" in r.stderr, r.stderr
     assert not (run / "config.yaml").exists()
     # the lock is free, but a role of the earlier launch still runs: refused too
-    p = _sleeper()
+    p = _sleeper(run)
     try:
         LocalLauncher(host=socket.gethostname(), pid=999999, started=time.time(), roles={"trainer": p.pid}).write(run)
         r = subprocess.run([*LAUNCH, "run", f"run_dir={run}"], capture_output=True, text=True, timeout=60)
@@ -74,7 +122,7 @@ def test_cancel_signals_recorded_roles_only_while_they_are_theirs(tmp_path):
     from builders import make_run_dir
     run = tmp_path / "run"
     make_run_dir(run)
-    live, reused = _sleeper(), _sleeper()
+    live, reused = _sleeper(run), _sleeper(run)
     try:
         LocalLauncher(host=socket.gethostname(), pid=999999, started=time.time(),
                       roles={"trainer": live.pid}).write(run)
