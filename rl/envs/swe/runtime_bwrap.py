@@ -13,15 +13,22 @@ possible and the host's abstract unix sockets (which live per network namespace)
 Under root, every sandbox runs as a uid of its own (random, like the inprocess runtime's root mode):
 `setpriv` drops to it with no capabilities and no_new_privs before bwrap starts unprivileged inside a
 user namespace, so RLIMIT_NPROC counts that sandbox's processes alone and a fork bomb stops there.
-As an ordinary user, bwrap runs as the caller (user namespaces must be allowed) without a process limit.
+As an ordinary user, bwrap runs as the caller inside its own user namespace (user namespaces must be
+allowed), and RLIMIT_NPROC is set inside it, by `prlimit` in front of the command: the kernel (>= 5.14)
+counts processes per (user namespace, uid), so the count is the sandbox's alone. Set outside, before
+bwrap, it would instead count every process of the caller's uid (a busy launcher could not fork at
+all) and the namespace would inherit it as its ceiling. The first start in a process runs a probe
+sandbox that forks until refused (`sandbox.limits_verdict`); where the limits would not hold (an older
+kernel), the runtime refuses to start, one line saying so.
 
 Limits: rlimits set by `prlimit` before bwrap (CPU seconds, address space, file size, open files, no
-core dumps; processes under root), tmpfs sizes for /tmp and /var/tmp, the tree's disk use checked after
-each command (`Runtime.run`: over `disk_bytes` and the sandbox refuses further commands), and the wall
-clock: the launcher is SIGKILLed, `--die-with-parent` then kills the sandbox's pid 1, and with it every
-process of its pid namespace. bwrap reports a command's status on `--json-status-fd`, which tells a
-failed setup (no exit-code) from a command's own failure; a command killed by signal N is reported by
-bwrap as exit 128+N and returned as -N, the way the inprocess runtime reports it.
+core dumps; processes under root, inside the sandbox otherwise), tmpfs sizes for /tmp and /var/tmp, the
+tree's disk use checked after each command (`Runtime.run`: over `disk_bytes` and the sandbox refuses
+further commands), and the wall clock: the launcher is SIGKILLed, `--die-with-parent` then kills the
+sandbox's pid 1, and with it every process of its pid namespace. bwrap reports a command's status on
+`--json-status-fd`, which tells a failed setup (no exit-code) from a command's own failure; a command
+killed by signal N is reported by bwrap as exit 128+N and returned as -N, the way the inprocess runtime
+reports it.
 """
 from __future__ import annotations
 
@@ -33,20 +40,14 @@ import sys
 from pathlib import Path
 
 from rl.envs.swe.runtimes import Runtime, RuntimeUnavailable
-from rl.envs.swe.sandbox import Result, SandboxError
+from rl.envs.swe.sandbox import (PROBE_LIMITS, SYSTEM_ETC, Result, SandboxError, limits_verdict, probe_argv,
+                                 toolchain)
 
 _TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
-        "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/ssl/certs", "/etc/ca-certificates")
+_ETC = SYSTEM_ETC  # the same /etc allowlist as the inprocess runtime's
 
 _CHECKED: str | None = None  # the probe's verdict, once per process: "" = works, else why not
-
-
-def toolchain() -> list[str]:
-    """Read-only paths a command needs besides /usr: this Python's prefixes (a venv and its base)."""
-    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    paths |= {sys.prefix}  # the venv path itself, as scripts' shebangs name it
-    return sorted(p for p in paths if not p.startswith("/usr/") and p != "/usr")
+__all__ = ["BubblewrapRuntime", "bwrap_argv", "drop_to", "toolchain"]
 
 
 class BubblewrapRuntime(Runtime):
@@ -78,7 +79,8 @@ class BubblewrapRuntime(Runtime):
                    "PYTHONUNBUFFERED": "1", **env}
         for k, v in cmd_env.items():
             cmd += ["--setenv", k, str(v)]
-        return cmd + ["--json-status-fd", "{status_fd}", "--"] + drop_to(self.uid, str(self.tree)) + argv
+        return (cmd + ["--json-status-fd", "{status_fd}", "--"] + drop_to(self.uid, str(self.tree))
+                + nproc_inside(self.uid, lim.nproc) + argv)
 
     def _result(self, returncode: int, status: str, out: str, err: str, seconds: float) -> Result:
         code = None
@@ -102,6 +104,14 @@ def drop_to(uid: int | None, tree: str = "/") -> list[str]:
         return []
     return ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--no-new-privs", "--", "/usr/bin/env", f"--chdir={tree}", "--"]
+
+
+def nproc_inside(uid: int | None, nproc: int) -> list[str]:
+    """The in-sandbox prefix that sets the process limit for a non-root caller (see the module's doc:
+    inside the user namespace it counts this sandbox alone); under root `prlimit` sets it outside."""
+    if uid is not None:
+        return []
+    return [shutil.which("prlimit") or "/usr/bin/prlimit", f"--nproc={nproc}", "--"]
 
 
 def bwrap_argv(tree: str, expose: list[str], tmp_bytes: int, as_root: bool) -> list[str]:
@@ -140,7 +150,9 @@ def bwrap_argv(tree: str, expose: list[str], tmp_bytes: int, as_root: bool) -> l
             a += ["--perms", "0711", "--dir", q]
     for p in expose:
         a += ["--ro-bind", p, p]
-    a += ["--bind", tree, tree] + ([] if as_root else ["--chdir", tree]) + ["--clearenv"]
+    # bwrap's root tmpfs stays writable otherwise (to a non-root caller's uid, which owns it inside its
+    # user namespace): read-only, as the inprocess runtime's, so only the tree and the tmpfs are writable
+    a += ["--bind", tree, tree, "--remount-ro", "/"] + ([] if as_root else ["--chdir", tree]) + ["--clearenv"]
     return a
 
 
@@ -154,12 +166,20 @@ def _probe() -> str:
         if shutil.which(prog) is None:
             return f"{prog} not found (Debian package {pkg})"
     root = os.geteuid() == 0
-    try:  # bwrap_argv minus its tree bind: the namespaces and mounts are what is tried
-        r = subprocess.run(bwrap_argv("/", [], 1 << 20, root)[:-(4 if root else 6)] + ["--"]
+    try:  # bwrap_argv minus its tree bind and what follows: the namespaces and mounts are what is tried
+        r = subprocess.run(bwrap_argv("/", [], 1 << 20, root)[:-(6 if root else 8)] + ["--"]
                            + drop_to(1999999999 if root else None) + ["true"], capture_output=True,
                            text=True, timeout=30)
     except subprocess.TimeoutExpired:
         return "bwrap did not start within 30 s"
     if r.returncode != 0:
         return f"bwrap cannot create its namespaces: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
-    return ""
+    global _CHECKED
+    _CHECKED = ""  # the limits probe runs in a real sandbox of this runtime; check() then records it
+    try:
+        with BubblewrapRuntime(None, PROBE_LIMITS) as rt:
+            return limits_verdict(rt.run(probe_argv(), timeout_s=30))
+    except SandboxError as e:
+        return str(e).splitlines()[0]
+    finally:
+        _CHECKED = None

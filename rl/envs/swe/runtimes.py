@@ -14,7 +14,8 @@ episode's state is the tree alone. For an image whose repository lives inside it
 /testbed), the image runtimes copy that directory out once when the sandbox is created.
 
 Runtimes (docs/sandboxes.md compares them):
-- `inprocess`: today's namespace sandbox (unshare + setpriv + rlimits), for the embedded default.
+- `inprocess`: the namespace sandbox (unshare + pivot_root into an allowlisted root + setpriv + rlimits),
+  for the embedded default.
 - `bubblewrap`: no image; bwrap builds a filesystem from nothing but the node's toolchain (read-only)
   and the tree (rl/envs/swe/runtime_bwrap.py).
 - `podman` (rootless) and `apptainer` (a SIF built once per image into `env.swe.image_cache`):
@@ -281,7 +282,8 @@ class Runtime:
 
 
 class InprocessRuntime(Runtime):
-    """The namespace sandbox of rl/envs/swe/sandbox.py, unchanged, behind the runtime interface."""
+    """The namespace sandbox of rl/envs/swe/sandbox.py behind the runtime interface. It starts only in a
+    mode whose probe showed every limit holding per sandbox (`Sandbox.capabilities()`)."""
 
     name = "inprocess"
 
@@ -293,9 +295,12 @@ class InprocessRuntime(Runtime):
 
     @classmethod
     def check(cls) -> None:
-        if Sandbox.capabilities()["mode"] == "none":
-            raise RuntimeUnavailable(f"runtime inprocess: no namespace isolation on this machine "
-                                     f"({Sandbox.capabilities()['unavailable_modes']})")
+        caps = Sandbox.capabilities()
+        if caps["mode"] == "none":  # no mode both isolates and holds its limits: say why, per mode
+            why = "; ".join(f"{m}: {w}" for m, w in caps["unavailable_modes"].items()) or "unshare not run"
+            raise RuntimeUnavailable(f"runtime inprocess: cannot isolate or enforce its limits here ({why}); "
+                                     "run as root, or allow unprivileged user namespaces on Linux >= 5.14, "
+                                     "or a container runtime with cgroup v2 limits (env.swe.runtime=podman)")
 
     def _own(self, path: Path | None = None):
         if path is not None and self._sb.mode == "root":

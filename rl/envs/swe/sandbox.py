@@ -11,18 +11,26 @@ which, and what is missing):
   capabilities, no_new_privs, RLIMIT_NPROC counted for that uid alone. A uid of its own is stronger than
   a user namespace here: even a write that escaped the read-only mounts would be checked as "nobody".
 - "userns" (an unprivileged caller, user namespaces allowed): the same namespaces inside a new user
-  namespace; the command keeps the caller's uid on the host but loses every capability. RLIMIT_NPROC is
-  not set (it would count all of the caller's processes).
+  namespace; the command is uid 0 of that namespace (the caller's uid on the host) without any
+  capability. RLIMIT_NPROC still holds per sandbox: since Linux 5.14 the kernel counts it per (user
+  namespace, uid), so the sandbox's processes are counted apart from the caller's other processes.
 - "none": only rlimits, a process group and the wall-clock kill. No network or filesystem isolation;
-  the tests of those properties skip there, saying so.
+  the `inprocess` runtime refuses it, and the tests of those properties skip there, saying so.
+A mode is chosen only after a probe sandbox showed, from inside, that every limit is in force and that
+the process limit counts the sandbox alone (it forks until refused: `_limits_verdict`); a mode whose
+process limit would not hold (an older kernel counting per host uid, for a non-root caller) is refused.
 
-Inside a namespaced sandbox (see `_sandbox_init.py` for the steps): every mount is read-only except the
-tree (bound at its own path) and private tmpfs on /tmp, /var/tmp and /dev/shm; the host's $HOME and the
-hetrl checkout (which holds the hidden tests and reference patches) are masked by empty tmpfs, except the
-Python installations that commands need; the network namespace has only a loopback that is down, so
-every connect fails (ENETUNREACH), to 127.0.0.1 of the host as much as to the internet; /proc shows only
-the sandbox's processes. The wall-clock limit SIGKILLs the launcher's process group; the kernel then
-kills the sandbox's pid 1 and with it every descendant, including daemonized ones.
+Inside a namespaced sandbox (see `_sandbox_init.py` for the steps) the filesystem is an allowlist built
+on an empty tmpfs and entered with pivot_root, the old root detached: read-only /usr and the top-level
+/bin, /lib..., a few /etc files (`SYSTEM_RO`), this Python's installation (`toolchain()`, or `expose`),
+a minimal /dev, a /proc of the sandbox's own pid namespace, private size-limited tmpfs on /tmp,
+/var/tmp and /dev/shm, and the tree read-write at its own path. Nothing else exists in there: not $HOME,
+the hetrl checkout (hidden tests, reference patches), the run directory (config, secret), the task
+rows, the repositories' clones (whose history holds the fix), /run or any other host socket, wherever
+they live. The network namespace has only a loopback that is down, so every connect fails
+(ENETUNREACH), to 127.0.0.1 of the host as much as to the internet. The wall-clock limit SIGKILLs the
+launcher's process group; the kernel then kills the sandbox's pid 1 and with it every descendant,
+including daemonized ones.
 
 Output is written to unnamed host files (bounded by RLIMIT_FSIZE, so no pipe deadlocks and no unbounded
 memory) and truncated to `Limits.output_chars` when read back.
@@ -44,7 +52,13 @@ from pathlib import Path
 from rl.contract.config import SandboxLimitsConfig as _DEFAULTS
 
 _INIT = Path(__file__).with_name("_sandbox_init.py")
-_REPO_ROOT = Path(__file__).resolve().parents[3]
+# The system part of the allowlist (bubblewrap binds the same): what python, git, patch and pytest read
+# outside their own installation. Everything else of /etc (hostname, resolv.conf, gitconfig, ssh keys,
+# cluster and scheduler configuration) stays out.
+SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+              "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts",
+              "/etc/protocols", "/etc/services", "/etc/ssl/certs", "/etc/ca-certificates")
 _NAMESPACES = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
                "--propagation", "private"]
 
@@ -97,31 +111,76 @@ def _setpriv(mode: str, uid: int) -> list[str]:
     return [exe, "--no-new-privs"]
 
 
+def toolchain() -> list[str]:
+    """Read-only paths a command needs besides /usr: this Python's prefixes (a venv and its base), both
+    as named (scripts' shebangs name the venv path) and resolved."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths |= {sys.prefix, sys.exec_prefix}
+    return sorted(p for p in paths if not p.startswith("/usr/") and p != "/usr")
+
+
+# The probe every namespaced mode must pass before it is used: from inside, read the limits in force and
+# fork (children wait on a pipe, so they stay counted) until the kernel refuses. Stdlib only, no site.
+PROBE_NPROC = 8
+PROBE_LIMITS = Limits(nproc=PROBE_NPROC)
+_PROBE = ("import os, resource\n"
+          "lim = [resource.getrlimit(getattr(resource, 'RLIMIT_' + n))[1] for n in "
+          "('AS', 'FSIZE', 'NOFILE', 'NPROC')]\n"
+          "r, w = os.pipe()\nn = 0\ntry:\n    for _ in range(%d):\n        if os.fork() == 0:\n"
+          "            os.close(w); os.read(r, 1); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\n"
+          "print('PROBE', n, *lim)" % (8 * PROBE_NPROC))
+
+
+def probe_argv() -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", _PROBE]
+
+
+def limits_verdict(r: Result, limits: Limits = PROBE_LIMITS) -> str:
+    """"" if the probe's output shows the memory, file and process limits in force and the process count
+    the sandbox's own; else why not (one line). Forks refused before the limit means the count includes
+    processes outside the sandbox (RLIMIT_NPROC counted per host uid, shared with the caller); forks
+    beyond it, that nothing counts them."""
+    words = r.stdout.split()
+    if r.returncode != 0 or len(words) != 6 or words[0] != "PROBE":
+        return (f"the limits probe failed (exit {r.returncode}): "
+                f"{(r.stderr.strip().splitlines() or ['no output'])[-1][-300:]}")
+    n, lim = int(words[1]), [int(w) for w in words[2:]]
+    want = [limits.memory_bytes, limits.fsize_bytes, limits.nofile, limits.nproc]
+    if lim != want:
+        return f"limits not in force inside (address space, file size, files, processes: {lim}, want {want})"
+    if n >= limits.nproc:
+        return (f"the process limit does not hold: {n} forks with nproc={limits.nproc} (run as root, or "
+                "on Linux >= 5.14, which counts processes per user namespace)")
+    if n < limits.nproc - 4:
+        return (f"the process limit is shared with processes outside the sandbox: only {n} forks with "
+                f"nproc={limits.nproc} (RLIMIT_NPROC counted per host uid: run as root, or on Linux >= 5.14)")
+    return ""
+
+
 _CAPS: dict | None = None
 
 
 class Sandbox:
     """One episode's sandbox. `Sandbox(tree, limits)` copies `tree` into a fresh private directory
     (`.tree`; the source is never touched); `.run(argv, timeout_s)` runs one command there; `close()`
-    (or leaving the `with` block) deletes the copy. `mask` / `expose` override the hidden paths and the
-    paths bound back into them (defaults: $HOME and the hetrl checkout / this Python's prefixes)."""
+    (or leaving the `with` block) deletes the copy. `expose` replaces the read-only paths shown besides
+    the system allowlist (default: this Python's installation, `toolchain()`)."""
 
-    def __init__(self, tree: Path | None, limits: Limits = Limits(), *, mask=None, expose=None,
+    def __init__(self, tree: Path | None, limits: Limits = Limits(), *, expose=None,
                  base_dir: Path | None = None, mode: str | None = None):
         self.limits = limits
         self.mode = mode or self.capabilities()["mode"]
         self._root = Path(tempfile.mkdtemp(prefix="hetrl-sbx-", dir=base_dir))
         os.chmod(self._root, 0o711)  # the sandbox uid must be able to traverse to its tree
         self.tree = self._root / "tree"
+        self._newroot = self._root / "root"  # the sandbox's root tmpfs is mounted here, in its namespace
+        self._newroot.mkdir(mode=0o700)
         if tree is None:
             self.tree.mkdir()
         else:
             shutil.copytree(tree, self.tree, symlinks=True)
         self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
-        # /run holds host sockets (dbus, container engines): a socket file is reachable across net namespaces
-        self.mask = [str(p) for p in (mask if mask is not None else [Path.home(), _REPO_ROOT, "/run"])]
-        self.expose = [str(p) for p in (expose if expose is not None else
-                                        sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}))]
+        self.expose = [str(p) for p in (expose if expose is not None else toolchain())]
 
     @classmethod
     def from_files(cls, files: dict[str, str], limits: Limits = Limits(), **kw) -> "Sandbox":
@@ -163,8 +222,9 @@ class Sandbox:
                    "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONUNBUFFERED": "1", **(env or {})}
         spec = {"mode": self.mode, "tree": str(self.tree), "argv": list(map(str, argv)), "env": cmd_env,
-                "mask": self.mask, "expose": self.expose, "tmp_bytes": self.limits.tmp_bytes,
-                "limits": asdict(self.limits), "nproc": self.mode == "root",
+                "newroot": str(self._newroot), "ro": [*SYSTEM_RO, *SYSTEM_ETC, *self.expose],
+                "tmp_bytes": self.limits.tmp_bytes, "limits": asdict(self.limits),
+                "nproc": self.mode != "none",
                 "setpriv": _setpriv(self.mode, self.uid)}
         data = input.encode() if isinstance(input, str) else (input or b"")
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
@@ -206,8 +266,9 @@ class Sandbox:
 
     @staticmethod
     def capabilities() -> dict:
-        """Which isolation works on this machine (probed once per process by running `true` in each
-        mode, strongest first) and what each property amounts to."""
+        """Which isolation works on this machine (probed once per process by running the limits probe
+        in each mode, strongest first: it must start and show every limit holding) and what each
+        property amounts to."""
         global _CAPS
         if _CAPS is not None:
             return _CAPS
@@ -219,30 +280,33 @@ class Sandbox:
                 tried[m] = "unshare (util-linux) not found"
                 continue
             try:
-                with Sandbox(None, Limits(), mode=m) as sb:
-                    r = sb.run(["true"], timeout_s=30)
-                if r.returncode == 0:
+                with Sandbox(None, PROBE_LIMITS, mode=m) as sb:
+                    why = limits_verdict(sb.run(probe_argv(), timeout_s=30))
+                if not why:
                     mode = m
                     break
-                tried[m] = f"probe exited {r.returncode}: {r.stderr.strip()[-300:]}"
-            except SandboxError as e:
-                tried[m] = str(e)
+                tried[m] = why
+            except SandboxError as e:  # one line: its first and last (the failing mount, say)
+                lines = str(e).strip().splitlines() or ["?"]
+                tried[m] = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
         ns = mode != "none"
         _CAPS = {
             "mode": mode,
             "network": "network namespace, loopback down: no connection possible" if ns else "host network",
-            "filesystem": ("read-only view of the host; only the tree and private tmpfs /tmp, /var/tmp, "
-                           "/dev/shm writable; $HOME and the hetrl checkout masked") if ns else
+            "filesystem": ("an allowlist on a new root: /usr, a few /etc files and this Python read-only, "
+                           "the tree and private tmpfs /tmp, /var/tmp, /dev/shm writable; nothing else "
+                           "of the host") if ns else
                           "host filesystem with the caller's permissions",
             "user": {"root": "unique unprivileged host uid, no capabilities, no_new_privs",
-                     "userns": "caller's uid via a user namespace, no capabilities, no_new_privs",
+                     "userns": "uid 0 of its own user namespace (the caller's uid on the host), no "
+                               "capabilities, no_new_privs",
                      "none": "caller's uid, no_new_privs"}[mode],
             "processes": ("pid namespace: every descendant dies with the command or at the wall-clock "
                           "limit") if ns else "process group killed at the wall-clock limit (a setsid "
                                               "escapes it)",
             "rlimits": ["cpu", "address space", "file size", "open files", "core"]
-                       + (["processes"] if mode == "root" else []),
-            "missing": ([] if mode == "root" else ["per-sandbox process count limit"])
+                       + (["processes (counted per sandbox)"] if ns else []),
+            "missing": ([] if ns else ["per-sandbox process count limit"])
                        + ([] if ns else ["network isolation", "filesystem isolation", "pid isolation"])
                        + ["cgroup memory/CPU accounting (RLIMIT_AS bounds address space, not RSS)",
                           "seccomp syscall filtering"],
