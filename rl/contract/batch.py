@@ -10,6 +10,13 @@ beyond (Kimi-K2 routes to 384 experts, GLM-5 to 256): the narrowest width that h
 since for a long SWE episode these ids outweigh every other per-token field.
 
 On disk it is one safetensors file of numpy arrays (no pickle, no torch needed) plus `meta.json`.
+
+`RolloutBatch.load` checks what it read before anyone trains on it (`validate`): a checksum only proves
+the file is the one its producer wrote, not that the producer wrote something trainable. Every array is
+there with its layout's dtype and length, offsets run from 0 to the number of tokens without going
+back, float arrays are finite, token ids lie in [0, vocab_size) and the loss mask is 0/1. Anything else
+is `InvalidBatch` with a one-line reason naming the file, the field and the value; the trainer sets
+such a batch aside like a corrupt one (rl.trainer.train.next_batch).
 """
 from __future__ import annotations
 
@@ -18,10 +25,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 BATCH_FILE = "batch.safetensors"
 META_FILE = "meta.json"
+
+PER_TOKEN = ("tokens", "loss_mask", "logprobs", "versions")  # one entry per token, like routed_experts
+PER_SAMPLE = ("rewards", "advantages", "groups")
+ARRAYS = ("tokens", "offsets", *PER_TOKEN[1:], *PER_SAMPLE)  # always stored; routed_experts optionally
+_FLOAT = ("logprobs", "rewards", "advantages")
+
+
+class InvalidBatch(ValueError):
+    """A rollout batch that must not be trained on; the message is one line naming file, field and value."""
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
 
 
 def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | None:
@@ -120,7 +141,78 @@ class RolloutBatch:
         (Path(out_dir) / META_FILE).write_text(json.dumps(self.meta, indent=1, sort_keys=True))
 
     @classmethod
-    def load(cls, step_dir: Path) -> "RolloutBatch":
-        a = load_file(str(Path(step_dir) / BATCH_FILE))
-        meta = json.loads((Path(step_dir) / META_FILE).read_text())
-        return cls(routed_experts=a.pop("routed_experts", None), meta=meta, **a)
+    def load(cls, step_dir: Path, vocab_size: int | None = None) -> "RolloutBatch":
+        """Read a batch and `validate` it; InvalidBatch if it is malformed (I/O errors propagate)."""
+        f, mf = Path(step_dir) / BATCH_FILE, Path(step_dir) / META_FILE
+        try:
+            a = load_file(str(f))
+        except (SafetensorError, TypeError, AttributeError) as e:
+            # a header safetensors cannot parse is SafetensorError; one naming a dtype numpy lacks (BF16,
+            # F8_*) fails inside its numpy loader as TypeError / AttributeError
+            raise InvalidBatch(f"{f}: not a readable safetensors file of numpy arrays ({e})") from None
+        try:
+            meta = json.loads(mf.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidBatch(f"{mf}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise InvalidBatch(f"{mf}: must be a JSON object, found {type(meta).__name__}")
+        if missing := [k for k in ARRAYS if k not in a]:
+            raise InvalidBatch(f"{f}: no array {missing[0]!r} (a rollout batch has {', '.join(ARRAYS)})")
+        if extra := sorted(set(a) - set(ARRAYS) - {"routed_experts"}):
+            raise InvalidBatch(f"{f}: unknown array {extra[0]!r} (a rollout batch has {', '.join(ARRAYS)}, "
+                               f"routed_experts)")
+        batch = cls(routed_experts=a.pop("routed_experts", None), meta=meta, **a)
+        batch.validate(vocab_size, where=str(f))
+        return batch
+
+    def validate(self, vocab_size: int | None = None, where: str = "rollout batch") -> None:
+        """Raise InvalidBatch (one line: `where`, the field, the value) unless the trainer can train on
+        this batch: layout dtypes and lengths, offsets from 0 to len(tokens) never going back, finite
+        floats, token ids in [0, vocab_size) (vocab_size None: only >= 0), a 0/1 loss mask."""
+        def bad(msg: str):
+            raise InvalidBatch(f"{where}: {msg}")
+
+        for k in ARRAYS:
+            v = getattr(self, k)
+            if not isinstance(v, np.ndarray) or v.ndim != 1:
+                bad(f"{k} must be a 1-d array, found shape {getattr(v, 'shape', type(v).__name__)}")
+            kinds = "f" if k in _FLOAT else ("iub" if k == "loss_mask" else "iu")
+            if v.dtype.kind not in kinds:
+                bad(f"{k} has dtype {v.dtype}, expected {'a float' if k in _FLOAT else 'an integer'} type")
+        n_tok = len(self.tokens)
+        off = self.offsets.astype(np.int64)
+        if len(off) == 0 or off[0] != 0:
+            bad(f"offsets must start at 0, found {off[:1].tolist() or 'no offsets'}")
+        if (back := np.diff(off) < 0).any():
+            i = _first(back) + 1
+            bad(f"offsets decrease at offsets[{i}] = {off[i]} after offsets[{i - 1}] = {off[i - 1]}")
+        if off[-1] != n_tok:
+            bad(f"offsets end at {off[-1]} but there are {n_tok} tokens")
+        for k in PER_TOKEN[1:]:
+            if len(getattr(self, k)) != n_tok:
+                bad(f"{k} has {len(getattr(self, k))} entries, tokens has {n_tok}")
+        for k in PER_SAMPLE:
+            if len(getattr(self, k)) != self.num_samples:
+                bad(f"{k} has {len(getattr(self, k))} entries for {self.num_samples} samples (offsets)")
+        r = self.routed_experts
+        if r is not None:
+            if not isinstance(r, np.ndarray) or r.ndim != 3 or r.dtype not in (np.uint8, np.uint16):
+                bad(f"routed_experts must be uint8/uint16 [tokens, layers, top_k], found "
+                    f"{getattr(r, 'dtype', type(r).__name__)} {getattr(r, 'shape', '')}")
+            if len(r) != n_tok:
+                bad(f"routed_experts has {len(r)} rows, tokens has {n_tok}")
+        for k in _FLOAT:
+            v = getattr(self, k)
+            if (nf := ~np.isfinite(v)).any():
+                i = _first(nf)
+                bad(f"{k}[{i}] = {v[i]} is not finite ({int(nf.sum())} non-finite of {len(v)})")
+        if n_tok:
+            lo, hi = int(self.tokens.min()), int(self.tokens.max())
+            if lo < 0:
+                bad(f"tokens[{_first(self.tokens < 0)}] = {lo} is a negative token id")
+            if vocab_size is not None and hi >= vocab_size:
+                bad(f"tokens[{_first(self.tokens >= vocab_size)}] = {hi} is outside the vocabulary "
+                    f"[0, {vocab_size})")
+        if ((self.loss_mask != 0) & (self.loss_mask != 1)).any():
+            i = _first((self.loss_mask != 0) & (self.loss_mask != 1))
+            bad(f"loss_mask[{i}] = {self.loss_mask[i]}, must be 0 or 1")

@@ -4,6 +4,10 @@ Each prompt is sampled `group_size` times; a sample's advantage is its reward mi
 its group (the group is its own baseline, no value network). GRPO also divides by the group's standard
 deviation; Dr. GRPO argues that this overweights near-unanimous groups and leaves it out. A group whose
 rewards are all equal carries no signal: its advantages are zero.
+
+Rewards must be finite: one NaN or inf would make every advantage of its group NaN (the mean is the
+baseline). The orchestrator drops such a group as a failed one before it gets here
+(rl.orchestrator.loop.check_trainable); a non-finite reward reaching this function is refused.
 """
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, kind: str = "grpo"
     groups = np.asarray(groups)
     if rewards.shape != groups.shape:
         raise ValueError(f"rewards {rewards.shape} and groups {groups.shape} differ in shape")
+    if (bad := ~np.isfinite(rewards)).any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"reward {rewards[i]} of sample {i} (group {groups[i]}) is not finite: its group "
+                         f"must be dropped as failed, not given NaN advantages")
     adv = np.zeros_like(rewards)
     for g in np.unique(groups):
         idx = groups == g
@@ -26,4 +34,8 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, kind: str = "grpo"
         elif kind != "drgrpo":
             raise ValueError(f"orchestrator.advantage={kind!r}: unknown (grpo, drgrpo)")
         adv[idx] = centred
-    return adv.astype(np.float32)
+    out = adv.astype(np.float32)
+    if (bad := ~np.isfinite(out)).any():  # finite float64 rewards so large their float32 advantage overflows
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"advantage of sample {i} (group {groups[i]}, reward {rewards[i]}) overflows float32")
+    return out

@@ -16,6 +16,7 @@ The continuous pool numbers groups instead and keeps a log of them (exactly once
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from pathlib import Path
@@ -53,6 +54,28 @@ def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int)
 
     The whole group goes or stays: its advantages are relative to each other."""
     return min_version(group, step) >= step - max_off_policy
+
+
+class UntrainableGroup(ValueError):
+    """A sampled group whose numbers the trainer cannot use (a non-finite reward or logprob)."""
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_trainable(samples: list[Sample]) -> None:
+    """Raise UntrainableGroup unless every reward and every trained token's logprob is finite as the
+    float32 the batch stores. One NaN reward (an environment's scoring code) would make the whole group's
+    advantages NaN, and the trainer sets a batch with non-finite numbers aside whole: the group is dropped
+    and counted as failed instead, like an environment that raised."""
+    for i, s in enumerate(samples):
+        if not (math.isfinite(s.reward) and abs(s.reward) <= _F32_MAX):
+            raise UntrainableGroup(f"sample {i}: reward {s.reward!r} is not finite (float32)")
+        mask = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_logprobs)
+        for j, (lp, m) in enumerate(zip(s.completion_logprobs, mask)):
+            if m and not (math.isfinite(lp) and abs(lp) <= _F32_MAX):
+                raise UntrainableGroup(f"sample {i}: logprob {lp!r} of completion token {j} is not finite "
+                                       f"(float32)")
 
 
 async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
@@ -209,11 +232,13 @@ class Orchestrator:
         return samples
 
     async def _sample_group_or_none(self, sem, task, group: int, step: int, attempt: int):
-        """A group, or None when the environment failed (a sandbox error, a crashed tool): the group is
-        dropped and counted rather than taking the whole run down. Inference errors still propagate:
-        without a server there is nothing to do."""
+        """A group, or None when the environment failed (a sandbox error, a crashed tool, a non-finite
+        reward: check_trainable): the group is dropped and counted rather than taking the whole run down.
+        Inference errors still propagate: without a server there is nothing to do."""
         try:
-            return await self._sample_group(sem, task, group, step, attempt)
+            samples = await self._sample_group(sem, task, group, step, attempt)
+            check_trainable(samples)
+            return samples
         except (InferenceError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - environment code is user code; report, drop, go on

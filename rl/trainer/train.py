@@ -15,11 +15,20 @@ Run-directory use, in order:
   weights (never the newest checkpoint's), checkpoints every `trainer.checkpoint_every` steps, at the
   end and when asked to stop; `DONE` after the last step.
 
-A rollout batch that fails verification (truncated, checksum mismatch, unreadable) is never trained on.
-The trainer logs it, moves it aside to `rollouts/corrupt/step_N-<time>` (out of every reader's sight,
-kept for inspection) and waits for the step to be published again: the orchestrator produces every
-missing step, and exiting instead would not help, since a restart keeps rollout steps up to the
-checkpoint and would find the same corrupt file.
+A rollout batch that fails verification (truncated, checksum mismatch, unreadable) or validation (a
+malformed header or meta.json, non-finite floats, token ids outside the vocabulary, inconsistent offsets
+or lengths: rl.contract.batch.RolloutBatch.validate) is never trained on. The trainer logs the one-line
+reason, moves the step aside to `rollouts/corrupt/step_N-<time>` (rl.exchange.set_aside: out of every
+reader's sight, kept for inspection) and waits for the step to be published again: the orchestrator
+produces every missing step, and exiting instead would not help, since a restart keeps rollout steps up
+to the checkpoint and would find the same file. The step that finally trains counts the versions set
+aside before it (`rollouts_set_aside` in its metrics); consumed.jsonl lists only the trained one.
+
+An update that would make the weights non-finite is never applied: when the batch's loss or the global
+gradient norm is not finite (an overflow in the model, on a valid batch), the optimizer step is skipped.
+The batch still counts as consumed (it is not trained again), with `update_skipped` 1 in its metrics and
+`applied: false` in consumed.jsonl; the next version is published unchanged. Before every publish the
+weights are checked to be finite, and publishing non-finite weights is refused (an error).
 
 Multi-rank (`trainer.parallel`, dp_shard x ep x cp = world size, launched by torchrun): see
 rl.trainer.parallel. Rank 0 alone touches the run directory (waits for and verifies rollouts, then
@@ -42,7 +51,7 @@ import torch
 from rl import exchange, runtime
 from rl.exchange import weights as wire
 from rl.exchange.publisher import WeightPublisher
-from rl.contract.batch import BATCH_FILE, RolloutBatch
+from rl.contract.batch import BATCH_FILE, InvalidBatch, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, own_epoch, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
 from rl.trainer import parallel, replay
@@ -53,6 +62,10 @@ from rl.trainer.model import Built, build_model, hf_state_dict, position_logprob
 ROLE = "trainer"
 # (n, rng) -> [(prompt_ids, completion_ids)]: the supervised warm start's data.
 Examples = Callable[[int, random.Random], Sequence[tuple[Sequence[int], Sequence[int]]]]
+
+
+# the weights' float dtypes (masters are fp32; isfinite has no kernel for the float8 types)
+_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass
@@ -217,6 +230,12 @@ class Trainer:
         self._publish_token = self.dist.broadcast(uuid.uuid4().hex[:12] if self.dist.is_main else None)
         self._pub: WeightPublisher | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: a rollout token id at or above it would index past the table."""
+        from rl.trainer.model import network_config
+        return int(network_config(self.cfg.model)["vocab_size"])
+
     def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
         return pack(offsets, int(self.cfg.trainer.micro_batch_tokens), int(self.cfg.model.max_seq_len),
                     tokens, routed, **per_token)
@@ -302,11 +321,21 @@ class Trainer:
                 loss_sum += loss.detach()
                 stats = add_stats(stats, st)
         grad_norm = self._clip() if n_loss else 0.0
-        self.optimizer.step()
         loss_v = float(self.dist.sum(loss_sum))
+        # Both are reduced over all ranks, so every rank takes the same decision. A non-finite loss or
+        # gradient would turn the weights (and Adam's moments) into NaN for good: skip the update.
+        skip = (f"loss {loss_v}" if not math.isfinite(loss_v) else
+                f"gradient norm {grad_norm}" if not math.isfinite(grad_norm) else None)
+        if skip is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad()  # the clip already scaled these by NaN: nothing may read them
+            if self.dist.is_main:
+                log(ROLE, f"step {step}: update SKIPPED, weights unchanged: {skip} is not finite")
         m = finalize_stats(self._reduce_stats(stats)) if stats else {}
         loss_lag = lag[batch.loss_mask > 0]
-        return {"loss": loss_v, "grad_norm": grad_norm, **m,
+        return {"loss": loss_v, "grad_norm": grad_norm, **m, "update_skipped": int(skip is not None),
+                **({"update_skip_reason": f"{skip} is not finite"} if skip else {}),
                 "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else math.nan,
                 "lag": float(loss_lag.mean()) if len(loss_lag) else 0.0,
                 "lag_max": int(loss_lag.max()) if len(loss_lag) else 0,
@@ -368,12 +397,32 @@ class Trainer:
                                      if self.dist.is_main else None)
         if exists:  # republishing is a no-op: skip the gathers too
             return False
+        self.check_finite(f"weights/step_{version:06d}")
         prefix, _ = self._checkpoint_naming()
         adapter = self.built.spec.state_dict_adapter(self.built.spec.model, None)
         hf_state = {prefix + k: v for k, v in adapter.to_hf(self.model.state_dict()).items()}
         own, gathers = self._owners.owned(hf_state)
         self._publisher(run_dir).publish(version, own, gathers)
         return True
+
+    def check_finite(self, what: str) -> None:
+        """Raise on every rank if any rank's part of the weights holds a NaN or inf: servers must never
+        load such weights, and train_step's guard should have made this impossible, so it is a bug to
+        stop on, not a state to publish."""
+        flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for k, v in self.model.state_dict().items():
+            v = v.to_local() if hasattr(v, "to_local") else v  # this rank's shard of a DTensor
+            if v.dtype in _CHECKED_DTYPES and v.numel():
+                flags.setdefault(v.device, []).append((k, torch.isfinite(v).all()))
+        bad = []
+        for items in flags.values():  # one read-back per device: a sync per tensor costs thousands of them
+            ok = torch.stack([f for _, f in items]).tolist()
+            bad += [k for (k, _), good in zip(items, ok) if not good]
+        n_bad = int(self.dist.sum(torch.tensor(float(len(bad)))))
+        if n_bad:
+            where = f"{bad[0]} (rank {self.dist.rank})" if bad else "on another rank"
+            raise RuntimeError(f"{what}: refusing to publish non-finite weights: {n_bad} tensor(s) hold NaN "
+                               f"or inf, first {where}")
 
     def wait_published(self) -> None:
         """Join the publish in flight (before exiting, and before anything that needs the step)."""
@@ -425,8 +474,10 @@ def _final_sweep(run_dir, tr: "Trainer", d, final: int) -> None:
         tr.save(run_dir, final)
 
 
-def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[RolloutBatch, dict] | None:
-    """Wait for `rollouts/step_<step>`, verified with checksums; quarantine and re-wait if corrupt."""
+def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2, *, vocab_size: int | None = None,
+               set_aside: list[str] | None = None) -> tuple[RolloutBatch, dict] | None:
+    """Wait for `rollouts/step_<step>`, verified with checksums and validated (token ids below
+    `vocab_size`); set it aside and re-wait if corrupt or invalid, appending the reason to `set_aside`."""
     while True:
         with runtime.waiting_for(f"rollouts/step_{step:06d} from the orchestrator"):
             path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
@@ -434,16 +485,17 @@ def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2) -> tuple[R
             return None
         try:
             manifest = exchange.verify(path, checksums=True)
-            return RolloutBatch.load(path), manifest
-        except (exchange.CorruptStep, OSError, ValueError) as e:
-            dest = Path(run_dir) / "rollouts" / "corrupt" / f"{path.name}-{int(time.time())}"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                path.rename(dest)  # atomic: the step is now missing, the orchestrator republishes it
+            return RolloutBatch.load(path, vocab_size=vocab_size), manifest
+        except (exchange.CorruptStep, InvalidBatch, OSError) as e:
+            try:  # atomic: the step is now missing, the orchestrator republishes it
+                dest = exchange.set_aside(run_dir, "rollouts", step)
             except FileNotFoundError:
-                pass  # someone else moved it already
-            log(ROLE, f"CORRUPT rollouts/step_{step:06d}, not consumed ({e}); moved to {dest}, "
+                dest = "(someone else moved it already)"
+            kind = "INVALID" if isinstance(e, InvalidBatch) else "CORRUPT"
+            log(ROLE, f"{kind} rollouts/step_{step:06d}, not consumed: {e}; moved to {dest}, "
                       f"waiting for it to be published again")
+            if set_aside is not None:
+                set_aside.append(str(e))
 
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -484,10 +536,11 @@ def _metrics_logger(run_dir, cfg):
     return MetricsLogger(run_dir, cfg)
 
 
-def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: parallel.Dist
+def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: parallel.Dist,
+                          vocab_size: int | None = None, set_aside: list[str] | None = None
                           ) -> tuple[RolloutBatch, dict] | None:
     """Rank 0 waits for and verifies the batch; every rank then loads the same, verified file."""
-    got = next_batch(run_dir, step, stop, poll) if d.is_main else None
+    got = next_batch(run_dir, step, stop, poll, vocab_size=vocab_size, set_aside=set_aside) if d.is_main else None
     if not d.distributed:
         return got
     info = d.broadcast(None if got is None else (str(exchange.step_dir(run_dir, "rollouts", step)), got[1]))
@@ -496,7 +549,7 @@ def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: pa
     if d.is_main:
         return got
     path, manifest = info
-    return RolloutBatch.load(Path(path)), manifest
+    return RolloutBatch.load(Path(path), vocab_size=vocab_size), manifest
 
 
 def planned_device(run_dir) -> str:
@@ -581,9 +634,11 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
     consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
     restart = resume_state(run_dir).restart
     every = int(cfg.trainer.checkpoint_every)
+    vocab = tr.vocab_size
     for n in range(tr.progress.next_step, max_steps):
         t_wait = time.monotonic()
-        got = _next_batch_all_ranks(run_dir, n, stop, poll, d)
+        set_aside: list[str] = []
+        got = _next_batch_all_ranks(run_dir, n, stop, poll, d, vocab, set_aside)
         if got is None:
             break
         batch, manifest = got
@@ -593,8 +648,9 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         step_s = time.monotonic() - t0
         tr.progress.consumed.append(n)
         tr.progress.next_step = n + 1
-        if main:
-            consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"))
+        if main:  # consumed even when the update was skipped: the batch is never trained again
+            consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"),
+                            **({"applied": False} if m["update_skipped"] else {}))
         t1 = time.monotonic()
         tr.publish_weights(run_dir, n + 1)
         publish_s = time.monotonic() - t1  # the trainer's share: copy-out (and joining the previous publish)
@@ -602,7 +658,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
             _prune_weights(run_dir, cfg, last_ckpt)
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
                  publish_background_s=tr._pub.last_write_s if tr._pub is not None else 0.0,
-                 wait_s=t0 - t_wait, policy_version=n + 1,
+                 wait_s=t0 - t_wait, policy_version=n + 1, rollouts_set_aside=len(set_aside),
                  # the share of this step's wall time spent waiting for its rollout batch
                  idle_fraction=(t0 - t_wait) / max(time.monotonic() - t_wait, 1e-9), time=time.time())
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
