@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 
 from rl.contract import paths
 from rl.contract.config import ConfigError
+from rl.contract.secret import create_secret
 from rl.exchange import atomic_write_json, atomic_write_text
 
 # Keys a resume may change. Everything else must match the frozen config.
@@ -82,11 +82,9 @@ def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: st
     atomic_write_json(paths.plan_file(run_dir), plan)
     if script is not None:
         atomic_write_text(paths.p(run_dir, paths.JOB_SCRIPT), script)
-    secret = paths.secret_file(run_dir)
-    if not secret.exists():
-        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(16))
+    # written whole or not at all (temp 0600 + fsync + link/rename); an empty or short one a crash left
+    # behind is replaced, since servers would otherwise refuse to start (rl/contract/secret.py)
+    create_secret(run_dir)
     with open(paths.p(run_dir, paths.SUBMISSIONS), "a") as f:
         f.write(json.dumps({"time": time.time(), "backend": backend, "resume": resuming}) + "\n")
     return resuming

@@ -21,7 +21,8 @@ both sides are hashed to SHA-256 first (so even their lengths do not leak) and c
 `hmac.compare_digest`. A vLLM started with this middleware but without a secret refuses to start (the
 middleware is built before the first request, lifespan included) unless the inference role says the run
 has none (`HETRL_UNAUTHENTICATED=1`, a run directory whose `secret` was removed, as some tests do): a
-process that lost its environment must not serve its admin paths open.
+process that lost its environment must not serve its admin paths open; nor does one whose secret is
+shorter than 32 characters (a damaged `secret` file: rl/contract/secret.py).
 
 Pure ASGI with no imports beyond the standard library: it runs inside vLLM's API server process, and it
 must not pull torch or vLLM into anything that imports it (the router and the tests do).
@@ -37,6 +38,7 @@ UNAUTHENTICATED_ENV = "HETRL_UNAUTHENTICATED"  # "1": the run has no secret, ser
 OPEN_PATHS = ("/health",)
 OPEN_METHODS = ("GET", "HEAD")
 MIDDLEWARE = f"{__name__}.RunSecret"  # what the plan passes to vLLM's --middleware
+MIN_SECRET_CHARS = 32  # rl.contract.secret.MIN_CHARS (not imported: this module is stdlib-only)
 
 
 def bearer(secret: str) -> dict[str, str]:
@@ -75,6 +77,9 @@ class RunSecret:
             raise RuntimeError(f"{MIDDLEWARE}: {SECRET_ENV} is unset, so the run's secret never reached this "
                                f"vLLM; refusing to serve its admin paths without one (set "
                                f"{UNAUTHENTICATED_ENV}=1 only for a run without a secret)")
+        if secret and len(secret.strip()) < MIN_SECRET_CHARS:  # a damaged secret file, not a token
+            raise RuntimeError(f"{MIDDLEWARE}: {SECRET_ENV} holds {len(secret.strip())} chars, fewer than "
+                               f"{MIN_SECRET_CHARS}: refusing to serve behind a secret anyone could guess")
         self.app = app
         self._digest = _digest(secret.encode()) if secret else None
 

@@ -445,8 +445,13 @@ async def _serve(ns) -> int:
             raise SystemExit(f"{paths.plan_file(run_dir)}: the plan has no router (inference.router=false)")
         base = OmegaConf.to_container(rcfg.inference.routing)
         host, port = ns.host or rplan.host, ns.port or rplan.port
-        sf = paths.secret_file(run_dir)
-        secret = sf.read_text().strip() if sf.exists() else None
+        # never a router open to anyone: a missing, empty or short secret stops it here (one line), unless
+        # the run has none on purpose (HETRL_UNAUTHENTICATED=1 and no file: rl/contract/secret.py)
+        from rl.contract.secret import SecretError, secret_or_none
+        try:
+            secret = secret_or_none(run_dir)
+        except SecretError as e:
+            raise SystemExit(f"router: {e}") from None
         timeout = float(rcfg.inference.startup_timeout_s)
         deadline, said = time.monotonic() + timeout, False
         while True:

@@ -590,7 +590,8 @@ def test_role_from_run_dir_writes_router_json_and_stops_on_done(tmp_path):
         repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rl.inference.router", "--run-dir", str(tmp_path),
-            "--pd-min-prefill-tokens", "8", cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+            "--pd-min-prefill-tokens", "8", cwd=repo,
+            env={**os.environ, "PYTHONPATH": repo, "HETRL_UNAUTHENTICATED": "1"})  # without a secret on purpose
         try:
             url = await asyncio.wait_for(wait_for_router(tmp_path, timeout=30), 40)
             assert url == f"http://127.0.0.1:{port}"

@@ -20,6 +20,9 @@ test_patch -> swe_smith; base_commit + test_patch + FAIL_TO_PASS (or `files`) ->
 
 FAIL_TO_PASS / PASS_TO_PASS may be lists or JSON-encoded strings (SWE-bench's own files use strings).
 A bad row is a ValueError of one line naming the file, the row (index and instance_id) and the field.
+Rows are untrusted input: every path they name must stay inside the task's tree, every value that reaches
+a command line must have its format, and every field has a size limit (tasks.ROW_LIMITS); all checked
+here, at load, so a bad row is refused before any episode (tasks.task_problem; docs/swe.md).
 pyarrow and `datasets` are imported only for the files that need them.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rl.envs.swe.grading import PARSERS
-from rl.envs.swe.tasks import Task
+from rl.envs.swe.tasks import ROW_LIMITS, Task, task_problem
 
 FORMATS = ("swe_bench", "swe_smith", "swe_rebench", "r2e_gym")
 R2E_TEST_CMD = "bash run_tests.sh"   # R2E-Gym images carry the instance's test script in the repo root
@@ -105,8 +108,11 @@ def detect_format(columns: Iterable[str]) -> str:
                      f"one of {', '.join(FORMATS)}")
 
 
-def load_dataset(path: str | Path, format: str = "auto") -> list[Task]:
-    """Every row of `path` as a Task. `format` is auto (from the first row's columns) or one of FORMATS."""
+def load_dataset(path: str | Path, format: str = "auto", limits: dict | None = None) -> list[Task]:
+    """Every row of `path` as a Task. `format` is auto (from the first row's columns) or one of FORMATS.
+    `limits` overrides entries of tasks.ROW_LIMITS (field sizes); every row is checked against them and
+    for paths that leave the task's tree or values that would read as options (tasks.task_problem), so
+    a bad row is refused here, before any episode."""
     rows = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -117,7 +123,7 @@ def load_dataset(path: str | Path, format: str = "auto") -> list[Task]:
             raise ValueError(f"{path}: {e}") from None
     elif format not in FORMATS:
         raise ValueError(f"env.swe.format={format!r}: must be auto or one of {', '.join(FORMATS)}")
-    tasks = [normalize(r, format, f"{path}: row {i}") for i, r in enumerate(rows)]
+    tasks = [normalize(r, format, f"{path}: row {i}", limits) for i, r in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.instance_id in seen:
@@ -128,13 +134,45 @@ def load_dataset(path: str | Path, format: str = "auto") -> list[Task]:
 
 
 # -- one row ----------------------------------------------------------------------------------------
-def normalize(row: dict, format: str, where: str = "row") -> Task:
-    """The Task of one row in `format`; RowError naming `where`, the instance and the field otherwise."""
+# Raw columns measured before anything parses them (a 100 MB JSON string is refused unread): the limit
+# key of each; JSON-encoded lists and objects get twice their decoded limit for quotes and commas, and
+# are measured exactly once decoded (tasks.task_problem).
+_RAW_LIMITS = {"instance_id": "instance_id", "problem_statement": "problem_statement",
+               "hints_text": "hints_text", "patch": "patch", "test_patch": "test_patch",
+               "FAIL_TO_PASS": "test_ids_chars", "PASS_TO_PASS": "test_ids_chars", "repo": "repo",
+               "repo_name": "repo", "image_name": "image", "docker_image": "image", "version": "version"}
+
+
+def normalize(row: dict, format: str, where: str = "row", limits: dict | None = None) -> Task:
+    """The Task of one row in `format`; RowError naming `where`, the instance and the field otherwise
+    (sizes over ROW_LIMITS, paths out of the tree and option-shaped values included)."""
     iid = row.get("instance_id") or (f"{row.get('repo_name')}__{str(row.get('commit_hash'))[:12]}"
                                      if format == "r2e_gym" else "?")
+    iid = str(iid)[:80]
+    lim = {**ROW_LIMITS, **(limits or {})}
 
     def bad(field: str, why: str):
         raise RowError(f"{where} ({iid}): {field}: {why}")
+
+    for k, key in _RAW_LIMITS.items():
+        v = row.get(k)
+        if isinstance(v, str) and len(v) > lim[key] * (2 if k in ("FAIL_TO_PASS", "PASS_TO_PASS") else 1):
+            bad(k, f"{len(v)} chars, over the limit of {lim[key]} (ROW_LIMITS[{key!r}])")
+    for k in ("expected_output_json", "install_config"):
+        v = row.get(k)
+        if isinstance(v, str) and len(v) > lim["test_ids_chars"] * 2:
+            bad(k, f"{len(v)} chars, over the limit of {lim['test_ids_chars'] * 2} "
+                "(2 * ROW_LIMITS['test_ids_chars'])")
+    task = _normalize(row, format, bad)
+    problem = task_problem(task, limits)
+    if problem:
+        bad(*problem)
+    return task
+
+
+def _normalize(row: dict, format: str, bad) -> Task:
+    iid = row.get("instance_id") or (f"{row.get('repo_name')}__{str(row.get('commit_hash'))[:12]}"
+                                     if format == "r2e_gym" else "?")
 
     for k in _REQUIRED[format]:
         if k not in row or row[k] is None:

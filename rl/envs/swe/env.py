@@ -27,7 +27,7 @@ from typing import Any
 
 from rl.envs.swe.datasets import needs_container, playable
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, grade, load_tasks, open_sandbox
+from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, check_task, grade, load_tasks, open_sandbox
 from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
 
 
@@ -151,9 +151,13 @@ class Episode:
         self.sandbox.close()
 
 
-def playable_under(rows: list[Task], runtime: str, repos_dir: str | None, where: str) -> list[Task]:
+def playable_under(rows: list[Task], runtime: str, repos_dir: str | None, where: str,
+                   limits: dict | None = None) -> list[Task]:
     """The rows made playable under `runtime`: image runtimes need every row's image (the repository is
-    in it); inprocess and bubblewrap refuse image rows (they have no images) and resolve repositories."""
+    in it); inprocess and bubblewrap refuse image rows (they have no images) and resolve repositories.
+    Every row is checked as untrusted input first (tasks.check_task), rows made in memory included."""
+    for i, t in enumerate(rows):
+        check_task(t, f"{where}: row {i}", limits)
     if runtime in IMAGE_RUNTIMES:
         for i, t in enumerate(rows):
             if not t.image:
@@ -172,14 +176,16 @@ class SWEEnv:
     """Tasks of a dataset in any public SWE format (default: the built-in set) and episodes over them.
     Rows are made playable here at construction: repositories resolved (under `repos_dir`), rows the
     runtime cannot play refused with a one-line error (playable_under). `sandboxes`: a service pool
-    (sandbox nodes), or None for sandboxes of `config.runtime` in this process."""
+    (sandbox nodes), or None for sandboxes of `config.runtime` in this process. `row_limits` overrides
+    entries of tasks.ROW_LIMITS (field sizes)."""
 
     def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig(), *,
-                 format: str = "auto", repos_dir: str | None = None, sandboxes: Any = None):
+                 format: str = "auto", repos_dir: str | None = None, sandboxes: Any = None,
+                 row_limits: dict | None = None):
         where = str(tasks) if isinstance(tasks, str) else "tasks"
-        rows = (load_tasks() if tasks is None else load_tasks(tasks, format) if isinstance(tasks, str)
-                else tasks)
-        self.tasks = playable_under(rows, config.runtime["name"], repos_dir, where)
+        rows = (load_tasks(limits=row_limits) if tasks is None else load_tasks(tasks, format, row_limits)
+                if isinstance(tasks, str) else tasks)
+        self.tasks = playable_under(rows, config.runtime["name"], repos_dir, where, row_limits)
         if not self.tasks:
             raise ValueError("SWEEnv needs at least one task")
         self.config = config

@@ -2,14 +2,17 @@
 
 Apptainer (or Singularity, its older name: either binary is used) is what most Slurm sites allow: no
 daemon, no root, images as single SIF files. An image reference (`docker://...`, a plain registry name,
-a `docker-archive` tarball, or a .sif file used as is) is built once per image into `env.swe.image_cache`
+a `docker-archive` tarball, or a .sif file used as is: the last two for the operator's own `sif_for`
+calls only, since a dataset row's image must be a registry reference, checked by tasks.check_image) is
+built once per image into `env.swe.image_cache`
 on the shared filesystem, so every node reuses it: `sif_for` takes an exclusive `flock` on
 `<sif>.lock` (concurrent episodes and nodes wait for the one build), builds into `<sif>.tmp-<random>` and
 renames it into place, so a reader never sees a half-written SIF. A cache under /tmp, /var/tmp or
 /dev/shm is refused: node-local, and wiped between jobs, it would rebuild every image on every node.
 
 Each command runs as `apptainer exec --containall --no-privs --net --network none`: private pid and
-ipc namespaces, a clean environment, no $HOME or host /tmp, no network but loopback; the tree is bound
+ipc namespaces, a clean environment, no $HOME or host /tmp, no network but loopback (the SIF after `--`,
+so nothing reaches apptainer as an option); the tree is bound
 read-write at the image's working directory (`/testbed`) and nothing else of the host is mounted, so
 the run directory, its secret, host sockets and other trees are absent. Limits are rlimits set by
 `prlimit` (CPU seconds, address space, file size, open files, no core; processes when the caller's uid
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from rl.envs.swe.runtimes import Runtime, RuntimeUnavailable
 from rl.envs.swe.sandbox import Limits, Result, SandboxError
+from rl.envs.swe.tasks import check_image
 
 _SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -59,7 +63,11 @@ def build_source(image: str) -> str:
 
 
 def sif_for(image: str, cache: str | os.PathLike, exe: str | None = None) -> Path:
-    """The SIF of `image`, built into `cache` on first use (once, under a lock)."""
+    """The SIF of `image`, built into `cache` on first use (once, under a lock). A local .sif or
+    docker-archive is for the operator's own calls: images from dataset rows are registry references
+    (ApptainerRuntime checks them), never host paths."""
+    if image.startswith("-"):  # a positional argument of `apptainer build`: never an option
+        raise ValueError(f"image {image[:80]!r}: starts with '-' (it would read as an option)")
     if image.endswith(".sif") and Path(image).is_file():
         return Path(image)
     real = os.path.realpath(cache)
@@ -89,7 +97,14 @@ def sif_for(image: str, cache: str | os.PathLike, exe: str | None = None) -> Pat
 
 def apptainer_argv(exe: str, sif: str, tree: str, workdir: str, limits: Limits, env: dict[str, str],
                    argv: list[str], nproc: bool) -> list[str]:
-    """One command in a fresh `apptainer exec` of `sif` over `tree` (bound at workdir), under rlimits."""
+    """One command in a fresh `apptainer exec` of `sif` over `tree` (bound at workdir), under rlimits.
+    The SIF goes after `--` (apptainer's end of options), and the environment's names are checked, so no
+    value reaches apptainer as an option of its own."""
+    if sif.startswith("-"):
+        raise ValueError(f"SIF {sif[:80]!r}: starts with '-' (it would read as an option)")
+    for k in env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ValueError(f"environment variable name {k[:80]!r}: letters, digits and '_' only")
     a = [shutil.which("prlimit") or "prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
          f"--as={limits.memory_bytes}", f"--fsize={limits.fsize_bytes}", f"--nofile={limits.nofile}",
          "--core=0"] + ([f"--nproc={limits.nproc}"] if nproc else []) + ["--"]
@@ -98,7 +113,7 @@ def apptainer_argv(exe: str, sif: str, tree: str, workdir: str, limits: Limits, 
     for k, v in {"HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
                  **env}.items():
         a += ["--env", f"{k}={v}"]
-    return a + [sif, *argv]
+    return a + ["--", sif, *argv]
 
 
 class ApptainerRuntime(Runtime):
@@ -107,6 +122,7 @@ class ApptainerRuntime(Runtime):
     def __init__(self, tree, limits: Limits = Limits(), *, base_dir=None, image: str, image_cache: str,
                  workdir: str = "/testbed"):
         self.check()
+        image = check_image(image)  # before any directory is made: a row's registry reference, no option
         super().__init__(tree, limits, base_dir=base_dir)
         self.uid = None  # apptainer runs as the caller; no uid of its own to hand the tree to
         self.exe = apptainer_exe()

@@ -14,11 +14,15 @@ mounted, so the run directory, secrets and other trees are absent), `--pids-limi
 (cgroups), `--ulimit` for CPU seconds, file size and open files. Rootless Podman can only enforce
 `--pids-limit` and `--memory` on cgroup v2 (on v1 it ignores them with a warning): `check()` refuses to
 run there, and refuses root (rootful Podman is not what Slurm sites allow).
+
+The image comes from a dataset row: it must be an OCI reference (tasks.check_image: never option-shaped,
+never a host path) and goes after `--` in every podman argv, so no row value is read as a podman option.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,8 +30,10 @@ import uuid
 
 from rl.envs.swe.runtimes import Runtime, RuntimeUnavailable
 from rl.envs.swe.sandbox import Limits, Result, SandboxError
+from rl.envs.swe.tasks import check_image
 
 _CHECKED: str | None = None
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class PodmanRuntime(Runtime):
@@ -36,6 +42,7 @@ class PodmanRuntime(Runtime):
     def __init__(self, tree, limits: Limits = Limits(), *, base_dir=None, image: str, workdir: str = "/testbed",
                  podman: str | None = None):
         self.check()
+        image = check_image(image)  # before any directory is made: a row's value, never an option
         super().__init__(tree, limits, base_dir=base_dir)
         self.uid = None  # rootless: the user namespace maps the caller's uid; the tree stays the caller's
         self.podman = podman or shutil.which("podman")
@@ -52,18 +59,18 @@ class PodmanRuntime(Runtime):
             raise RuntimeUnavailable(f"runtime podman: {_CHECKED}")
 
     def _copy_from_image(self):
-        cid = subprocess.run([self.podman, "create", self.image], capture_output=True, text=True)
+        cid = subprocess.run([self.podman, "create", "--", self.image], capture_output=True, text=True)
         if cid.returncode != 0:
             raise SandboxError(f"runtime podman: cannot create a container of image {self.image!r}: "
                                f"{cid.stderr.strip()[-500:]}")
         try:
-            r = subprocess.run([self.podman, "cp", f"{cid.stdout.strip()}:{self.workdir}/.", str(self.tree)],
-                               capture_output=True, text=True)
+            r = subprocess.run([self.podman, "cp", "--", f"{cid.stdout.strip()}:{self.workdir}/.",
+                                str(self.tree)], capture_output=True, text=True)
             if r.returncode != 0:
                 raise SandboxError(f"runtime podman: cannot copy {self.workdir} out of image {self.image!r}: "
                                    f"{r.stderr.strip()[-500:]}")
         finally:
-            subprocess.run([self.podman, "rm", "-f", cid.stdout.strip()], capture_output=True)
+            subprocess.run([self.podman, "rm", "-f", "--", cid.stdout.strip()], capture_output=True)
 
     def _command(self, argv: list[str], env: dict[str, str]) -> list[str]:
         self._name = f"hetrl-{uuid.uuid4().hex[:16]}"
@@ -82,7 +89,15 @@ class PodmanRuntime(Runtime):
 
 def podman_argv(podman: str, name: str, image: str, tree: str, workdir: str, limits: Limits,
                 env: dict[str, str], argv: list[str]) -> list[str]:
-    """`podman run` of one command in a fresh container of `image` over `tree` (bound at workdir)."""
+    """`podman run` of one command in a fresh container of `image` over `tree` (bound at workdir).
+
+    The image comes from a dataset row: it must be an OCI reference (never option-shaped: `--volume=/:/host`
+    in its place would mount the host) and goes after `--`, where podman stops reading options. Every
+    other value here is ours; the environment's names are checked so that none smuggles a second option."""
+    check_image(image)
+    for k in env:
+        if not _ENV_NAME.fullmatch(k):
+            raise ValueError(f"environment variable name {k[:80]!r}: letters, digits and '_' only")
     a = [podman, "run", "--rm", "-i", "--name", name, "--network=none", "--read-only",
          "--cap-drop=all", "--security-opt=no-new-privileges", "--userns=keep-id",
          f"--pids-limit={limits.nproc}", f"--memory={limits.memory_bytes}",
@@ -93,7 +108,7 @@ def podman_argv(podman: str, name: str, image: str, tree: str, workdir: str, lim
          f"--volume={tree}:{workdir}:rw", f"--workdir={workdir}", "--env=HOME=/tmp", "--env=TMPDIR=/tmp",
          "--env=PYTHONDONTWRITEBYTECODE=1", "--env=PYTHONUNBUFFERED=1"]
     a += [f"--env={k}={v}" for k, v in env.items()]
-    return a + [image, *argv]
+    return a + ["--", image, *argv]
 
 
 def _probe() -> str:

@@ -31,6 +31,7 @@ import httpx
 from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import SandboxServiceRecord
+from rl.contract.secret import read_secret
 from rl.envs.swe.grading import Grade
 from rl.envs.swe.sandbox import Result, SandboxError
 
@@ -57,10 +58,8 @@ class ServicePool:
         if plan.sandboxes is None:
             raise ValueError(f"{paths.plan_file(run_dir)}: the plan has no sandbox nodes, but "
                              "cluster.sandbox_nodes > 0 (re-plan the run)")
-        sf = paths.secret_file(run_dir)
-        if not sf.is_file():
-            raise ValueError(f"{sf}: missing: the sandbox services need the run's secret")
-        return cls(run_dir, len(plan.sandboxes.services), sf.read_text().strip(), wait_s)
+        # missing, empty or short: a one-line error (the services refuse to serve without it anyway)
+        return cls(run_dir, len(plan.sandboxes.services), read_secret(run_dir), wait_s)
 
     def url(self, i: int, fresh: bool = False) -> str:
         """Service i's URL from its record, waiting up to wait_s for it to appear."""

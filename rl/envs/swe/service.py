@@ -56,6 +56,7 @@ from aiohttp import web
 from rl import runtime
 from rl.contract import paths
 from rl.contract.records import SandboxServiceRecord
+from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe.sandbox import SandboxError
 from rl.envs.swe.tasks import grade
 from rl.envs.swe.tools import Tools
@@ -84,6 +85,8 @@ class Served:
 
 class Service:
     def __init__(self, env, run_dir: str, index: int, secret: str, node: str):
+        if not isinstance(secret, str) or len(secret.strip()) < 32:  # never a service anyone may call
+            raise ValueError("sandbox service: the run's secret is empty or short; refusing to serve")
         self.env, self.run_dir, self.index, self.node = env, run_dir, index, node
         self._digest = hashlib.sha256(secret.encode()).digest()
         self.open: dict[str, Served] = {}
@@ -233,14 +236,14 @@ async def serve(run_dir: str, index: int) -> int:
     if plan.sandboxes is None or not 0 <= index < len(plan.sandboxes.services):
         raise SystemExit(f"{paths.plan_file(run_dir)}: no sandbox service {index} in the plan "
                          "(cluster.sandbox_nodes)")
-    sf = paths.secret_file(run_dir)
-    if not sf.is_file() or not sf.read_text().strip():
-        raise SystemExit(f"{sf}: missing or empty: the sandbox service runs commands for whoever holds the "
-                         "run's token and refuses to serve without one")
+    try:  # it runs commands for whoever holds the token: never without one (missing, empty or short)
+        secret = read_secret(run_dir)
+    except SecretError as e:
+        raise SystemExit(f"sandbox service {index}: {e}") from None
     from rl.envs import _swe_env
     env = _swe_env(cfg.env, cfg, remote=False)  # the same rows as the orchestrator, sandboxes here
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    svc = Service(env, run_dir, index, sf.read_text().strip(), node)
+    svc = Service(env, run_dir, index, secret, node)
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="sandbox"))
     stop = asyncio.Event()

@@ -34,6 +34,7 @@ import shlex
 import shutil
 import stat
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,11 +90,214 @@ class Task:
         return repos.show(self.repo_dir, self.base_commit, rel)
 
 
-def load_tasks(path: str | Path = BUILTIN, format: str = "auto") -> list[Task]:
+# -- what a row may say --------------------------------------------------------------------------------
+# A dataset row is untrusted input: its paths are written and read on the host (the orchestrator's or the
+# sandbox service's user) before any sandbox runs, and some of its values reach command lines (podman,
+# apptainer, git, pytest). So every path it names must stay inside the task's tree and every value that
+# reaches an argv must have its format: checked when rows are loaded (datasets.normalize, SWEEnv) and
+# again where they are used (open_sandbox, run_pytest, the runtimes' argv builders).
+
+# Size limits per row field, in characters (lists: items, and characters over all items). A 100 MB
+# problem statement would otherwise be tokenized whole into every episode's prompt. Generous enough for
+# the public sets (SWE-bench's longest statements and patches are well under these).
+ROW_LIMITS = {
+    "instance_id": 256,
+    "repo": 1024,
+    "problem_statement": 256 << 10,
+    "hints_text": 256 << 10,
+    "patch": 2 << 20,
+    "test_patch": 2 << 20,
+    "test_ids": 50_000,              # FAIL_TO_PASS + PASS_TO_PASS items
+    "test_ids_chars": 4 << 20,       # ... all their characters together
+    "test_id": 4096,                 # one test id
+    "files": 20_000,                 # snapshot files
+    "files_chars": 64 << 20,         # ... all their text together
+    "file": 16 << 20,                # one snapshot file's text
+    "image": 512,
+    "test_cmd": 64 << 10,
+    "expected_output": 50_000,       # R2E-Gym's {test: status} entries
+    "version": 256,
+}
+
+# An OCI image reference (github.com/distribution/reference's grammar): [domain[:port]/]path[:tag][@digest].
+# No leading '-', no whitespace: it is a positional argument of podman / apptainer and must never be read as
+# an option (`--volume=/:/host:rw` before the image would mount the host).
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_DOMAIN = rf"(?:{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?/)"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+OCI_REFERENCE = re.compile(
+    rf"{_DOMAIN}?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+# Registry schemes apptainer builds from; a host path (a .sif, a docker-archive) is not a row's to name.
+IMAGE_SCHEMES = ("docker://", "oras://", "library://")
+COMMIT = re.compile(r"[0-9a-fA-F]{4,64}")                 # a git object id (sha1 or sha256, or a prefix)
+_REPO_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_image(image: str) -> str:
+    """`image` if it is an OCI reference (optionally behind a registry scheme apptainer takes); a
+    ValueError saying why otherwise."""
+    ref = image
+    for scheme in IMAGE_SCHEMES:
+        if image.startswith(scheme):
+            ref = image[len(scheme):]
+            break
+    if not isinstance(image, str) or len(image) > ROW_LIMITS["image"] or not OCI_REFERENCE.fullmatch(ref):
+        raise ValueError(f"{image[:80]!r} is not an image reference ([registry/]name[:tag][@digest], "
+                         f"optionally behind {', '.join(IMAGE_SCHEMES)}; no leading '-', no spaces, no "
+                         "host paths)")
+    return image
+
+
+def check_rel(rel: str) -> str:
+    """`rel` if it is a path inside a tree: relative, no '..' component, not option-shaped, no control
+    characters; a ValueError saying why otherwise (a symlink on the way is refused where it is opened)."""
+    if not isinstance(rel, str) or not rel or not rel.strip():
+        raise ValueError("empty path")
+    if _CONTROL.search(rel):
+        raise ValueError(f"path {rel[:80]!r} holds a control character")
+    if rel.startswith("/") or rel.startswith("\\"):
+        raise ValueError(f"path {rel[:80]!r} is absolute: paths are relative to the task's tree")
+    if ".." in rel.split("/"):
+        raise ValueError(f"path {rel[:80]!r} has a '..' component: it would leave the task's tree")
+    if rel.startswith("-"):
+        raise ValueError(f"path {rel[:80]!r} starts with '-' (it would read as a command-line option)")
+    if not [q for q in rel.split("/") if q not in ("", ".")]:
+        raise ValueError(f"path {rel[:80]!r} names the tree itself, not a file in it")
+    return rel
+
+
+def check_repo(repo: str) -> str:
+    """A row's `repo`: a name under env.swe.repos_dir (owner/name: no '..', no leading '-'), or a local
+    path (/..., ~/..., ./...) without '..'."""
+    if _CONTROL.search(repo):
+        raise ValueError("holds a control character")
+    if repo.startswith(("/", "~", "./", "../")):
+        if ".." in repo.split("/"):
+            raise ValueError(f"{repo[:80]!r}: a path with a '..' component")
+        return repo
+    if not _REPO_NAME.fullmatch(repo) or any(q in (".", "..") for q in repo.split("/")):
+        raise ValueError(f"{repo[:80]!r} is neither a repository name (owner/name: letters, digits, '._-', "
+                         "no '..', no leading '-') nor a local path (/..., ~/..., ./...)")
+    return repo
+
+
+def diff_paths(diff: str) -> list[str]:
+    """Every path a unified diff names in its headers: `---`/`+++` pairs (a/ b/ prefixes dropped;
+    /dev/null skipped) and git's rename/copy lines. Hunk lines that merely look like headers are not."""
+    out = []
+    lines = diff.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            for h, prefix in ((line, "a/"), (lines[i + 1], "b/")):
+                name = h[4:].split("\t")[0].strip()
+                if name != "/dev/null":
+                    out.append(name[2:] if name.startswith(prefix) else name)
+        m = re.match(r"(?:rename|copy) (?:from|to) (.+)$", line)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+def id_file(test_id: str) -> str:
+    """The file part of a test id (`path::name`); ids of other harnesses (Django's `test_x (mod.Class)`)
+    have none and are checked whole, harmlessly: grading resets only the ones that are files."""
+    return test_id.split("::")[0]
+
+
+def task_problem(task: "Task", limits: dict | None = None) -> tuple[str, str] | None:
+    """(field, why) of the first thing wrong with `task` as untrusted input, None if nothing is: sizes
+    over ROW_LIMITS, paths that leave the tree, values that would read as options on a command line."""
+    lim = {**ROW_LIMITS, **(limits or {})}
+
+    def over(field: str, n: int, key: str, unit: str = "chars") -> tuple[str, str] | None:
+        return (field, f"{n} {unit}, over the limit of {lim[key]} (ROW_LIMITS[{key!r}])") if n > lim[key] \
+            else None
+
+    for field, value, key in (("instance_id", task.instance_id, "instance_id"), ("repo", task.repo, "repo"),
+                              ("problem_statement", task.problem_statement, "problem_statement"),
+                              ("patch", task.patch, "patch"), ("test_patch", task.test_patch, "test_patch"),
+                              ("image", task.image, "image"), ("test_cmd", task.test_cmd, "test_cmd"),
+                              ("version", task.version, "version")):
+        bad = over(field, len(value), key)
+        if bad:
+            return bad
+    if not task.instance_id.strip() or _CONTROL.search(task.instance_id):
+        return "instance_id", "empty or holds a control character"
+    ids = task.fail_to_pass + task.pass_to_pass
+    bad = (over("FAIL_TO_PASS/PASS_TO_PASS", len(ids), "test_ids", "test ids")
+           or over("FAIL_TO_PASS/PASS_TO_PASS", sum(map(len, ids)), "test_ids_chars"))
+    if bad:
+        return bad
+    for field, lst in (("FAIL_TO_PASS", task.fail_to_pass), ("PASS_TO_PASS", task.pass_to_pass)):
+        for tid in lst:
+            bad = over(field, len(tid), "test_id")
+            if bad:
+                return field, f"test id {tid[:60]!r}...: {bad[1]}"
+            try:
+                check_rel(id_file(tid))
+            except ValueError as e:
+                return field, f"test id {tid[:80]!r}: {e}"
+    bad = (over("files", len(task.files), "files", "files")
+           or over("files", sum(map(len, task.files.values())), "files_chars"))
+    if bad:
+        return bad
+    dirs: set[str] = set()
+    for rel, text in task.files.items():
+        try:
+            check_rel(rel)
+        except ValueError as e:
+            return "files", str(e)
+        if rel.endswith("/"):
+            return "files", f"path {rel[:80]!r} ends in '/': a snapshot holds files, not directories"
+        bad = over("files", len(text), "file")
+        if bad:
+            return "files", f"{rel[:80]!r}: {bad[1]}"
+        parts = [q for q in rel.split("/") if q not in ("", ".")]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    for rel in task.files:
+        if "/".join(q for q in rel.split("/") if q not in ("", ".")) in dirs:
+            return "files", f"path {rel[:80]!r} is both a file and a directory of other files"
+    for field, diff in (("patch", task.patch), ("test_patch", task.test_patch)):
+        for rel in diff_paths(diff):
+            try:
+                check_rel(rel)
+            except ValueError as e:
+                return field, f"diff header: {e}"
+    try:
+        check_repo(task.repo)
+    except ValueError as e:
+        return "repo", str(e)
+    for field, commit in (("base_commit", task.base_commit),
+                          ("environment_setup_commit", task.environment_setup_commit)):
+        if commit and not COMMIT.fullmatch(commit):  # it reaches git's argv (archive, show, cat-file)
+            return field, f"{commit[:80]!r} is not a git commit id (4 to 64 hex digits)"
+    if task.image:
+        try:
+            check_image(task.image)
+        except ValueError as e:
+            return "image", str(e)
+    if task.expected_output is not None:
+        bad = over("expected_output_json", len(task.expected_output), "expected_output", "entries")
+        if bad:
+            return bad
+    return None
+
+
+def check_task(task: "Task", where: str = "row", limits: dict | None = None) -> "Task":
+    """`task`, or a ValueError of one line naming `where`, the instance and the field at fault."""
+    bad = task_problem(task, limits)
+    if bad:
+        raise ValueError(f"{where} ({str(task.instance_id)[:80]}): {bad[0]}: {bad[1]}")
+    return task
+
+
+def load_tasks(path: str | Path = BUILTIN, format: str = "auto", limits: dict | None = None) -> list[Task]:
     """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset), or
-    of a shipped set named in SHIPPED."""
+    of a shipped set named in SHIPPED; `limits` overrides entries of ROW_LIMITS."""
     from rl.envs.swe.datasets import load_dataset  # datasets.py builds on Task
-    return load_dataset(SHIPPED.get(str(path), path), format)
+    return load_dataset(SHIPPED.get(str(path), path), format, limits)
 
 
 def patched_paths(diff: str) -> list[str]:
@@ -109,7 +313,10 @@ def runtime_args(task: Task, runtime: dict | None) -> dict:
         if not task.image:
             raise ValueError(f"{task.instance_id}: env.swe.runtime={kw['name']} runs each task in its "
                              "image, and this row names none (image_name / docker_image)")
-        kw["image"] = task.image
+        try:  # the image is a positional argument of podman / apptainer: never option-shaped
+            kw["image"] = check_image(task.image)
+        except ValueError as e:
+            raise ValueError(f"{task.instance_id}: image: {e}") from None
     return kw
 
 
@@ -121,6 +328,9 @@ def apply_patch(sb: Runtime, diff: str, timeout_s: float = 30):
 
 def run_pytest(sb: Runtime, targets: list[str], timeout_s: float) -> tuple[dict[str, str], str]:
     """Run pytest on targets in the sandbox; returns ({test id: outcome}, combined output)."""
+    for t in targets:  # pytest has no `--` end of options: a target must not look like one
+        if t.startswith("-"):
+            raise ValueError(f"pytest target {t[:80]!r} starts with '-' (it would read as an option)")
     r = sb.run(PYTEST + targets, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     out = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
     return parse_pytest(r.stdout), out
@@ -131,18 +341,23 @@ def open_sandbox(task: Task, limits: Limits = Limits(), runtime: dict | None = N
     """A sandbox of `runtime` (default inprocess) whose tree is `tree` if given (copied), else the task's
     starting tree: its snapshot, base_commit checked out, or (image runtimes, no local repository) the
     repository inside its image."""
+    check_task(task, task.instance_id)  # again here: a Task need not have come through load_dataset
     kw = runtime_args(task, runtime)
     sb = open_runtime(tree=tree, limits=limits, **kw)
     if tree is not None or (kw["name"] in IMAGE_RUNTIMES and not task.files and not task.repo_dir):
         return sb
-    try:  # a fresh, empty tree nothing has run in yet: host-side writes are safe here
+    try:  # a fresh tree nothing has run in yet, written as the orchestrator's (or service's) user
         if task.files or not task.repo_dir:
             for rel, text in task.files.items():
-                p = sb.tree / rel
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text(text)
+                # through the runtime: every component opened O_NOFOLLOW beneath the tree and the file
+                # created O_EXCL, so no key (checked above) and no link can put the write elsewhere
+                sb.write_file(check_rel(rel), text)
         else:
-            repos.checkout(task.repo_dir, task.base_commit, sb.tree)
+            try:  # tarfile's "data" filter refuses absolute paths and links that leave the tree
+                repos.checkout(task.repo_dir, task.base_commit, sb.tree)
+            except tarfile.FilterError as e:
+                raise ValueError(f"{task.instance_id}: base_commit: the checkout of {task.repo} leaves the "
+                                 f"task's tree ({e})") from None
     except BaseException:
         sb.close()
         raise
@@ -193,7 +408,7 @@ def grade(task: Task, tree: Path | None = None, *, extra_patch: str | None = Non
     """Hidden-test reward of `tree` (default: the task's unmodified starting tree), optionally after
     applying `extra_patch` (the reference patch, to check a task), graded inside a fresh sandbox of
     `runtime` (default inprocess). The tree itself is never modified."""
-    sb = open_sandbox(task, limits, runtime, tree=tree)
+    sb = open_sandbox(task, limits, runtime, tree=tree)  # checks the task's paths and values first
     base_file, done = _pristine(task, runtime, limits)
     try:
         with sb:
@@ -212,7 +427,8 @@ def _grade_in(task: Task, sb: Runtime, base_file, extra_patch, timeout_s, partia
         r = sb.run(cmd, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
         return expected_output_reward(parse_r2e(r.stdout), task.expected_output or {},
                                       partial_credit=partial_credit, output=r.stdout + r.stderr)
-    test_files = sorted({i.split("::")[0] for i in task.graded} | set(patched_paths(task.test_patch)))
+    # the files of the graded ids and of test_patch's headers (checked relative, no '..', when loaded)
+    test_files = sorted({id_file(i) for i in task.graded} | set(diff_paths(task.test_patch)))
     for rel in test_files:  # reset graded test files to the starting tree, then add the hidden tests
         _clear_path(sb, rel)
         text = base_file(rel)
