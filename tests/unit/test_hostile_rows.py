@@ -337,3 +337,33 @@ def test_oversized_fields_are_refused_at_load(tmp_path):
                                          r"the limit of 10"):
         SWEEnv([t], row_limits={"problem_statement": 10})
     assert SWEEnv([t]).tasks == [t]
+
+
+def test_a_fifo_the_agent_planted_never_hangs_a_host_side_read(tmp_path):
+    """Runtime.read_file (the service's /read, grading's reads) opens non-blocking and refuses anything
+    but a regular file: a FIFO in the tree used to block the reading thread forever."""
+    import errno
+    import os
+    import threading
+    from rl.envs.swe.runtimes import open_runtime
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "ok.txt").write_text("fine")
+    sb = open_runtime(tree=tree, name="inprocess")
+    try:
+        os.mkfifo(sb.tree / "pipe")  # as the agent's code would, inside its tree
+        got = {}
+
+        def read():
+            try:
+                got["r"] = sb.read_file("pipe")
+            except OSError as e:
+                got["e"] = e
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "read_file blocked on a FIFO"
+        assert "e" in got and got["e"].errno == errno.EINVAL and "not a regular file" in str(got["e"])
+        assert sb.read_file("ok.txt") == "fine"
+    finally:
+        sb.close()

@@ -161,11 +161,16 @@ class Runtime:
 
     # files
     def read_file(self, rel: str) -> str | None:
-        """Text of tree/rel, None if missing; a link anywhere on the path raises OSError."""
+        """Text of tree/rel, None if missing; a link anywhere on the path raises OSError, and so does
+        anything but a regular file: a FIFO the agent planted is opened non-blocking and refused, so a
+        host-side read (the service's /read, grading) cannot hang on it."""
         try:
-            fd = _open_beneath(self.tree, rel, os.O_RDONLY)
+            fd = _open_beneath(self.tree, rel, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{rel}: not a regular file")
         with os.fdopen(fd, "rb") as f:
             return f.read(self.limits.fsize_bytes).decode("utf-8", "replace")
 
