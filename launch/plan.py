@@ -15,7 +15,9 @@ Every role entry carries its node range inside its het group, its command line, 
 log file; the template only loops over roles. Command arguments may name `${HETRL_TRAINER_ADDR}` or
 `${HETRL_ROLE_ADDR}` (the hostname of the first node of the trainer group, of the role itself), which the
 batch script sets at run time; `rl.inference` expands them (rl.contract.plan.expand) in each replica's
-per-node vLLM argv, which it runs exactly as planned. The result is checked against the typed plan of
+per-node vLLM argv, which it runs exactly as planned. A Slurm plan's node-local paths (model dir, KV
+offload dir) start with `${HETRL_NODE_DIR}`, the directory of the node and incarnation, which
+`rl.inference` sets itself (rl.contract.paths.node_dir). The result is checked against the typed plan of
 rl.contract.plan before anything is written, so what the roles read is what was computed here.
 Impossible plans raise `PlanError`, one line naming the key. No torch, no vLLM here.
 """
@@ -75,15 +77,19 @@ def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
     port = int(t.get("master_port", 29500))
     _need(1024 <= port <= 65535, "trainer.master_port", port, "must be a TCP port in [1024, 65535]")
     role_cmd = ["-m", "rl.trainer", "--run-dir", run_dir]
+    # torchrun's agent handles only TERM, INT, HUP and QUIT by default: Slurm's time-limit USR1 (scancel
+    # --signal=USR1 reaches every task) killed it with status 138, which the batch script takes for a crash
+    # while stopping, so the job was not requeued. Handled, it stops the ranks, which checkpoint.
+    signals = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     if world == 1:
         command = [python, *role_cmd]
     elif nodes == 1:
         command = [python, "-m", "rl.trainer.torchrun", "--nnodes=1", f"--nproc-per-node={nproc}",
-                   "--master-addr=127.0.0.1", f"--master-port={port}", *role_cmd]
+                   "--master-addr=127.0.0.1", f"--master-port={port}", signals, *role_cmd]
     else:
         command = [python, "-m", "rl.trainer.torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}",
-                   f"--rdzv-id={run_id(run_dir)}", *role_cmd]
+                   f"--rdzv-id={run_id(run_dir)}", signals, *role_cmd]
     return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,
             "dp_shard": p["dp_shard"], "ep": p["ep"], "cp": p["cp"], "master_port": port,
             "device": "cuda" if gpn else "cpu", "backend": "nccl" if gpn else "gloo",
@@ -170,6 +176,11 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
         layout = [("mixed", replicas, nodes)]
 
     out, first_node, port = [], 0, int(i["port"])
+    # On Slurm the node-local paths are per node and incarnation (rl.contract.paths.node_dir), which only
+    # the node knows: `${HETRL_NODE_DIR}`, which rl.inference sets before it expands the plan's argv and
+    # env. The local backend runs one incarnation at a time on one host and keeps the run's directory.
+    slurm = cfg.get("cluster", {}).get("backend", "local") == "slurm"
+    node_dir = f"${{{paths.NODE_DIR_VAR}}}" if slurm else local_dir
     # Routed expert ids come back only from vLLM's GPU MoE kernels (0.32 refuses the flag on the CPU).
     capture = bool(cfg["trainer"].get("router_replay")) and gpn > 0
     env_common = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, weight versions
@@ -183,8 +194,8 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
         for k in range(count):
             idx = len(out)
             node = first_node + (k // per_node) * node_span if gpn else first_node + k % pool_nodes
-            kv, kv_env = _kv_transfer(cfg, pd, paths.node_kv_dir(local_dir))
-            model_dir = paths.node_model_dir(local_dir, idx)
+            kv, kv_env = _kv_transfer(cfg, pd, paths.node_kv_dir(node_dir))
+            model_dir = paths.node_model_dir(node_dir, idx)
             args = ["--host", host, "--port", str(port + idx), "--served-model-name", SERVED_MODEL_NAME,
                     "--dtype", i["dtype"], "--max-model-len", str(i["max_model_len"]),
                     "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp),

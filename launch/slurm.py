@@ -27,6 +27,12 @@ from rl.contract import paths
 TEMPLATE_DIR = REPO / "sbatch"
 JOBS_FILE = paths.SLURM_JOBS
 _VAR = re.compile(r"(\$\{HETRL_[A-Z0-9_]+\})")
+# A job id as sbatch --parsable prints it for our (non-array) jobs. Anything else read back from
+# slurm_jobs.jsonl is refused: it reaches scancel/scontrol argv, where "--user=..." would be an option.
+_JOB_ID = re.compile(r"[0-9]+")
+# A value of an #SBATCH line: sbatch splits the line at whitespace and reads quotes itself, so a space,
+# quote or backslash in a value would add or change options (and a newline would end the header).
+_SBATCH_UNSAFE = re.compile(r"[\s'\"\\]")
 
 
 class SlurmError(RuntimeError):
@@ -41,8 +47,40 @@ def shell_word(arg) -> str:
     return out or "''"
 
 
+def job_id_arg(job_id, where: str = "job id") -> str:
+    """`job_id` as an argument for scancel/scontrol/squeue: digits only, else SlurmError naming it."""
+    s = str(job_id)
+    if not _JOB_ID.fullmatch(s):
+        raise SlurmError(f"{where}={s!r}: not a Slurm job id (digits only)")
+    return s
+
+
+def _sbatch_value(key: str, value) -> None:
+    if value is not None and _SBATCH_UNSAFE.search(str(value)):
+        raise ConfigError(f"{key}={str(value)!r}: cannot go into an #SBATCH line (no whitespace, quotes or "
+                          f"backslashes)")
+
+
+def _check_sbatch_header(plan: dict, cluster: dict, job_name: str) -> None:
+    """Every value the template puts into an #SBATCH line (or the comment header) is one safe word."""
+    _sbatch_value("run_dir", plan["run_dir"])  # --output=RUN_DIR/logs/...
+    _sbatch_value("cluster.job_name", job_name)
+    _sbatch_value("cluster.time", cluster["time"])
+    _sbatch_value("experiment", plan.get("experiment"))
+    for g in plan["groups"]:
+        own = g.get("sbatch", {})
+        for k in ("account", "partition", "qos", "constraint", "gres"):
+            key = (f"cluster.sandbox_{k}" if g["het_group"] == 2 and k in ("account", "partition")
+                   else f"cluster.{k}")
+            _sbatch_value(key, own[k] if k in own else cluster[k])
+    for n, line in enumerate(cluster["extra_sbatch"] or []):
+        if any(c in str(line) for c in "\r\n"):  # the user's own options: only one line each
+            raise ConfigError(f"cluster.extra_sbatch[{n}]={str(line)!r}: must be one line")
+
+
 def render_script(plan: dict, cfg: dict, template: str = "job.sbatch.j2") -> str:
-    """The batch script of `plan` with the cluster settings of `cfg` (no submission)."""
+    """The batch script of `plan` with the cluster settings of `cfg` (no submission). A value that cannot
+    be put into an #SBATCH line safely is a ConfigError naming its key."""
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
@@ -56,6 +94,7 @@ def render_script(plan: dict, cfg: dict, template: str = "job.sbatch.j2") -> str
                  ("setup", [])):
         cluster.setdefault(k, v)
     job_name = cluster.get("job_name") or f"hetrl-{plan.get('experiment') or 'run'}"
+    _check_sbatch_header(plan, cluster, job_name)
     return env.get_template(template).render(plan=plan, cluster=cluster, job_name=job_name)
 
 
@@ -79,7 +118,7 @@ def submit(run_dir: str | os.PathLike, script: str | os.PathLike, hold: bool = F
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     r = _run("sbatch", "--parsable", *(["--hold"] if hold else []), f"--chdir={run_dir}", str(script))
-    job_id = r.stdout.strip().split(";")[0].split("+")[0]
+    job_id = job_id_arg(r.stdout.strip().split(";")[0].split("+")[0], "sbatch --parsable printed job id")
     with open(run_dir / JOBS_FILE, "a") as f:
         f.write(json.dumps({"job_id": job_id, "time": time.time()}) + "\n")
     return job_id
@@ -89,7 +128,8 @@ def job_state(job_id: str) -> dict:
     """{'state', 'reason', 'restarts', 'nodes'} from `scontrol show job` (squeue as a fallback).
 
     A job Slurm has forgotten (MinJobAge passed) reads as state 'GONE'."""
-    r = _run("scontrol", "-o", "show", "job", str(job_id), check=False)
+    job_id = job_id_arg(job_id)
+    r = _run("scontrol", "-o", "show", "job", job_id, check=False)
     if r.returncode == 0 and r.stdout.strip():
         comps = []
         for line in r.stdout.strip().splitlines():
@@ -98,7 +138,7 @@ def job_state(job_id: str) -> dict:
         return {"state": lead.get("JobState", "UNKNOWN"), "reason": lead.get("Reason", ""),
                 "restarts": int(lead.get("Restarts", "0") or 0),
                 "nodes": [c.get("NodeList", "") for c in comps], "exit_code": lead.get("ExitCode", "")}
-    r = _run("squeue", "-h", "-j", str(job_id), "-o", "%T|%r", check=False)
+    r = _run("squeue", "-h", "-o", "%T|%r", "-j", job_id, check=False)
     if r.returncode == 0 and r.stdout.strip():
         state, _, reason = r.stdout.strip().splitlines()[0].partition("|")
         return {"state": state, "reason": reason, "restarts": None, "nodes": [], "exit_code": ""}
@@ -107,16 +147,17 @@ def job_state(job_id: str) -> dict:
 
 def cancel(job_id: str, signal: str | None = None, batch: bool = False) -> None:
     """scancel the job, or only send it SIGNAL (to the batch script too with batch=True)."""
+    job_id = job_id_arg(job_id)
     args = ["scancel"]
     if signal:
         args.append(f"--signal={signal}")
         if batch:
             args.append("--batch")
-    _run(*args, str(job_id))
+    _run(*args, "--", job_id)  # job ids are digits (job_id_arg); `--` ends the options regardless
 
 
 def requeue(job_id: str) -> None:
-    _run("scontrol", "requeue", str(job_id))
+    _run("scontrol", "requeue", job_id_arg(job_id))
 
 
 # -- what the CLI calls ------------------------------------------------------------------------------
@@ -160,7 +201,7 @@ def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
     except BaseException:
         cancel(job_id)
         raise
-    _run("scontrol", "release", job_id)
+    _run("scontrol", "release", job_id_arg(job_id))
     return job_id
 
 
@@ -186,7 +227,15 @@ def current_job(run_dir: str | os.PathLike) -> str | None:
     if not p.exists():
         return None
     lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1])["job_id"] if lines else None
+    if not lines:
+        return None
+    try:
+        job = json.loads(lines[-1])["job_id"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        raise ConfigError(f"{p}: last line is not a record with a job_id: {lines[-1][:80]!r}") from None
+    if not _JOB_ID.fullmatch(str(job)):
+        raise ConfigError(f"{p}: job_id={str(job)!r} is not a Slurm job id (digits only)")
+    return str(job)
 
 
 def cancel_run(run_dir: str | os.PathLike, signal: str | None = None) -> str:

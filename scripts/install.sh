@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install hetrl on a fresh CPU machine (Debian 12, Python 3.11): a venv in .venv with the pinned stack.
 #   scripts/install.sh            the product (vLLM CPU, torchtitan, torch 2.13.0 CPU build)
-#   scripts/install.sh --test     also pytest and a local Slurm (slurmctld, slurmd, munge) for the tests
+#   scripts/install.sh --test     also pytest, a local Slurm (slurmctld, slurmd, munge), bubblewrap and
+#                                 shellcheck for the tests
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +36,8 @@ if [ "$WITH_TEST" = 1 ]; then
   # bubblewrap: the SWE sandbox runtime the escape tests run besides inprocess (docs/sandboxes.md)
   command -v bwrap >/dev/null || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo;
     $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends bubblewrap; }
+  # shellcheck: every rendered batch script must pass `shellcheck -S warning` (tests/unit/test_batch_script.py)
+  command -v shellcheck >/dev/null || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo;
+    $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends shellcheck; }
 fi
 echo "hetrl installed in $(pwd)/.venv"

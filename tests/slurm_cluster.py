@@ -12,6 +12,15 @@ not real: see GRES_CONF) so that plans with GPU replicas can be submitted as the
 Stopping cancels every job first (killing slurmd would orphan job processes), then kills the daemons and
 any leftover slurmstepd of this cluster by process id, so nothing is left behind.
 
+The node names resolve (`ensure_node_names`): torchrun's rendezvous and anything else given a Slurm
+node name (HETRL_TRAINER_ADDR is the first trainer node's name) must reach it, so n1..nN are added to
+/etc/hosts as 127.0.0.1, the address every slurmd here has. Not a distinct 127.0.0.x each: torch's c10d
+rendezvous lets the agent whose own addresses include the endpoint's host the store, and this
+machine's hostname resolves to 127.0.0.1 only, so with 127.0.0.2 for n1 no agent would host it. The
+lines are added once, under a lock, only for names that do not resolve yet, and left in place when the
+cluster stops: every test cluster on the machine uses the same names with the same address, and
+another session may be using them.
+
 Binaries missing: the fixture fails under CI (env CI set) and skips otherwise.
 """
 from __future__ import annotations
@@ -53,6 +62,34 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+HOSTS_FILE = "/etc/hosts"
+HOSTS_MARK = "# hetrl localhost test Slurm cluster (tests/slurm_cluster.py)"
+
+
+def ensure_node_names(names: list[str], hosts_file: str = HOSTS_FILE) -> list[str]:
+    """Make every name in `names` resolve, adding `127.0.0.1 NAME` lines to `hosts_file` for those that do
+    not yet; returns the names added. Idempotent, and safe with other sessions doing the same (flock)."""
+    import fcntl
+    added = []
+    with open(hosts_file, "a+") as f:  # appended in place: /etc/hosts may be a bind mount
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        listed = {w for line in f.read().splitlines() for w in line.split("#", 1)[0].split()[1:]}
+        for name in names:
+            if name in listed:
+                continue
+            try:
+                socket.gethostbyname(name)
+                continue  # resolves already (DNS, another hosts line): leave it alone
+            except OSError:
+                pass
+            f.write(f"127.0.0.1 {name}  {HOSTS_MARK}\n")
+            added.append(name)
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return added
 
 
 SLURM_CONF = """\
@@ -134,6 +171,7 @@ class SlurmCluster:
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self, timeout: float = 30) -> "SlurmCluster":
         d = self.dir
+        ensure_node_names([f"n{i}" for i in range(1, self.nodes + 1)])
         (d / "state").mkdir()
         munge = d / "munge"
         munge.mkdir()

@@ -138,7 +138,8 @@ def run_id(run_dir: PathLike) -> str:
 
 
 def node_local_dir(base: str, run_dir: PathLike) -> str:
-    """This run's directory under cluster.node_local_dir on every node (plan, cleanup, server)."""
+    """This run's directory under cluster.node_local_dir on every node (plan, cleanup, server). On Slurm
+    it holds one directory per node and incarnation (`node_dir`), which is what the server uses."""
     return f"{base.rstrip('/')}/{run_id(run_dir)}"
 
 
@@ -149,6 +150,37 @@ def node_vllm_cache(local_dir: str) -> str:
     node's first is warm, a restart of the same run included. vLLM writes it atomically; it holds no
     weights, and the stale-directory cleanup leaves it alone (it has no owner records)."""
     return f"{local_dir.rstrip('/').rsplit('/', 1)[0]}/vllm-cache"
+
+
+# Node-local state is kept per node and per incarnation: `<node_local_dir>/<node>.<incarnation>`, with the
+# incarnation `j<SLURM_JOB_ID>.r<SLURM_RESTART_COUNT>` (the leader's job id). Per node, because the nodes
+# of the localhost test cluster (and nodes whose "local" disk is in fact shared) have one disk: with one
+# directory per run, two nodes removing and recreating it at once failed the job ("rm: cannot remove
+# ...: Is a directory"). Per incarnation, because a process of the previous incarnation may still be
+# dying and writing there when the next one starts. The incarnation is the job id and restart count, not
+# the epoch (HETRL_EPOCH): both are known before rl.prepare runs, when the batch script cleans up, and
+# the job id keeps a resubmitted run (`launch resume`, restart count 0 again) apart from the earlier job.
+NODE_DIR_VAR = "HETRL_NODE_DIR"        # where a Slurm plan's node-local paths point: `${HETRL_NODE_DIR}/...`
+INCARNATION_VAR = "HETRL_INCARNATION"  # exported by the batch script: j<job id>.r<restart count>
+
+
+def incarnation(job_id, restart) -> str:
+    """The incarnation part of a node directory's name (the batch script builds the same in bash)."""
+    return f"j{job_id}.r{restart}"
+
+
+def node_dir(local_dir: str, node: str, incarnation_: str) -> str:
+    """This node's directory for this incarnation, inside the run's node-local directory."""
+    return f"{local_dir}/{node}.{incarnation_}"
+
+
+def node_dir_from_env(local_dir: str, env) -> str:
+    """node_dir for the process's own node (SLURMD_NODENAME) and incarnation (HETRL_INCARNATION)."""
+    for var in ("SLURMD_NODENAME", INCARNATION_VAR):
+        if not env.get(var):
+            raise ValueError(f"{var}: not set in the environment of this process (the node-local directory "
+                             f"of a Slurm run is per node and incarnation; the batch script sets it)")
+    return node_dir(local_dir, env["SLURMD_NODENAME"], env[INCARNATION_VAR])
 
 
 def node_model_dir(local_dir: str, index: int) -> str:

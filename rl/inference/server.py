@@ -12,7 +12,8 @@ starts this role once per node of the replica (one Slurm task per node, so the n
    headless nodes wait for, so every data-parallel rank of one replica serves the same policy version;
 2. materialises an HF model directory at the replica's planned `model_dir` (node-local disk: vLLM loads
    far faster from there than from the shared filesystem, and on the CPU it cannot take the FP8 shards,
-   which are dequantized here);
+   which are dequantized here); on Slurm that path is inside this node's directory of this incarnation
+   (`${HETRL_NODE_DIR}`, rl.contract.paths.node_dir), never one a previous incarnation may still write;
 3. runs exactly `expand(replica.vllm_argv(node_rank), env)` as a child process (not imported: vLLM's
    engine spawns its own processes, owns signals and logs a lot; a child we can terminate and whose output
    goes to `paths.vllm_log_file` is easier to supervise), with `env` = this process's environment +
@@ -55,6 +56,7 @@ import httpx
 import rl
 from rl import exchange, runtime
 from rl.contract import paths
+from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import ServerRecord
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
@@ -186,12 +188,14 @@ def vllm_env(replica: Replica, *, version: int, secret: str | None, base) -> dic
     """The vLLM processes' environment: `base` (this process's), the plan's `replica.env`, and the three
     things only known at run time (see the module docstring)."""
     env = dict(base)
-    env.update(replica.env)
+    # a Slurm plan's node-local paths name ${HETRL_NODE_DIR} (set in `base` by serve)
+    env.update(zip(replica.env, expand(list(replica.env.values()), env)))
     repo = str(Path(rl.__file__).resolve().parent.parent)
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != repo]
     env["PYTHONPATH"] = os.pathsep.join([repo, *rest])
     env[VERSION_ENV] = str(version)
-    env[VERIFIED_ENV] = str(Path(replica.model_dir).parent / "verified")  # node-local, shared by its engines
+    model_dir = expand([replica.model_dir], env)[0]
+    env[VERIFIED_ENV] = str(Path(model_dir).parent / "verified")  # node-local, shared by its engines
     if secret:
         env[SECRET_ENV] = secret
         env.pop(UNAUTHENTICATED_ENV, None)
@@ -227,7 +231,9 @@ def clean_stale(base: Path, keep: str) -> list[str]:
 
     A directory is ours if it holds owner records (`owner*.json`, written by `claim`); it is stale if every
     one of them names this host and a process that is gone. Anything else is left alone: directories
-    other tools made, and those of processes on other hosts (a node-local dir that is in fact shared)."""
+    other tools made, and those of processes on other hosts (a node-local dir that is in fact shared).
+    A Slurm run keeps its records one level down, in its per-node, per-incarnation directories
+    (rl.contract.paths.node_dir); they count as the run's."""
     gone = []
     if not base.is_dir():
         return gone
@@ -236,7 +242,7 @@ def clean_stale(base: Path, keep: str) -> list[str]:
         if d.name == keep or not d.is_dir():
             continue
         owners = []
-        for f in d.glob("owner*.json"):
+        for f in [*d.glob("owner*.json"), *d.glob("*/owner*.json")]:
             try:
                 owners.append(json.loads(f.read_text()))
             except (OSError, json.JSONDecodeError):
@@ -528,16 +534,21 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     gone = clean_stale(local.parent, keep=local.name)
     if gone:
         log(f"removed stale node-local dirs of earlier runs: {', '.join(gone)}")
-    claim(local, run_dir, name)
+    # On Slurm: this node's directory of this incarnation (the batch script made it and removed the
+    # node's earlier ones); the plan's node-local paths name it as ${HETRL_NODE_DIR}.
+    node_dir = (Path(paths.node_dir_from_env(plan.node_local_dir, os.environ)) if plan.backend == "slurm"
+                else local)
+    base_env = {**os.environ, paths.NODE_DIR_VAR: str(node_dir)}
+    claim(node_dir, run_dir, name)
     dtype = torch_dtype(str(cfg.inference.dtype), json.loads((assets / "config.json").read_text()))
     t0 = time.monotonic()
-    model_dir = materialize(assets, weights, Path(replica.model_dir), dtype=dtype, fp8=fp8)
+    planned_dir = Path(expand([replica.model_dir], base_env)[0])
+    model_dir = materialize(assets, weights, planned_dir, dtype=dtype, fp8=fp8)
     log(f"{name}: version {version} ({'fp8' if fp8 else str(dtype)}) in {model_dir} "
         f"({time.monotonic() - t0:.1f} s)")
 
-    secret_file = paths.secret_file(run_dir)
-    secret = secret_file.read_text().strip() if secret_file.exists() else None
-    env = vllm_env(replica, version=version, secret=secret, base=os.environ)
+    secret = secret_or_none(run_dir)  # never serve on an empty or short secret
+    env = vllm_env(replica, version=version, secret=secret, base=base_env)
     argv = expand(planned, env)
     log_path = paths.vllm_log_file(run_dir, index, rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -547,7 +558,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
                            f"or a leftover of an earlier run?); pick another inference.port or stop that process")
     log(f"{name}: starting vLLM {'on ' + url if head else '(headless data-parallel ranks)'} (log: {log_path})")
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(local),
+        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(node_dir),
                                 start_new_session=True, preexec_fn=_die_with_parent)
     try:
         if head:

@@ -31,7 +31,8 @@ def dummy_role(name: str, mode: str) -> int:
     run_dir = Path(os.environ["HETRL_RUN_DIR"])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     rec = {k: os.environ.get(k) for k in ("SLURMD_NODENAME", "HETRL_HET_GROUP", "HETRL_ROLE", "SLURM_JOB_ID",
-                                          "HETRL_TRAINER_ADDR", "HETRL_ROLE_ADDR", "SLURM_PROCID")}
+                                          "HETRL_TRAINER_ADDR", "HETRL_ROLE_ADDR", "SLURM_PROCID",
+                                          "HETRL_INCARNATION")}
     rec.update(name=name, restart=restart, pid=os.getpid())
     (run_dir / "roles").mkdir(exist_ok=True)
     (run_dir / "roles" / f"{name}.{restart}.{rec['SLURM_PROCID']}.json").write_text(json.dumps(rec))
@@ -240,6 +241,66 @@ def test_step_terminated_by_slurm_before_the_batch_shell_is_signalled_requeues(s
     for name in ("trainer", "inference_0", "inference_1"):
         assert (run_dir / f"checkpointed.{name}").exists(), name
     assert {r["restart"] for r in records(run_dir) if r["name"] == "orchestrator"} == {0, 1}
+
+
+WRITER = """
+import os, sys, time
+dirs, stop = sys.argv[2:], sys.argv[1]
+i = 0
+while not os.path.exists(stop):  # new names all the time: an rm -rf keeps finding fresh entries
+    for d in dirs:
+        try:  # into the directory while it exists (a removed one is not made again)
+            if not os.path.isdir(d + "/sub"):
+                os.mkdir(d + "/sub")
+            open(f"{d}/sub/f{i % 20000}", "w").close()
+        except OSError:
+            pass
+    i += 1
+"""
+
+
+def test_node_local_cleanup_races_a_live_writer_and_never_fails_the_job(slurm, tmp_path):
+    # The nodes of this cluster share one disk, like two het groups on one host; a process of an earlier
+    # incarnation is still writing into each node's old node-local directory while the job starts. The
+    # old template removed and recreated the run's one node-local directory from every node at once:
+    # `rm` failed ("Directory not empty", "Is a directory") and the job ended FAILED.
+    import subprocess
+    from rl.contract import paths
+    run_dir, base = tmp_path / "run", tmp_path / "node_local"
+    local = Path(paths.node_local_dir(str(base), run_dir.absolute()))
+    nodes = [f"n{i}" for i in range(1, 5)]
+    busy = [local / f"{n}.j0.r0" for n in nodes]        # an earlier incarnation, still writing (Slurm
+    # job ids start at 1: no job of this cluster has incarnation j0)
+    dead = [local / f"{n}.j0.r1" for n in nodes]        # an earlier incarnation, gone
+    for d in dead:
+        (d / "model0").mkdir(parents=True)
+        (d / "model0" / "config.json").write_text("{}")
+    stop = tmp_path / "stop-writer"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(stop), *map(str, busy)])
+    try:
+        time.sleep(1)
+        job = submit(run_dir, {}, node_local_dir=str(base))
+        st = wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 90)
+        log = batch_log(run_dir, job)
+        assert st["state"] == "COMPLETED", log
+        assert "all roles exited" in log, log
+    finally:
+        stop.touch()
+        writer.wait(timeout=30)
+    recs = records(run_dir)
+    ran_on = {r["SLURMD_NODENAME"] for r in recs}
+    assert len(ran_on) == 3, recs
+    for r in recs:  # every role found its node's directory of this incarnation, made by the batch script
+        assert r["HETRL_INCARNATION"] == paths.incarnation(job, 0), r
+        env = {"SLURMD_NODENAME": r["SLURMD_NODENAME"], paths.INCARNATION_VAR: r["HETRL_INCARNATION"]}
+        assert Path(paths.node_dir_from_env(str(local), env)).is_dir(), r
+    for n in ran_on:
+        i = nodes.index(n)
+        assert not dead[i].exists(), f"{dead[i]}: an earlier incarnation's directory was not removed"
+        # the live one: removed by a retry once the writer lost the race, or left with a warning
+        assert not busy[i].exists() or f"warning: {n}: could not remove {busy[i]}" in log, log
+    for n in set(nodes) - ran_on:  # a node not in the job: nobody touched its directories
+        assert dead[nodes.index(n)].exists()
 
 
 if __name__ == "__main__":  # a dummy role: python test_slurm_hetjob.py NAME MODE

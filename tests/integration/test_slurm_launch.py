@@ -67,6 +67,32 @@ def test_a_refused_submission_freezes_nothing_and_can_be_corrected(slurm, tmp_pa
     ls.cancel_run(run_dir)
 
 
+def test_a_forged_job_id_never_reaches_scancel_as_an_option(slurm, tmp_path):
+    # slurm_jobs.jsonl is a file in the run directory; a job id "--user=root" would have made
+    # `launch cancel` run `scancel --user=root`, cancelling every job of the user (here: `other`).
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    other = slurm.run("sbatch", "--parsable", "--hold", f"--output={tmp_path}/o", "--wrap", "true").stdout.strip()
+    (run_dir / ls.JOBS_FILE).write_text('{"job_id": "--user=root"}\n')
+    with pytest.raises(ConfigError, match=r"slurm_jobs\.jsonl: job_id='--user=root' is not a Slurm job id"):
+        ls.cancel_run(run_dir)
+    assert ls.job_state(other)["state"] == "PENDING"
+    ls.cancel(other)  # a real id still works (scancel -- ID)
+    deadline = time.monotonic() + 20
+    while ls.job_state(other)["state"] != "CANCELLED":
+        assert time.monotonic() < deadline, ls.job_state(other)
+        time.sleep(0.3)
+
+
+def test_a_run_dir_with_a_space_is_refused_before_anything_is_submitted(slurm, tmp_path):
+    # `#SBATCH --output=RUN_DIR/logs/...` would have read "--partition=high/logs/slurm-%j.out" as an option
+    run_dir = tmp_path / "r --partition=high"
+    before = slurm.job_ids()
+    with pytest.raises(ConfigError, match=r"^run_dir=.*cannot go into an #SBATCH line"):
+        ls.launch_slurm(_cfg(tmp_path / "placeholder"), run_dir)  # the argument is the run dir
+    assert not run_dir.exists() and slurm.job_ids() == before
+
+
 def test_cluster_stop_leaves_no_process(tmp_path):
     from slurm_cluster import SlurmCluster, missing_binaries
     if missing_binaries() and not os.environ.get("CI"):

@@ -17,8 +17,9 @@ and the server record, not for training, checks them against the plan, and then 
 Checked, for every node of the replica: the recorded argv equals `expand(replica.vllm_argv(rank),
 recorded env)` exactly; every variable of `replica.env` arrived with its planned value; the node ranks
 are 0..N-1 on distinct Slurm nodes of one job step; `--headless` is on the non-head nodes only and the
-data-parallel address is the head's node; the model was materialised at the planned node-local path
-before vLLM started; the run's secret reached vLLM as VLLM_API_KEY, never on the command line. For the
+data-parallel address is the head's node; the model was materialised before vLLM started, in the
+node's own node-local directory of this incarnation (the planned path, `${HETRL_NODE_DIR}` expanded); the run's secret reached vLLM as
+VLLM_API_KEY, never on the command line. For the
 replica: exactly one server record, from the head, whose URL answers from this process, labelled with the
 version it loaded. Then DONE stops both nodes' roles and their vLLM processes.
 """
@@ -106,9 +107,13 @@ def test_multi_node_replica_runs_the_plan_on_every_node(slurm, tmp_path):
                 assert r["env"].get(k) == v, (rank, k, r["env"].get(k), v)
             assert ("--headless" in r["argv"]) == (rank != 0), (rank, r["argv"])
             assert r["env"]["VLLM_API_KEY"] == secret and "--api-key" not in r["argv"]
-            assert r["model_materialised"], f"node {rank}: {replica.model_dir} missing when vLLM started"
+            # the model dir is this node's of this incarnation (rl.contract.paths.node_dir), not the run's
+            model_dir = paths.node_model_dir(paths.node_dir(plan.node_local_dir, r["slurm"]["SLURMD_NODENAME"],
+                                                            paths.incarnation(job, 0)), 0)
+            assert expand([replica.model_dir], r["env"]) == [model_dir], (rank, r["env"].get(paths.NODE_DIR_VAR))
+            assert r["model_materialised"], f"node {rank}: {model_dir} missing when vLLM started"
             # multi-node replicas run `vllm serve MODEL_DIR` (only that entry point knows --headless)
-            assert r["argv"][1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", replica.model_dir], r["argv"][:6]
+            assert r["argv"][1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", model_dir], r["argv"][:6]
         nodes = [by_rank[k]["slurm"]["SLURMD_NODENAME"] for k in range(n)]
         assert len(set(nodes)) == n, nodes
         steps = {(r["slurm"]["SLURM_JOB_ID"], r["slurm"]["SLURM_STEP_ID"]) for r in recs}

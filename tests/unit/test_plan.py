@@ -207,12 +207,12 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
         ServeSubcommand().subparser_init(p.add_subparsers(dest="subparser"))
         return p.parse_args(argv[3:])
 
-    env = {"HETRL_ROLE_ADDR": "node-a"}
+    env = {"HETRL_ROLE_ADDR": "node-a", "HETRL_NODE_DIR": "/nl"}  # the batch script's, per node and incarnation
     multi = Plan.from_dict(plan_of(KIMI)[1]).inference.replicas[0]
     gpn = multi.gpus_per_node
     for rank in range(multi.nodes):
         ns = parse(expand(multi.vllm_argv(rank), env))
-        assert ns.model_tag == multi.model_dir and ns.data_parallel_address == "node-a"
+        assert ns.model_tag == expand([multi.model_dir], env)[0] and ns.data_parallel_address == "node-a"
         assert ns.data_parallel_size == multi.dp and ns.data_parallel_size_local == gpn // multi.tp
         assert ns.served_model_name == ["policy"] and ns.port == multi.port
         if rank == 0:
@@ -252,7 +252,7 @@ def test_real_experiments_name_the_checkpoint_not_its_sizes(name, family, card):
 def test_a_size_contradicting_the_checkpoint_or_a_missing_checkpoint_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.dim=1024 contradicts .*config.json \(7168\)"):
         compose_points([*KIMI, "model.dim=1024", f"run_dir={tmp_path}"], multirun=False)
-    with pytest.raises(ConfigError, match=r"^model.hf_path=.*nowhere: no config.json there$"):
+    with pytest.raises(ConfigError, match=r"^model.hf_path=.*nowhere: no config.json there(; .*rl.model.twins.*)?$"):
         compose_points([*KIMI[:2], f"model.hf_path={tmp_path}/nowhere", f"run_dir={tmp_path}"], multirun=False)
     with pytest.raises(ConfigError, match=r"model.family='kimi_k2_7' does not fit the checkpoint"):
         compose_points([*GLM, "model.family=kimi_k2_7", f"run_dir={tmp_path}"], multirun=False)
@@ -276,7 +276,7 @@ def test_no_role_argv_or_planned_env_holds_the_secret(tmp_path, overrides):
     argvs = [r.command for r in typed.roles] + [typed.prepare.command]
     for rep in typed.inference.replicas:
         for rank in range(rep.nodes):
-            argv = expand(rep.vllm_argv(rank), {"HETRL_ROLE_ADDR": "node-a"})
+            argv = expand(rep.vllm_argv(rank), {"HETRL_ROLE_ADDR": "node-a", "HETRL_NODE_DIR": "/nl"})
             assert argv[argv.index("--middleware") + 1] == "rl.inference.auth.RunSecret"
             argvs.append(argv)
         assert secret not in json.dumps(rep.env) and "VLLM_API_KEY" not in rep.env
