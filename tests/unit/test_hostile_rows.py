@@ -32,7 +32,8 @@ from rl.envs.swe.env import EnvConfig, SWEEnv
 from rl.envs.swe.runtime_podman import podman_argv
 from rl.envs.swe.runtimes import RUNTIMES, RuntimeUnavailable, open_runtime, runtime_class
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.tasks import ROW_LIMITS, Task, check_image, grade, open_sandbox, runtime_args
+from rl.envs.swe.grader import grade
+from rl.envs.swe.tasks import ROW_LIMITS, Task, check_image, open_sandbox, runtime_args
 
 REPO = Path(__file__).resolve().parents[2]
 DIFF = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"

@@ -24,7 +24,7 @@ from rl.envs.swe.datasets import load_dataset, playable
 from rl.envs.swe.env import EnvConfig, SWEEnv
 from rl.envs.swe.grading import (expected_output_reward, parse_name_status, parse_pytest, parse_pytest_v2,
                                  parse_pytest_verbose, parse_r2e, swebench_reward)
-from rl.envs.swe.tasks import grade
+from rl.envs.swe.grader import grade
 
 SHIPPED = Path(repos.__file__).with_name("data") / "builtin_swebench.jsonl"
 ROWS = [json.loads(line) for line in SHIPPED.read_text().splitlines()]

@@ -5,7 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rl.envs.swe.tasks import BUILTIN, Task, grade, load_tasks
+from rl.envs.swe.grader import grade
+from rl.envs.swe.tasks import BUILTIN, Task, load_tasks
 
 TASKS = load_tasks()
 

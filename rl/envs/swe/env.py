@@ -27,7 +27,8 @@ from typing import Any
 
 from rl.envs.swe.datasets import needs_container, playable
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, check_task, grade, load_tasks, open_sandbox
+from rl.envs.swe.grader import grade
+from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, check_task, load_tasks, open_sandbox
 from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
 
 
@@ -132,7 +133,7 @@ class Episode:
         self.end_reason = reason
 
     def reward(self) -> float:
-        """The hidden-test reward of the tree (tasks.grade; partial credit per the config); graded once."""
+        """The hidden-test reward of the tree (grader.grade; partial credit per the config); graded once."""
         if self._reward is None:
             if self._remote:
                 self._reward = self.sandbox.grade().reward

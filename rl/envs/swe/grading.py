@@ -6,7 +6,11 @@ does not count as a pass). Parsers, by the names rows use (SWE-rebench's `instal
 names the harness function; our own short names are aliases of the same code):
 
 - `pytest` = `parse_log_pytest`: the short summary of `pytest -rA`, lines "PASSED tests/t.py::test_a" and
-  "FAILED tests/t.py::test_b - AssertionError..." (the " - message" tail is not part of the id).
+  "FAILED tests/t.py::test_b - AssertionError..." (the " - message" tail is not part of the id; a PASSED line has none: all of it is the id). Given
+  the graded ids (`known=`, as the grader passes them), a line naming one of them is read as that id
+  whatever it holds (spaces, " - ", "::" or unbalanced brackets inside a parametrization). pytest 9
+  reports a failed unittest subTest (or `subtests` fixture subtest) as "SUBFAILED[msg] id - error" after
+  the test's own "PASSED id": the test counts as FAILED.
 - `pytest_v2` = `parse_log_pytest_v2`: the same after stripping ANSI colour codes (`--color=yes` logs).
 - `pytest_verbose`: `pytest -v` progress lines, "tests/t.py::test_a PASSED   [ 50%]" (a skip or xfail
   reason in parentheses after the status).
@@ -32,6 +36,9 @@ STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 PASSING = ("PASSED", "XFAIL")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+)$")
+# pytest >= 9 reports unittest subTest and `subtests` failures on lines of their own after the test's
+# own line (which then says PASSED): "SUBFAILED[msg] tests/t.py::TestX::test_a - error"
+_SUB = re.compile(r"^SUB(FAILED|ERROR)(?:\[(.*)\])? (.+)$")
 _VERBOSE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
                       r"(?: \(.*\))?(?:\s+\[\s*\d+%\])?\s*$")
 _NAME_STATUS = re.compile(r"^(.+?):\s+(\w+)\s*$")
@@ -57,21 +64,57 @@ def _test_id(rest: str) -> str | None:
     return rest.split(" - ", 1)[0].strip() or None
 
 
-def parse_pytest(log: str) -> dict[str, str]:
-    """`pytest -rA` short summary lines -> {id: status}; a later line for the same id wins."""
-    out = {}
+def _known_id(rest: str, known: set[str]) -> str | None:
+    """The graded id a summary line's remainder names: all of it, or what precedes one of its " - "
+    (the message tail), whatever the id holds (spaces, unbalanced brackets, " - ", "::")."""
+    rest = rest.strip()
+    if rest in known:
+        return rest
+    i = rest.find(" - ")
+    while i >= 0:
+        if rest[:i] in known:
+            return rest[:i]
+        i = rest.find(" - ", i + 1)
+    return None
+
+
+def parse_pytest(log: str, known=None) -> dict[str, str]:
+    """`pytest -rA` short summary lines -> {id: status}; a later line for the same id wins. With
+    `known` (the graded ids), a line naming one of them is matched against it first."""
+    out, sub = {}, {}
+    ids = set(known or ())
     for line in log.splitlines():
-        m = _SUMMARY.match(line.rstrip())
-        if m and (tid := _test_id(m.group(2))):
+        line = line.rstrip("\r\n")
+        m = _SUMMARY.match(line)
+        if m and (tid := (ids and _known_id(m.group(2), ids)) or
+                  (m.group(2).strip() if m.group(1) == "PASSED" else _test_id(m.group(2)))):
             out[tid] = m.group(1)
+        elif (m := _SUB.match(line)) and (tid := _sub_id(line, ids)):
+            sub[tid] = m.group(1)
+    for tid, status in sub.items():  # a failed subtest fails its test, whatever its own line said
+        out[tid] = status
     return out
 
 
-def parse_pytest_v2(log: str) -> dict[str, str]:
-    return parse_pytest(_ANSI.sub("", log))
+def _sub_id(line: str, known: set[str]) -> str | None:
+    """The test of a SUBFAILED line: a graded id it names (the subtest message in brackets may hold
+    anything), else the first "file::name" word after the message."""
+    for k in known:
+        i = line.find(" " + k)
+        while i >= 0:
+            end = i + 1 + len(k)
+            if line[end:] == "" or line.startswith(" - ", end):
+                return k
+            i = line.find(" " + k, i + 1)
+    m = re.search(r"\] (\S+::\S+)", line) or re.match(r"^SUB\w+ (\S+::\S+)", line)
+    return _test_id(m.group(1)) if m else None
 
 
-def parse_pytest_verbose(log: str) -> dict[str, str]:
+def parse_pytest_v2(log: str, known=None) -> dict[str, str]:
+    return parse_pytest(_ANSI.sub("", log), known)
+
+
+def parse_pytest_verbose(log: str, known=None) -> dict[str, str]:
     out = {}
     for line in _ANSI.sub("", log).splitlines():
         m = _VERBOSE.match(line.strip())
@@ -80,7 +123,7 @@ def parse_pytest_verbose(log: str) -> dict[str, str]:
     return out
 
 
-def parse_name_status(log: str) -> dict[str, str]:
+def parse_name_status(log: str, known=None) -> dict[str, str]:
     out = {}
     for line in log.splitlines():
         m = _NAME_STATUS.match(line.strip())
@@ -89,7 +132,7 @@ def parse_name_status(log: str) -> dict[str, str]:
     return out
 
 
-def parse_r2e(log: str) -> dict[str, str]:
+def parse_r2e(log: str, known=None) -> dict[str, str]:
     """R2E-Gym keys: the part of the pytest id after the file, joined with dots."""
     out = {}
     for tid, status in parse_pytest_v2(log).items():

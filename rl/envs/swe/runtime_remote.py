@@ -184,7 +184,7 @@ class RemoteRuntime:
         return RemoteTools(self)
 
     def grade(self) -> Grade:
-        """The hidden-test grade of this sandbox's tree, graded on its service (tasks.grade there)."""
+        """The hidden-test grade of this sandbox's tree, graded on its service (grader.grade there)."""
         return Grade(**self._call("POST", "/grade", None, json={}).json())
 
     def close(self) -> None:

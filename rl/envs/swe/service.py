@@ -58,7 +58,7 @@ from rl.contract import paths
 from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe.sandbox import SandboxError
-from rl.envs.swe.tasks import grade
+from rl.envs.swe.grader import grade
 from rl.envs.swe.tools import Tools
 
 # Blocking sandbox work runs in threads: one per command in flight, so many episodes' commands overlap.

@@ -12,35 +12,20 @@ Sandboxes come from the runtime named by `env.swe.runtime` (rl/envs/swe/runtimes
 passes `runtime` ({"name": ..., "image_cache": ...}, what `runtimes.from_config` returns) on to
 `open_runtime`, with `image=task.image` for the image runtimes (podman, apptainer).
 
-Grading follows SWE-bench: copy the agent's tree into a fresh sandbox of the same runtime, reset the
-graded test files to the starting tree (the agent cannot weaken the tests it is graded on), apply
-test_patch, run pytest on those files, and score the log (rl/envs/swe/grading.py: FAIL_TO_PASS fixed
-and PASS_TO_PASS kept; all-or-nothing, or the fraction with partial credit). R2E-Gym rows are scored
-against their expected output.
-pytest runs with `--noconftest` and `-o addopts=` so a conftest.py or ini file the agent wrote cannot
-reshape the run, and with plugin autoloading off (which also cuts pytest's start from ~0.8 s to ~0.2 s
-here, most of the grading time). It still runs in the same process as the agent's code, so a
-deliberately adversarial patch could forge results (as in SWE-bench): the sandbox limits what such code
-can touch, not what it can print. The reset never follows a link the agent planted: a link (or a
-file) where a directory of a graded path should be is removed from the grading copy first, and files are
-written with the runtime's `write_file` (every component opened O_NOFOLLOW), so `tests -> /host/dir`
-cannot turn the reset into a write on the host.
+Grading lives in rl/envs/swe/grader.py (it builds on this module; this module never imports it):
+what the task names is graded, with the repository's own conftest files and its own code.
+`PYTEST`, `apply_patch` and `run_pytest` here serve the agent's tools and the dataset builders.
 """
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import shutil
-import stat
 import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.envs.swe import repos
-from rl.envs.swe.grading import (Grade, expected_output_reward, parse_pytest, parse_r2e, parser,
-                                 swebench_reward)
+from rl.envs.swe.grading import parse_pytest
 from rl.envs.swe.runtimes import Runtime, open_runtime
 from rl.envs.swe.sandbox import Limits
 
@@ -362,96 +347,3 @@ def open_sandbox(task: Task, limits: Limits = Limits(), runtime: dict | None = N
         sb.close()
         raise
     return sb
-
-
-def _clear_path(rt: Runtime, rel: str) -> None:
-    """Make every directory component of rel a real directory of the tree (or absent), and rel itself
-    absent: a link or file the agent left in the way is removed from this (grading) copy, never
-    followed. Each component is lstat'ed below components already checked to be real directories, and
-    nothing runs in the grading sandbox meanwhile."""
-    parts = [q for q in Path(rel).parts if q not in ("", ".")]
-    if not parts or Path(rel).is_absolute() or ".." in parts:
-        raise ValueError(f"graded path {rel!r}: must be relative to the tree, without '..'")
-    cur = rt.tree
-    for i, name in enumerate(parts):
-        cur = cur / name
-        try:
-            mode = os.lstat(cur).st_mode
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(mode) and i < len(parts) - 1:
-            continue  # a real directory on the way: go down
-        if stat.S_ISDIR(mode):
-            shutil.rmtree(cur)  # rmtree never follows links inside the directory
-        else:
-            os.unlink(cur)  # a link is removed, not followed
-        return
-
-
-def _pristine(task: Task, runtime: dict | None, limits: Limits):
-    """How to read a file of the starting tree: from the row (snapshot, git) or, for a repository that
-    lives only in the task's image, from a pristine sandbox of that image (opened on first use)."""
-    if task.files or task.repo_dir or (runtime or {}).get("name") not in IMAGE_RUNTIMES:
-        return task.base_file, lambda: None
-    box: list[Runtime] = []
-
-    def read(rel: str) -> str | None:
-        if not box:
-            box.append(open_sandbox(task, limits, runtime))
-        return box[0].read_file(rel)
-    return read, lambda: box and box[0].close()
-
-
-def grade(task: Task, tree: Path | None = None, *, extra_patch: str | None = None,
-          limits: Limits = Limits(cpu_s=60), timeout_s: float = 60, partial_credit: bool = True,
-          runtime: dict | None = None) -> Grade:
-    """Hidden-test reward of `tree` (default: the task's unmodified starting tree), optionally after
-    applying `extra_patch` (the reference patch, to check a task), graded inside a fresh sandbox of
-    `runtime` (default inprocess). The tree itself is never modified."""
-    sb = open_sandbox(task, limits, runtime, tree=tree)  # checks the task's paths and values first
-    base_file, done = _pristine(task, runtime, limits)
-    try:
-        with sb:
-            return _grade_in(task, sb, base_file, extra_patch, timeout_s, partial_credit)
-    finally:
-        done()
-
-
-def _grade_in(task: Task, sb: Runtime, base_file, extra_patch, timeout_s, partial_credit) -> Grade:
-    if extra_patch:
-        r = apply_patch(sb, extra_patch)
-        if r.returncode != 0:
-            raise ValueError(f"{task.instance_id}: patch does not apply: {(r.stdout + r.stderr).strip()}")
-    if task.format == "r2e_gym":  # the hidden tests are in the image; here, the repository's own
-        cmd = ["bash", "-c", task.test_cmd] if task.image and task.test_cmd else PYTEST
-        r = sb.run(cmd, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
-        return expected_output_reward(parse_r2e(r.stdout), task.expected_output or {},
-                                      partial_credit=partial_credit, output=r.stdout + r.stderr)
-    # the files of the graded ids and of test_patch's headers (checked relative, no '..', when loaded)
-    test_files = sorted({id_file(i) for i in task.graded} | set(diff_paths(task.test_patch)))
-    for rel in test_files:  # reset graded test files to the starting tree, then add the hidden tests
-        _clear_path(sb, rel)
-        text = base_file(rel)
-        if text is not None:
-            sb.write_file(rel, text)
-    if task.test_patch:
-        r = apply_patch(sb, task.test_patch)
-        if r.returncode != 0:
-            raise ValueError(f"{task.instance_id}: test_patch does not apply: "
-                             f"{(r.stdout + r.stderr).strip()}")
-    targets = [f for f in test_files if _is_file(sb, f)]
-    if task.image and task.test_cmd:  # the instance's own test command and log parser (SWE-rebench)
-        r = sb.run(["bash", "-c", " ".join([task.test_cmd, *map(shlex.quote, targets)])], timeout_s=timeout_s)
-        output = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
-        outcomes = parser(task.log_parser)(r.stdout)
-    else:
-        outcomes, output = run_pytest(sb, targets, timeout_s)
-    return swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass, partial_credit=partial_credit,
-                           output=output)
-
-
-def _is_file(rt: Runtime, rel: str) -> bool:
-    try:
-        return rt.read_file(rel) is not None
-    except (OSError, ValueError):
-        return False

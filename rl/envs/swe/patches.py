@@ -1,0 +1,181 @@
+"""Diffs as datasets ship them: which paths a diff touches, and applying one inside a sandbox.
+
+Rows carry `patch` / `test_patch` as `git diff` prints them (SWE-bench, SWE-rebench, SWE-smith): besides
+plain text hunks they may hold renames and copies (`rename from` / `rename to`), mode changes, deleted
+and new files, and binary files (`GIT binary patch`, written by `git diff --binary`), in any encoding
+(a Latin-1 data file's hunks are Latin-1 bytes). GNU patch refuses binary patches and mishandles some
+of the rest, so a diff is applied with `git apply`, which needs no repository (outside one it works on
+the files of the current directory, like patch) and is atomic: it applies every file or none. GNU
+patch is the fallback, for diffs git refuses that patch takes (plain `--- / +++` diffs with shifted
+hunks); it is tried dry first so that a failed fallback leaves the tree as it was.
+
+Both run inside the sandbox, so a diff cannot write through a link the agent planted out of the tree
+(git apply also refuses to write "beyond a symbolic link" on its own). git runs with no system or
+global config, HOME in the sandbox's /tmp, and GIT_CEILING_DIRECTORIES at the tree's parent, so no
+repository above the tree is found; a `.git` inside the grading copy is removed by the grader first.
+
+A diff given as text is turned into bytes with UTF-8 and `surrogateescape`, so a row read from bytes
+with surrogateescape (non-UTF-8 hunks) reaches git byte for byte.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# GNU patch: the fallback, and what tasks.PATCH runs for the agent's own apply_patch tool
+GNU_PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
+GIT_APPLY = ["git", "apply", "-p1", "--whitespace=nowarn", "--verbose"]
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file of a diff: old path (None: created), new path (None: deleted), binary or not."""
+    old: str | None
+    new: str | None
+    binary: bool = False
+
+    @property
+    def paths(self) -> list[str]:
+        return [p for p in dict.fromkeys((self.old, self.new)) if p]
+
+
+def to_bytes(diff: str | bytes) -> bytes:
+    return diff if isinstance(diff, bytes) else diff.encode("utf-8", "surrogateescape")
+
+
+_ESC = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+
+
+def _unquote(s: str) -> str:
+    """A path as git prints it: plain, or C-quoted ("a/sp\\303\\251cial" with octal bytes)."""
+    if not (len(s) >= 2 and s[0] == s[-1] == '"'):
+        return s
+    out, i, body = bytearray(), 0, s[1:-1]
+    while i < len(body):
+        c = body[i]
+        if c == "\\" and i + 1 < len(body):
+            n = body[i + 1]
+            if n in "01234567":
+                out.append(int(body[i + 1:i + 4], 8))
+                i += 4
+                continue
+            out.append(_ESC.get(n, ord(n)))
+            i += 2
+            continue
+        out += c.encode("utf-8", "surrogateescape")
+        i += 1
+    return out.decode("utf-8", "surrogateescape")
+
+
+def _strip(p: str) -> str | None:
+    p = _unquote(p.strip())
+    if p == "/dev/null":
+        return None
+    return p[2:] if p[:2] in ("a/", "b/") else p
+
+
+def _header_pair(rest: str) -> tuple[str, str] | None:
+    """The two paths of a `diff --git a/X b/Y` line (quoted, or split where both halves agree)."""
+    rest = rest.strip()
+    if rest.startswith('"'):
+        m = re.match(r'("(?:[^"\\]|\\.)*")\s+(.+)$', rest)
+        return (m.group(1), m.group(2)) if m else None
+    if rest.endswith('"'):
+        m = re.match(r'(.+?)\s+("(?:[^"\\]|\\.)*")$', rest)
+        return (m.group(1), m.group(2)) if m else None
+    # unquoted, possibly with spaces: "a/x y b/x y" splits at the middle " b/"
+    cands = [m.start() for m in re.finditer(r" b/", rest)]
+    for i in cands:
+        a, b = rest[:i], rest[i + 1:]
+        if a[2:] == b[2:]:
+            return a, b
+    return (rest[:cands[0]], rest[cands[0] + 1:]) if cands else None
+
+
+def changes(diff: str | bytes) -> list[FileChange]:
+    """The files a diff touches, in order: git diffs by their `diff --git` blocks (renames, copies,
+    deletions, binary files included), plain unified diffs by their `---` / `+++` pairs."""
+    text = to_bytes(diff).decode("utf-8", "surrogateescape") if diff else ""
+    lines = text.splitlines()
+    out: list[FileChange] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("diff --git "):
+            pair = _header_pair(line[len("diff --git "):])
+            old, new = (_strip(pair[0]), _strip(pair[1])) if pair else (None, None)
+            binary, created, deleted = False, False, False
+            j = i + 1
+            while j < len(lines) and not lines[j].startswith("diff --git "):
+                h = lines[j]
+                if h.startswith(("rename from ", "copy from ")):
+                    old = _unquote(h.split(" from ", 1)[1])
+                elif h.startswith(("rename to ", "copy to ")):
+                    new = _unquote(h.split(" to ", 1)[1])
+                elif h.startswith("new file mode"):
+                    created = True
+                elif h.startswith("deleted file mode"):
+                    deleted = True
+                elif h.startswith("--- ") and j + 1 < len(lines) and lines[j + 1].startswith("+++ "):
+                    o, n = _strip(h[4:].split("\t")[0]), _strip(lines[j + 1][4:].split("\t")[0])
+                    created, deleted = created or o is None, deleted or n is None
+                    old, new = o or old, n or new
+                    j += 1
+                elif h == "GIT binary patch" or (h.startswith("Binary files ") and h.endswith(" differ")):
+                    binary = True
+                elif h.startswith("@@"):
+                    break  # the hunks: headers are over (a hunk line may look like a header)
+                j += 1
+            out.append(FileChange(None if created else old, None if deleted else new, binary))
+            while j < len(lines) and not lines[j].startswith("diff --git "):
+                j += 1
+            i = j
+            continue
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            out.append(FileChange(_strip(line[4:].split("\t")[0]), _strip(lines[i + 1][4:].split("\t")[0])))
+            i += 2
+            continue
+        i += 1
+    return out
+
+
+def touched(diff: str | bytes) -> list[str]:
+    """Every path a diff reads or writes (both sides of a rename), in order, once each."""
+    return list(dict.fromkeys(p for c in changes(diff) for p in c.paths))
+
+
+def git_env(tree: str) -> dict[str, str]:
+    import os
+    return {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/tmp",
+            "GIT_CEILING_DIRECTORIES": os.path.dirname(tree.rstrip("/")) or "/", "LC_ALL": "C"}
+
+
+@dataclass(frozen=True)
+class Applied:
+    ok: bool
+    tool: str    # "git apply", "patch", or "" when neither applied
+    output: str  # what the tools said (every attempt's, when none applied)
+
+
+def apply(rt, diff: str | bytes, timeout_s: float = 60) -> Applied:
+    """Apply `diff` (-p1) in the sandbox `rt`'s tree: git apply, else GNU patch (dry run, then for
+    real). Nothing is applied when it returns ok=False."""
+    data = to_bytes(diff)
+    if not data.strip():
+        return Applied(True, "", "")
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    env = git_env(str(rt.tree))
+    r = rt.run(GIT_APPLY + ["-"], timeout_s=timeout_s, input=data, env=env)
+    said = [f"git apply: {(r.stdout + r.stderr).strip()}"]
+    if r.returncode == 0:
+        return Applied(True, "git apply", said[0])
+    if not any(c.binary for c in changes(data)):  # GNU patch cannot do binary files
+        dry = rt.run(GNU_PATCH + ["--dry-run"], timeout_s=timeout_s, input=data)
+        said.append(f"patch --dry-run: {(dry.stdout + dry.stderr).strip()}")
+        if dry.returncode == 0:
+            r = rt.run(GNU_PATCH, timeout_s=timeout_s, input=data)
+            said.append(f"patch: {(r.stdout + r.stderr).strip()}")
+            if r.returncode == 0:
+                return Applied(True, "patch", "\n".join(said))
+    return Applied(False, "", "\n".join(said))
