@@ -25,7 +25,14 @@ or optimizer steps were taken; none of it can appear before the trainer's first 
 - `resume.json` of an earlier incarnation that resumed from a checkpoint.
 A run killed before its first checkpoint has only `weights/step_000000`, early batches and a
 `resume.json` without a checkpoint, and restarts from scratch as before. With `--from-scratch` the
-checkpoints that do not verify are set aside too, so the next prepare sees no history. No torch.
+checkpoints that do not verify are set aside too, so the next prepare sees no history.
+
+The restart count written to resume.json is the epoch every role fences its publishing with, so prepare
+refuses, in one line and before it changes anything, a resume.json that is malformed (a restart that is
+not a non-negative integer, fields of the wrong type, not an object) or that went backwards (its restart
+below the newest incarnation recorded in `incarnations/`, or missing while some are recorded): numbering
+on from a rewound count would hand out an epoch a stale process already holds. After writing resume.json
+it records the new incarnation there (rl.exchange.record_incarnation). No torch.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from rl import exchange
 from rl.faults import crash_point, set_role
 from rl.contract import config as _config
 from rl.contract import paths
-from rl.contract.records import ResumeState, read_optional
+from rl.contract.records import RecordError, ResumeState, read_optional
 
 KINDS = paths.KINDS
 
@@ -50,12 +57,13 @@ class NoCheckpoint(RuntimeError):
 
 def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
     run_dir = Path(run_dir)
+    prev = read_optional(ResumeState, paths.resume_file(run_dir))  # RecordError: malformed
+    newest = exchange.incarnation(run_dir)  # RecordError: went backwards (below incarnations/)
     exchange.restore_asides(run_dir, KINDS)  # before clean_tmp: an aside may be a step's only copy
     cleaned = exchange.clean_tmp(run_dir, KINDS)
     # Server records of the previous incarnation point at dead processes.
     for stale in [*(run_dir / "inference").glob("server_*.json"), paths.router_record(run_dir)]:
         stale.unlink(missing_ok=True)
-    prev = read_optional(ResumeState, paths.resume_file(run_dir))
     ckpt, corrupt = _newest_verified_checkpoint(run_dir)
     if ckpt is None and not from_scratch and (found := history(run_dir, prev)):
         raise NoCheckpoint(
@@ -78,10 +86,11 @@ def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
     from rl.metrics import truncate_metrics
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
     crash_point("prepare.mid")
-    state = ResumeState(checkpoint_step=ckpt, restart=prev.restart + 1 if prev else 0,
+    state = ResumeState(checkpoint_step=ckpt, restart=newest.restart + 1 if newest else 0,
                         discarded=discarded, cleaned_tmp=cleaned, time=time.time(),
                         slurm_job_id=os.environ.get("SLURM_JOB_ID") or None)
     state.write(run_dir)
+    exchange.record_incarnation(run_dir, state.restart, state.time, state.slurm_job_id)
     if _more_steps_wanted(run_dir, ckpt):
         paths.done_file(run_dir).unlink(missing_ok=True)
     return state
@@ -132,7 +141,7 @@ def main(argv=None) -> None:
     set_role("prepare")
     try:
         state = prepare(ns.run_dir, from_scratch=ns.from_scratch)
-    except NoCheckpoint as e:
+    except (NoCheckpoint, RecordError) as e:
         sys.exit(f"[prepare] error: {e}")
     where = "from scratch" if state.checkpoint_step is None else f"from checkpoint step {state.checkpoint_step}"
     gone = {k: v for k, v in state.discarded.items() if v}

@@ -10,7 +10,9 @@ and a node each time. `cluster.max_restarts` caps the number of incarnations out
 other way of looping.
 
 Exit status 0: requeue. 1: do not; the one-line reason is printed, with how to continue by hand
-(`python -m launch resume RUN_DIR`). No torch: it runs in the batch shell before the allocation ends.
+(`python -m launch resume RUN_DIR`). A resume.json that is malformed or went backwards (rl.prepare's
+docstring) is also a "do not", with its one-line reason: the next prepare would refuse it anyway. No
+torch: it runs in the batch shell before the allocation ends.
 """
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ from pathlib import Path
 from rl import exchange
 from rl.contract import config as _config
 from rl.contract import paths
-from rl.contract.records import ResumeState
+from rl.contract.records import RecordError, ResumeState
 
 
 def decide(run_dir: str | Path, restart: int | None = None) -> tuple[bool, str]:
     """(requeue?, why). `restart`: the incarnation ending now (Slurm's SLURM_RESTART_COUNT); by default the
     one resume.json records."""
     run_dir = Path(run_dir)
-    state = ResumeState.read(run_dir)
+    state = ResumeState.read(run_dir)  # RecordError: malformed
+    exchange.incarnation(run_dir)      # RecordError: went backwards
     restart = state.restart if restart is None else restart
     limit = _config.load(run_dir).cluster.max_restarts
     if restart >= limit:
@@ -51,7 +54,13 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True, type=Path)
     ns = p.parse_args(argv)
     env_restart = os.environ.get("SLURM_RESTART_COUNT")
-    ok, why = decide(ns.run_dir, int(env_restart) if env_restart else None)
+    if env_restart and not (env_restart.isascii() and env_restart.isdigit()):
+        print(f"not requeueing: SLURM_RESTART_COUNT={env_restart!r} is not a non-negative integer", flush=True)
+        return 1
+    try:
+        ok, why = decide(ns.run_dir, int(env_restart) if env_restart else None)
+    except RecordError as e:
+        ok, why = False, f"not requeueing: {e} (continue with: python -m launch resume {ns.run_dir})"
     print(why, flush=True)
     return 0 if ok else 1
 

@@ -85,9 +85,16 @@ def own_epoch(run_dir: str | os.PathLike) -> int:
     from resume.json only where no launcher set it (a role started by hand, in-process tests). Not
     resume.json at the role's own start: a role stopped before it got that far (SIGSTOP, a node frozen)
     and continued after the next incarnation's prepare would read the newer epoch and take it for its
-    own (a fault trial caught a stopped trainer doing exactly that, and its metrics doubled)."""
+    own (a fault trial caught a stopped trainer doing exactly that, and its metrics doubled).
+    A value that is not a non-negative integer is refused in one line (ValueError naming it), as a
+    malformed resume.json is (rl.contract.records.RecordError)."""
     env = os.environ.get(EPOCH_ENV)
-    return int(env) if env not in (None, "") else resume_state(run_dir).restart
+    if env in (None, ""):
+        return resume_state(run_dir).restart
+    if not (env.isascii() and env.isdigit()):
+        raise ValueError(f"{EPOCH_ENV}={env!r}: not a non-negative integer (the launcher sets it from "
+                         f"{paths.resume_file(run_dir)})")
+    return int(env)
 
 
 def record_role(run_dir: str | os.PathLike, role: str, **extra) -> None:

@@ -1,13 +1,18 @@
 """Small records in the run directory, as typed structs both writer and readers import.
 
 Each record is one JSON object written atomically; `read` refuses a file whose keys are not the
-record's (a half-migrated run directory fails loudly, not with a KeyError deep in a role). Torch-free.
+record's (a half-migrated run directory fails loudly, not with a KeyError deep in a role), and a record
+that declares field checks (`_checks`: resume.json, whose restart count fences publishing) also one whose
+values have the wrong type, in one line naming the file, key and value. A record that is not a regular
+file (a FIFO would block the reader) is refused without being opened. Torch-free.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import stat
 import socket
 import sys
 import time
@@ -29,17 +34,49 @@ def _write(path: Path, obj) -> None:
     atomic_write_json(path, dataclasses.asdict(obj))
 
 
+def _read_bytes(path: Path) -> bytes:
+    # lstat first and a non-blocking open: a FIFO or device put in a record's place is refused unopened
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise RecordError(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RecordError(f"{path}: not a regular file")
+        parts = []
+        while b := os.read(fd, 1 << 20):
+            parts.append(b)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
 def _read(cls: type[T], path: Path) -> T:
     try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(_read_bytes(Path(path)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RecordError(f"{path}: not JSON ({e})") from None
     names = {f.name for f in dataclasses.fields(cls)}
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     if not isinstance(data, dict) or (missing := required - set(data)):
         raise RecordError(f"{path}: not a {cls.__name__} record (missing {sorted(missing) if isinstance(data, dict) else 'all'})")
+    for key, (ok, expected) in getattr(cls, "_checks", {}).items():
+        if key in data and not ok(data[key]):
+            raise RecordError(f"{path}: {key}={data[key]!r} is not {expected}")
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _opt_count(v) -> bool:
+    return v is None or _count(v)
+
+
+def _time(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def read_optional(cls: type[T], path: Path) -> Optional[T]:
@@ -59,6 +96,18 @@ class ResumeState:
     cleaned_tmp: list = field(default_factory=list)
     time: float = 0.0          # when prepare started this incarnation (steps of older ones after it are stale)
     slurm_job_id: Optional[str] = None  # the job running it (with `restart`, the epoch's two parts)
+
+    # The restart count is the epoch every publish is fenced with: a value of the wrong type must be
+    # refused here, in one line, not turn into a TypeError inside a fence check. (`cleaned_tmp` is the
+    # count rl.prepare removed, an int, in every resume.json written so far; a list is accepted as typed.)
+    _checks = {
+        "checkpoint_step": (_opt_count, "a step number or null"),
+        "restart": (_count, "a non-negative integer"),
+        "discarded": (lambda v: isinstance(v, dict), "an object"),
+        "cleaned_tmp": (lambda v: _count(v) or isinstance(v, list), "a count"),
+        "time": (_time, "a non-negative time in seconds"),
+        "slurm_job_id": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    }
 
     @classmethod
     def read(cls, run_dir) -> "ResumeState":

@@ -13,9 +13,23 @@ Consumers record what they consumed in `<kind>/consumed.jsonl` so retention neve
 consumer still needs and a resumed consumer never takes a step twice.
 
 A manifest is data from the shared filesystem, so it is checked before it is believed: it must be a JSON
-object with a `files` mapping of relative paths confined to the step (no `..`, no absolute path, no
-symlink that resolves outside) to non-negative sizes; anything else is `CorruptStep` naming the entry,
-which every consumer already handles by skipping or setting the step aside.
+object with a `files` mapping of relative paths confined to the step (no `..`, no absolute path) to
+non-negative sizes; anything else is `CorruptStep` naming the entry, which every consumer already handles
+by skipping or setting the step aside.
+
+A step is also what it claims to be on disk: producers only ever write real directories and regular files,
+so `verify` refuses a step directory that is a symlink (another run's step linked in would verify against
+its own manifest), and any symlink, FIFO, socket or device inside a step, listed or not. Files of a step
+are opened through `open_in_step`: every path component without following symlinks, the file itself
+non-blocking and checked with fstat to be a regular file, so a FIFO swapped in cannot block a reader and
+a link cannot lead it elsewhere. A symlink named like a step is still listed (`list_steps`): it occupies
+the step's name, so consumers verify it, refuse it and set it aside like any corrupt step.
+
+Fencing (`fence`, `check_fence`) trusts `resume.json`'s restart count only as far as it is well-formed and
+never goes backwards: rl.prepare also leaves one file per incarnation in `incarnations/`
+(`record_incarnation`, append-only), and a `resume.json` whose count is lower than the newest of those,
+or lower than any this process saw or was launched for, is refused (a rewound count would otherwise let a
+stale incarnation publish again).
 
 An overwrite (`commit(..., overwrite=True)`, the trainer re-saving a checkpoint step) renames the old
 step to `step_N.aside-<token>` before renaming the new one in. A crash between the two leaves only the
@@ -34,6 +48,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -60,18 +75,82 @@ class Fenced(RuntimeError):
 
 # Run directories this process publishes into as a role of one incarnation: {resolved run dir: epoch}
 _FENCES: dict[str, int] = {}
+# The highest restart count this process has seen recorded for a run directory: a resume.json that later
+# shows a lower one went backwards (rewound by hand, or an old copy restored) and is not believed.
+_SEEN: dict[str, int] = {}
 RESUME = "resume.json"  # rl.contract.paths.RESUME: rl.prepare's record of the incarnation
+# rl.prepare's append-only record of every incarnation it started, `incarnations/restart_000003.json`:
+# resume.json is rewritten each time, so on its own a rewound count would be indistinguishable from an
+# old one; these files are only ever added, and the newest of them is a floor resume.json must not go under.
+INCARNATIONS = "incarnations"
+_INCARNATION_RE = re.compile(r"^restart_(\d{6,})\.json$")
 
 
-def _incarnation(run_dir: Path) -> tuple[int, float, str | None] | None:
-    """(restart count, the time rl.prepare started it, the Slurm job that runs it) of the run's newest
-    incarnation, if recorded. The restart count is the epoch: every job's prepare increments it, so it
-    stays monotonic across jobs (a requeue keeps the job id, a resubmission gets a new one)."""
+@dataclass(frozen=True)
+class Incarnation:
+    """The run's newest incarnation: its restart count (the epoch: every job's prepare increments it, so
+    it stays monotonic across jobs; a requeue keeps the job id, a resubmission gets a new one), the time
+    rl.prepare started it and the Slurm job that runs it."""
+    restart: int
+    time: float
+    job: str | None
+
+
+def _newest_recorded(run_dir: Path) -> tuple[Incarnation, str] | None:
+    """The newest entry of `incarnations/` and its name. The count comes from the name (what rl.prepare
+    created exclusively); time and job from its content, which is informational: unreadable gives 0/None,
+    which only switches off the late-step check in `verify`."""
     try:
-        r = json.loads((Path(run_dir) / RESUME).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        names = [e.name for e in os.scandir(Path(run_dir) / INCARNATIONS)
+                 if _INCARNATION_RE.match(e.name) and e.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
         return None
-    return int(r.get("restart", 0)), float(r.get("time", 0.0)), r.get("slurm_job_id")
+    if not names:
+        return None
+    name = max(names, key=lambda n: int(_INCARNATION_RE.match(n).group(1)))
+    restart, t, job = int(_INCARNATION_RE.match(name).group(1)), 0.0, None
+    try:
+        rec = json.loads(read_regular(Path(run_dir) / INCARNATIONS / name))
+        if isinstance(rec.get("time"), (int, float)) and not isinstance(rec.get("time"), bool):
+            t = float(rec["time"])
+        job = rec.get("slurm_job_id") if isinstance(rec.get("slurm_job_id"), str) else None
+    except (OSError, ValueError, AttributeError, CorruptStep):
+        pass
+    return Incarnation(restart, t, job), name
+
+
+def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnation | None:
+    """The run's newest incarnation (resume.json, floored by `incarnations/`), None before the first
+    prepare. `strict`: a malformed resume.json, or one whose restart count is below the newest recorded
+    incarnation (or missing while incarnations are recorded), raises rl.contract.records.RecordError in
+    one line. Not strict (verify's late-step check): the best of what is readable."""
+    from rl.contract.records import RecordError, ResumeState, read_optional
+    run_dir = Path(run_dir)
+    try:
+        r = read_optional(ResumeState, run_dir / RESUME)
+    except RecordError:
+        if strict:
+            raise
+        r = None
+    resume = None if r is None else Incarnation(r.restart, float(r.time), r.slurm_job_id)
+    rec = _newest_recorded(run_dir)
+    if rec is None:
+        return resume
+    floor, name = rec
+    if resume is not None and resume.restart >= floor.restart:
+        return resume
+    if strict:
+        says = "is missing" if resume is None else f"says restart {resume.restart}"
+        raise RecordError(f"{run_dir / RESUME} {says}, but incarnation {floor.restart} was started "
+                          f"({INCARNATIONS}/{name}): the record went backwards; refused")
+    return floor
+
+
+def record_incarnation(run_dir: str | os.PathLike, restart: int, started: float, job: str | None) -> None:
+    """rl.prepare, after writing resume.json: add `incarnations/restart_<restart>.json` (never rewritten
+    or removed; after resume.json, so a crash in between leaves the floor below resume.json, never above)."""
+    path = Path(run_dir) / INCARNATIONS / f"restart_{int(restart):06d}.json"
+    atomic_write_json(path, {"restart": int(restart), "time": started, "slurm_job_id": job})
 
 
 def _job_words(job: str | None) -> str:
@@ -82,7 +161,9 @@ def fence(run_dir: str | os.PathLike, epoch: int) -> None:
     """From now on this process publishes into `run_dir` as incarnation `epoch` (its restart count): a
     publish after a newer incarnation started is refused, and its steps carry the epoch, so readers can
     tell a stale process's late step from the steps rl.prepare kept. Roles call it once, at start."""
-    _FENCES[str(Path(run_dir).resolve())] = int(epoch)
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"fence({run_dir}): epoch {epoch!r} is not a non-negative integer")
+    _FENCES[str(Path(run_dir).resolve())] = epoch
 
 
 def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None:
@@ -95,14 +176,27 @@ def check_fence(run_dir: str | os.PathLike, what: str) -> None:
     """Raise Fenced if this process's incarnation of `run_dir` is no longer the newest: for writes
     outside steps (log records, metrics) and for a role that wakes up (a stopped process continued after
     its successor started must not train, consume or record anything). No-op for unfenced processes."""
-    mine = _FENCES.get(str(Path(run_dir).resolve()))
+    from rl.contract.records import RecordError
+    key = str(Path(run_dir).resolve())
+    mine = _FENCES.get(key)
     if mine is None:
         return
-    now = _incarnation(Path(run_dir))
-    if now is not None and now[0] > mine:
+    try:
+        now = incarnation(run_dir)
+    except RecordError as e:  # malformed or rewound: this process cannot tell it is still current
+        raise Fenced(f"{what}: refused: {e}") from None
+    if now is not None and now.restart > mine:
+        _SEEN[key] = max(_SEEN.get(key, 0), now.restart)
         own = os.environ.get("SLURM_JOB_ID")
         raise Fenced(f"{what}: refused: this process belongs to incarnation {mine}{_job_words(own)} of "
-                     f"{run_dir}, and incarnation {now[0]}{_job_words(now[2])} has started since ({RESUME})")
+                     f"{run_dir}, and incarnation {now.restart}{_job_words(now.job)} has started since ({RESUME})")
+    known = max(mine, _SEEN.get(key, 0))
+    if now is None or now.restart < known:
+        # a count that went backwards: believing it would let a process of an older incarnation (which
+        # this one may be: it saw a newer count before) publish again
+        says = "is missing" if now is None else f"says restart {now.restart}"
+        raise Fenced(f"{what}: refused: {Path(run_dir) / RESUME} {says}, but this process belongs to or has "
+                     f"seen incarnation {known} of {run_dir}: the record went backwards")
 
 
 def step_name(step: int) -> str:
@@ -122,11 +216,156 @@ def _fsync_path(path: Path) -> None:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
+    fd = _open_regular(Path(path))
+    try:
+        return sha256_fd(fd, chunk)
+    finally:
+        os.close(fd)
+
+
+def sha256_fd(fd: int, chunk: int = 1 << 22) -> str:
+    h, off = hashlib.sha256(), 0
+    while b := os.pread(fd, chunk, off):
+        h.update(b)
+        off += len(b)
     return h.hexdigest()
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: should a FIFO be swapped in after the lstat, opening it still returns at once (and fstat
+# refuses it); on a regular file the flag changes nothing.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _what(mode: int) -> str:
+    return ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+
+
+def _open_regular(path: Path, dir_fd: int | None = None, name: str | None = None) -> int:
+    """fd of the regular file `path` (or `name` in `dir_fd`), never following a final symlink, never
+    blocking on a FIFO; CorruptStep naming `path` otherwise (FileNotFoundError when it does not exist)."""
+    name = name if name is not None else str(path)
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptStep(f"{path}: {_what(st.st_mode)}, not a regular file")
+    fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise CorruptStep(f"{path}: replaced while being opened ({_what(now.st_mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """The bytes of a small regular file (a record, a manifest); CorruptStep for a symlink, FIFO, device
+    or directory, without opening it (FileNotFoundError when missing)."""
+    fd = _open_regular(Path(path))
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int) -> bytes:
+    parts, off = [], 0
+    while b := os.pread(fd, 1 << 22, off):
+        parts.append(b)
+        off += len(b)
+    return b"".join(parts)
+
+
+def _rel_ok(rel) -> bool:
+    """`rel` names a path inside a step: relative, no `.`/`..`/empty component, no backslash or NUL."""
+    return (isinstance(rel, str) and bool(rel) and not rel.startswith("/") and "\\" not in rel
+            and "\0" not in rel and not any(part in ("", ".", "..") for part in rel.split("/")))
+
+
+def open_in_step(step: str | os.PathLike, rel: str, *, missing_ok: bool = False) -> int | None:
+    """fd (the caller closes it) of the regular file `rel` of the step directory `step`. The step itself
+    and every component of `rel` are opened without following symlinks, the file non-blocking and
+    fstat-checked, so nothing but a regular file inside the step's own directory tree is ever read:
+    CorruptStep naming the path otherwise. A missing file: CorruptStep, or None with `missing_ok`."""
+    step = Path(step)
+    if not _rel_ok(rel):
+        raise CorruptStep(f"{step}: {rel!r} is not a path inside the step")
+    parts = rel.split("/")
+    where = step
+    try:
+        dfd = os.open(step, _DIR_FLAGS)
+    except OSError as e:
+        raise _step_dir_error(step, e) from None
+    try:
+        for part in parts[:-1]:
+            where = where / part
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.ENOENT and missing_ok:
+                    return None
+                raise CorruptStep(f"{where}: {_os_words(e)}, not a directory of the step") from None
+            os.close(dfd)
+            dfd = nfd
+        try:
+            return _open_regular(step / rel, dir_fd=dfd, name=parts[-1])
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise CorruptStep(f"{step / rel}: missing") from None
+    finally:
+        os.close(dfd)
+
+
+def read_in_step(step: str | os.PathLike, rel: str, *, missing_ok: bool = False) -> bytes | None:
+    """The bytes of the regular file `rel` of `step` (`open_in_step`)."""
+    fd = open_in_step(step, rel, missing_ok=missing_ok)
+    if fd is None:
+        return None
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_words(e: OSError) -> str:
+    return {errno.ELOOP: "a symlink", errno.ENOTDIR: "not a directory",
+            errno.ENOENT: "missing"}.get(e.errno, e.strerror or str(e))
+
+
+def _step_dir_error(step: Path, e: OSError) -> CorruptStep:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(step):
+        # another run's step linked in would verify against its own manifest: not this run's step
+        return CorruptStep(f"{step}: a symlink (to {os.readlink(step)}), not a step directory")
+    return CorruptStep(f"{step}: {_os_words(e)}, not a step directory")
+
+
+def _check_tree(step: Path) -> None:
+    """Refuse a step holding anything a producer never writes: a symlink, FIFO, socket or device, listed
+    in the manifest or not (lstat only: nothing is opened)."""
+    todo = [step]
+    while todo:
+        d = todo.pop()
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(Path(e.path))
+                elif not e.is_file(follow_symlinks=False):
+                    mode = e.stat(follow_symlinks=False).st_mode
+                    raise CorruptStep(f"{e.path}: {_what(mode)} inside the step (producers write only "
+                                      f"regular files)")
+
+
+def _remove(p: Path) -> None:
+    """Remove a step-like entry: a symlink (a corrupt step) is unlinked, never followed into what it
+    names; a directory is removed with its contents."""
+    if p.is_symlink() or not p.is_dir():
+        p.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -209,6 +448,10 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
     try:
         files = {}
         for p in sorted(tmp.rglob("*")):
+            if p.is_symlink() or not (p.is_file() or p.is_dir()):
+                # verify refuses these in a published step: refuse them here, where the producer is named
+                raise ValueError(f"{p}: {_what(p.lstat().st_mode)} in a step being published; producers "
+                                 f"write regular files only")
             if p.is_file():
                 rel = p.relative_to(tmp).as_posix()
                 if rel == MANIFEST:
@@ -245,7 +488,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             os.rename(final, aside)
             crash_point("commit.between_renames")
             os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove(aside)
         else:
             try:
                 os.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
@@ -265,9 +508,10 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """The step's manifest, checked for shape (not against the files: `verify`); CorruptStep if malformed."""
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CorruptStep(f"{path}: no {MANIFEST}") from None
+        raw = read_in_step(path, MANIFEST, missing_ok=True)
+        if raw is None:
+            raise CorruptStep(f"{path}: no {MANIFEST}")
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptStep(f"{path}/{MANIFEST}: not valid JSON ({e})") from None
     _check_manifest(path, manifest)
@@ -283,9 +527,7 @@ def _check_manifest(path: Path, manifest) -> None:
         raise CorruptStep(f"{where}: `files` must map file names to their size and checksum, "
                           f"found {type(files).__name__}")
     for rel, info in files.items():
-        parts = rel.split("/")
-        if (not rel or rel.startswith("/") or "\\" in rel or "\0" in rel
-                or any(part in ("", ".", "..") for part in parts) or rel == MANIFEST):
+        if not _rel_ok(rel) or rel == MANIFEST:
             raise CorruptStep(f"{where}: files entry {rel!r} is not a path inside the step")
         size = info.get("size") if isinstance(info, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -297,29 +539,35 @@ def _check_manifest(path: Path, manifest) -> None:
 def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
     """Check every file of a published step against its manifest; return the manifest or raise CorruptStep."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path)  # opens the step without following it: a linked-in step is refused
     epoch = manifest.get("epoch")
-    if epoch is not None and (now := _incarnation(path.parent.parent)) is not None:
-        if epoch < now[0] and now[1] > 0 and manifest.get("time", 0.0) > now[1]:
+    if epoch is not None and (now := incarnation(path.parent.parent, strict=False)) is not None:
+        if epoch < now.restart and now.time > 0 and manifest.get("time", 0.0) > now.time:
             # published by an earlier incarnation after rl.prepare started a newer one: a stale process
-            raise CorruptStep(f"{path}: published by incarnation {epoch} after incarnation {now[0]} "
+            raise CorruptStep(f"{path}: published by incarnation {epoch} after incarnation {now.restart} "
                               f"started (a stale process's step)")
-    root = path.resolve()
     for rel, info in manifest["files"].items():
         f = path / rel
+        if os.path.islink(f):
+            try:
+                real = f.resolve()
+            except (OSError, RuntimeError):  # a symlink loop
+                real = f
+            leaves = "" if real.is_relative_to(path.resolve()) else f" leaves the step (resolves to {real}) and"
+            raise CorruptStep(f"{f}: files entry {rel!r}{leaves} is a symlink, not a file of the step")
         try:
-            real = f.resolve()
-        except (OSError, RuntimeError) as e:  # a symlink loop
-            raise CorruptStep(f"{f}: files entry {rel!r} does not resolve ({e})") from None
-        if not real.is_relative_to(root):
-            raise CorruptStep(f"{f}: files entry {rel!r} leaves the step (resolves to {real})")
-        if not f.is_file():
-            raise CorruptStep(f"{f}: listed in the manifest but missing")
-        size = f.stat().st_size
-        if size != info["size"]:
-            raise CorruptStep(f"{f}: {size} bytes, manifest says {info['size']} (truncated?)")
-        if checksums and "sha256" in info and sha256_file(f) != info["sha256"]:
-            raise CorruptStep(f"{f}: sha256 does not match the manifest")
+            fd = open_in_step(path, rel)
+        except CorruptStep as e:
+            raise CorruptStep(f"files entry {rel!r}: {e}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != info["size"]:
+                raise CorruptStep(f"{f}: {size} bytes, manifest says {info['size']} (truncated?)")
+            if checksums and "sha256" in info and sha256_fd(fd) != info["sha256"]:
+                raise CorruptStep(f"{f}: sha256 does not match the manifest")
+        finally:
+            os.close(fd)
+    _check_tree(path)
     return manifest
 
 
@@ -331,7 +579,9 @@ def list_steps(run_dir: str | os.PathLike, kind: str) -> list[int]:
     steps = []
     for entry in os.scandir(base):
         m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir():
+        # a symlink named like a step is listed (it occupies the name) so that readers verify it, refuse
+        # it and set it aside; what it points to is never looked at
+        if m and (entry.is_dir(follow_symlinks=False) or entry.is_symlink()):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -375,8 +625,8 @@ def restore_asides(run_dir: str | os.PathLike, kinds: Iterable[str]) -> list[str
             if not m:
                 continue
             final = base / m.group(1)
-            if final.exists():
-                shutil.rmtree(p, ignore_errors=True)
+            if os.path.lexists(final):
+                _remove(p)
                 done.append(f"removed {kind}/{p.name}")
             else:
                 os.rename(p, final)
@@ -407,7 +657,7 @@ def clean_tmp(run_dir: str | os.PathLike, kinds: Iterable[str]) -> int:
             continue
         for p in base.iterdir():
             if ".tmp-" in p.name:
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                _remove(p)
                 n += 1
     return n
 
@@ -419,7 +669,7 @@ def discard_after(run_dir: str | os.PathLike, kind: str, step: int) -> list[int]
         p = step_dir(run_dir, kind, s)
         trash = p.with_name(p.name + f".tmp-discard-{uuid.uuid4().hex[:6]}")
         os.rename(p, trash)  # atomic: a reader sees either the whole step or nothing
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
     return gone
 
 
@@ -443,12 +693,51 @@ class ConsumedLog:
         return [e["step"] for e in self.entries()]
 
 
+DELTA = "delta.json"  # rl.exchange.shards.DELTA
+# A chain longer than this is refused outright. Real chains are at most trainer.weights_full_every long
+# (a full version comes that often); the bound keeps a crafted one from costing more than a refusal.
+MAX_DELTA_CHAIN = 10_000
+
+
+def parse_delta(path: str | os.PathLike, data: bytes) -> int:
+    """The base of the delta step at `path` from the bytes of its delta.json: a JSON object whose `base`
+    is a step number below the step's own (a delta only ever applies to an earlier version, so a chain
+    strictly descends and cannot loop); CorruptStep naming the file and value otherwise."""
+    path = Path(path)
+    try:
+        base = json.loads(data).get("base")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise CorruptStep(f"{path / DELTA}: not a JSON object") from None
+    if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+        raise CorruptStep(f"{path / DELTA}: base={base!r} is not a step number")
+    m = _STEP_RE.match(path.name)
+    if m and base >= int(m.group(1)):
+        raise CorruptStep(f"{path / DELTA}: base={base} is not an earlier step than {path.name} (a delta "
+                          f"chain that loops)")
+    return base
+
+
 def delta_base(path: str | os.PathLike) -> int | None:
     """The step a published step is a delta against (its `delta.json`), or None for a full step."""
-    try:
-        return int(json.loads((Path(path) / "delta.json").read_text())["base"])
-    except FileNotFoundError:
-        return None
+    data = read_in_step(path, DELTA, missing_ok=True)
+    return None if data is None else parse_delta(path, data)
+
+
+def delta_chain(path: str | os.PathLike) -> list[Path]:
+    """The step at `path` and the steps its delta chain goes through, newest first, down to a full one.
+    Iterated (never recursed) with a visited set and `MAX_DELTA_CHAIN`: a cycle or an endless chain is
+    CorruptStep naming the step where it closes. Bases live beside `path`, in the same kind directory."""
+    chain, seen = [Path(path)], {Path(path).name}
+    while (b := delta_base(chain[-1])) is not None:
+        nxt = chain[-1].parent / step_name(b)
+        if nxt.name in seen:
+            raise CorruptStep(f"{chain[-1] / DELTA}: base {b} is already in the chain of {chain[0].name} "
+                              f"(a delta chain that loops)")
+        if len(chain) >= MAX_DELTA_CHAIN:
+            raise CorruptStep(f"{chain[0]}: delta chain longer than {MAX_DELTA_CHAIN} steps")
+        seen.add(nxt.name)
+        chain.append(nxt)
+    return chain
 
 
 # Retention lives in its own module; re-exported so every caller keeps spelling it exchange.prune.

@@ -138,17 +138,27 @@ def stored_tensors(weights_dir: Path, select: Callable[[str], bool] | None = Non
                    verify_rebuilt: bool = True) -> tuple[dict[str, torch.Tensor], "ShardReader"]:
     """Every selected tensor of a published version in stored (wire) form, scales included, rebuilding a
     delta step from `cache` = (version, its stored tensors) when that is its base, else from the chain of
-    steps before it in the same weights directory. Returns (tensors, the reader of this step)."""
+    steps before it in the same weights directory. Returns (tensors, the reader of this step).
+
+    The chain is walked iteratively (rl.exchange.delta_chain: a visited set, a length bound, every base
+    an earlier step): a delta.json naming its own step, or a longer loop, is CorruptStep, not a
+    RecursionError. Each step's reader checks that its delta.json says what the chain walk read."""
     weights_dir = Path(weights_dir)
-    reader = ShardReader(weights_dir)
-    base = None
-    if reader.delta is not None:
-        b = int(reader.delta["base"])
-        if cache is not None and cache[0] == b:
-            base = cache[1]
-        else:
-            base, _ = stored_tensors(weights_dir.parent / exchange.step_name(b), select, verified=verified,
-                                     cache=cache, verify_rebuilt=verify_rebuilt)
-    got = dict(reader.tensors(select, dequantize=False, verified=verified, base=base,
-                              verify_rebuilt=verify_rebuilt))
+    chain = exchange.delta_chain(weights_dir)  # newest first, down to a full step
+    base: Mapping[str, torch.Tensor] | None = None
+    start = len(chain) - 1
+    if cache is not None:
+        for i, d in enumerate(chain[:-1]):  # the first step whose base the cache holds
+            if exchange.delta_base(d) == cache[0]:
+                base, start = cache[1], i
+                break
+    got: dict[str, torch.Tensor] = {}
+    for i in range(start, -1, -1):  # oldest needed first: each step's tensors are the next one's base
+        reader = ShardReader(chain[i])
+        want = None if i == len(chain) - 1 else int(chain[i + 1].name.removeprefix("step_"))
+        if (reader.delta or {}).get("base") != want:
+            raise exchange.CorruptStep(f"{chain[i] / DELTA}: changed while its chain was read")
+        got = dict(reader.tensors(select, dequantize=False, verified=verified, base=base,
+                                  verify_rebuilt=verify_rebuilt))
+        base = got
     return got, reader

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
 from rl.faults import crash_point
-from rl.exchange import MANIFEST, CorruptStep, delta_base, latest_complete, list_steps, step_dir, verify
+from rl.exchange import (MANIFEST, CorruptStep, _remove, delta_base, latest_complete, list_steps, step_dir,
+                         verify)
 
 # step path -> (inode, mtime_ns) of the manifest it was hashed against, in this process
 _HASHED: dict[str, tuple[int, int]] = {}
@@ -64,7 +64,15 @@ def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterab
         return []  # nothing verifies: deleting anything could delete the last usable step
     keep = set(kept) | set(protect)
     for s in list(keep):
-        while s in steps and (b := delta_base(step_dir(run_dir, kind, s))) is not None and b not in keep:
+        # every base is an earlier step (delta_base refuses anything else), so this walk ends
+        while s in steps:
+            try:
+                b = delta_base(step_dir(run_dir, kind, s))
+            except CorruptStep as e:  # readers refuse this step; its chain is unknown, so nothing is freed
+                print(f"[exchange] retention: {e}", flush=True)
+                return []
+            if b is None or b in keep:
+                break
             keep.add(b)
             s = b
     gone = []
@@ -73,7 +81,7 @@ def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterab
             p = step_dir(run_dir, kind, s)
             trash = p.with_name(p.name + f".tmp-prune-{uuid.uuid4().hex[:6]}")
             os.rename(p, trash)  # atomic: a reader sees the whole step or nothing
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)  # a symlink in a step's place is unlinked, never followed
             gone.append(s)
             crash_point("prune.mid")
     return gone
@@ -133,8 +141,8 @@ def corrupt_steps(run_dir: str | os.PathLike, kind: str,
         if s in bad:
             continue
         try:
-            b = delta_base(step_dir(run_dir, kind, s))
-        except (ValueError, KeyError, OSError) as e:
+            b = delta_base(step_dir(run_dir, kind, s))  # an earlier step, or CorruptStep: no loops
+        except (CorruptStep, OSError) as e:
             bad[s] = f"delta.json unreadable ({e})"
             continue
         if b is not None and (b in bad or b not in steps):

@@ -10,6 +10,11 @@ checksums.json included, so a reader that trusts the manifest trusts the digests
 
 A weights directory written before checksums.json existed (a run directory from an older version) has
 file-level sha256 in its manifest instead; `ShardReader` then verifies whole files.
+
+Every file is opened through rl.exchange.open_in_step (no symlink followed, a FIFO or device refused
+without blocking), verified or not, and a shard the index names must be a file the manifest lists: an
+index pointing a tensor at a FIFO, a directory or a file smuggled in beside the manifest is CorruptStep.
+The small JSON files are read once, checked against the manifest as read, then parsed.
 """
 from __future__ import annotations
 
@@ -100,29 +105,57 @@ class ShardReader:
     def __init__(self, weights_dir: Path, *, verify: bool = True):
         self.dir = Path(weights_dir)
         self.verify = verify
-        self.meta = json.loads((self.dir / FP8_META).read_text())
-        self.index = json.loads((self.dir / INDEX).read_text())
-        self.quantized = set(self.meta["quantized"])
-        self.block = int(self.meta["block"])
         self.stats = ReadStats()
-        ck = self.dir / CHECKSUMS
-        self.digests = json.loads(ck.read_text()) if ck.exists() else None
-        self.sparse: dict = (self.digests or {}).get("sparse", {})
-        self.delta = json.loads((self.dir / DELTA).read_text()) if (self.dir / DELTA).exists() else None
-        if verify:
-            manifest = exchange.verify(self.dir, checksums=False)
-            for rel in (CHECKSUMS, INDEX, FP8_META, DELTA):  # small: hashed whole against the manifest
+        manifest = exchange.verify(self.dir, checksums=False) if verify else None
+
+        def small(rel: str, optional: bool = False):
+            # read once, compared with the manifest as read, parsed from those bytes: what is checked is used
+            data = exchange.read_in_step(self.dir, rel, missing_ok=optional)
+            if data is None:
+                return None
+            if manifest is not None:
                 info = manifest["files"].get(rel)
-                if info is None and rel in (CHECKSUMS, DELTA) and not (self.dir / rel).exists():
-                    continue
-                if info is None or exchange.sha256_file(self.dir / rel) != info.get("sha256"):
+                if info is None or hashlib.sha256(data).hexdigest() != info.get("sha256"):
                     raise exchange.CorruptStep(f"{self.dir / rel}: does not match the manifest")
-            if self.digests is None:  # an older directory: whole files, against the manifest
-                for fname in dict.fromkeys(self.index["weight_map"].values()):
-                    info = manifest["files"].get(fname, {})
-                    if exchange.sha256_file(self.dir / fname) != info.get("sha256"):
+            if rel == DELTA:
+                return {"base": exchange.parse_delta(self.dir, data)}
+            try:
+                obj = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise exchange.CorruptStep(f"{self.dir / rel}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise exchange.CorruptStep(f"{self.dir / rel}: not a JSON object")
+            return obj
+
+        self.meta = small(FP8_META)
+        self.index = small(INDEX)
+        self.digests = small(CHECKSUMS, optional=True)
+        self.delta = small(DELTA, optional=True)
+        try:
+            self.quantized = set(self.meta["quantized"])
+            self.block = int(self.meta["block"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise exchange.CorruptStep(f"{self.dir / FP8_META}: no usable `quantized`/`block` ({e!r})") from None
+        self.sparse: dict = (self.digests or {}).get("sparse", {})
+        wmap = self.index.get("weight_map")
+        if not isinstance(wmap, dict):
+            raise exchange.CorruptStep(f"{self.dir / INDEX}: `weight_map` is not an object")
+        for name, fname in wmap.items():
+            if not exchange._rel_ok(fname) or fname == exchange.MANIFEST:
+                raise exchange.CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r} is not a file of the step")
+            if manifest is not None and fname not in manifest["files"]:
+                raise exchange.CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r}, a file the manifest "
+                                           f"does not list")
+        if manifest is not None and self.digests is None:  # an older directory: whole files, against the manifest
+            for fname in dict.fromkeys(wmap.values()):
+                info = manifest["files"][fname]
+                fd = exchange.open_in_step(self.dir, fname)
+                try:
+                    if exchange.sha256_fd(fd) != info.get("sha256"):
                         raise exchange.CorruptStep(f"{self.dir / fname}: sha256 does not match the manifest")
-                    self.stats.bytes_hashed += info.get("size", 0)
+                finally:
+                    os.close(fd)
+                self.stats.bytes_hashed += info.get("size", 0)
 
     def names(self) -> list[str]:
         """HF names of the stored weights (scales of FP8 weights not listed)."""
@@ -133,8 +166,11 @@ class ShardReader:
         """Bytes of the tensors `select` picks (with their scales), from the file headers."""
         total = 0
         for fname, names in self._by_file(select).items():
-            with open(self.dir / fname, "rb") as f:
-                _, head, _ = _read_header(f.fileno(), self.dir / fname)
+            fd = exchange.open_in_step(self.dir, fname)
+            try:
+                _, head, _ = _read_header(fd, self.dir / fname)
+            finally:
+                os.close(fd)
             for n in names:
                 for e in ((n + IDX, n + VAL) if n in self.sparse else (n,)):
                     total += head[e]["data_offsets"][1] - head[e]["data_offsets"][0]
@@ -204,7 +240,7 @@ class ShardReader:
         digest as rebuilt (`verify_rebuilt`; rl.exchange.deltas.stored_tensors resolves the chain)."""
         for fname, names in self._by_file(select).items():
             path = self.dir / fname
-            fd = os.open(path, os.O_RDONLY)
+            fd = exchange.open_in_step(self.dir, fname)  # a FIFO or link the index names: CorruptStep, unopened
             done: list[str] = []
             try:
                 head_bytes, head, start = _read_header(fd, path)

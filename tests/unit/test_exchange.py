@@ -201,9 +201,10 @@ def test_a_symlink_leaving_the_step_is_refused(tmp_path):
     with pytest.raises(CorruptStep, match=r"files entry 'f' leaves the step \(resolves to .*outside.bin\)"):
         exchange.verify(pub.path)
     (pub.path / "f").unlink()
-    (pub.path / "f").symlink_to("g")  # a link that stays inside is still a file of the step
+    (pub.path / "f").symlink_to("g")  # a link that stays inside is refused too: producers write no links
     (pub.path / "g").write_bytes(b"abc")
-    exchange.verify(pub.path)
+    with pytest.raises(CorruptStep, match=r"files entry 'f' is a symlink, not a file of the step"):
+        exchange.verify(pub.path)
 
 
 @pytest.mark.parametrize("files, says", [
