@@ -239,7 +239,10 @@ def main(argv=None) -> int:
         return 1
     except Exception as e:
         from launch.slurm import SlurmError
-        if isinstance(e, SlurmError):  # its message is already one line with sbatch's own words
+        from rl.contract.records import RecordError
+        # sbatch's own words, or a run-directory record that does not parse (its message names the file):
+        # one line each, never a traceback
+        if isinstance(e, (SlurmError, RecordError)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

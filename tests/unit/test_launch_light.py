@@ -45,3 +45,13 @@ def test_a_missing_twin_names_the_command_that_makes_it(tmp_path):
 def test_models_dir_is_ignored_by_git():
     r = subprocess.run(["git", "check-ignore", "-q", "models/kimi_tiny/config.json"], cwd=REPO)
     assert r.returncode == 0, "models/ (where tiny twins are written) must be ignored by git"
+
+
+def test_a_malformed_resume_record_is_one_line_from_launch(tmp_path):
+    from builders import make_run_dir
+    run = tmp_path / "run"
+    make_run_dir(run)
+    (run / "resume.json").write_text('{"restart": "x"}')
+    r = _launch("status", str(run))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "resume.json: restart='x' is not a non-negative integer" in r.stderr
