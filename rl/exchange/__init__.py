@@ -191,7 +191,9 @@ def check_fence(run_dir: str | os.PathLike, what: str) -> None:
         raise Fenced(f"{what}: refused: this process belongs to incarnation {mine}{_job_words(own)} of "
                      f"{run_dir}, and incarnation {now.restart}{_job_words(now.job)} has started since ({RESUME})")
     known = max(mine, _SEEN.get(key, 0))
-    if now is None or now.restart < known:
+    # Missing while this process knows only incarnation 0 is a run before its first prepare (roles started
+    # by hand, in-process tests): no older incarnation exists that a missing record could let back in.
+    if (now is None and known > 0) or (now is not None and now.restart < known):
         # a count that went backwards: believing it would let a process of an older incarnation (which
         # this one may be: it saw a newer count before) publish again
         says = "is missing" if now is None else f"says restart {now.restart}"
