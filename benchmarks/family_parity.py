@@ -45,7 +45,8 @@ def logit_maxdiff(family: str, ckpt: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from rl.trainer import hf_load
-    from rl.trainer.model import build_model, logits, materialize_empty
+    from rl.models.common import logits
+    from rl.trainer.model import build_model, materialize_empty
 
     b = build_model(dict(name="bench", family=family, hf_path=str(ckpt), max_seq_len=512), seed=0,
                     materialize=False)

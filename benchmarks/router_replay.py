@@ -8,7 +8,7 @@ What it does (CPU, no vLLM; the CPU engine cannot return routed experts, so an e
   projections in e4m3, router gate / embeddings / norms / LM head kept high), plus optional Gaussian
   noise of relative size `--noise` on every weight standing in for other kernels' rounding;
 - the engine samples `--completion` tokens at temperature 1 after random `--prompt`-token prompts,
-  and scores the sequences, recording its logprobs and its routed experts (rl.trainer.replay.recording);
+  and scores the sequences, recording its logprobs and its routed experts (rl.models.replay.recording);
 - the trainer scores the same tokens (a) routing itself, (b) replaying the engine's routing.
 Printed: k3 estimate of KL(engine || trainer) over the sampled tokens (the `mismatch_kl` metric of the
 loss), mean |logprob difference|, and the share of (token, layer) routing decisions that differ.
@@ -28,10 +28,12 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rl.contract.config import Config  # noqa: E402
+from rl.exchange import layout  # noqa: E402
 from rl.exchange import weights as wire  # noqa: E402
 from rl import fp8  # noqa: E402
-from rl.trainer import replay  # noqa: E402
-from rl.trainer.model import build_model, hf_state_dict, load_hf_state_dict, logits  # noqa: E402
+from rl.models import replay  # noqa: E402
+from rl.models.common import hf_state_dict, load_hf_state_dict, logits  # noqa: E402
+from rl.trainer.model import build_model  # noqa: E402
 
 
 def engine_copy(trainer, m, seed: int, noise: float):
@@ -40,7 +42,7 @@ def engine_copy(trainer, m, seed: int, noise: float):
     sd = hf_state_dict(trainer)
     served = {}
     for name, w in sd.items():
-        served[name] = fp8.fake_quantize_block(w) if wire.default_quantize(name, w) else w.clone()
+        served[name] = fp8.fake_quantize_block(w) if layout.default_quantize(name, w) else w.clone()
     if noise:
         g = torch.Generator().manual_seed(seed + 7)
         served = {k: v + noise * v.abs().mean() * torch.randn(v.shape, generator=g)

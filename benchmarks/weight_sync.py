@@ -58,7 +58,8 @@ from safetensors.torch import save_file  # noqa: E402
 from rl import exchange, fp8  # noqa: E402
 from rl.exchange.publisher import WeightPublisher  # noqa: E402
 from rl.exchange.shard_reader import ShardReader, VerifiedOnNode, expert_selector  # noqa: E402
-from rl.exchange.weights import SCALE_SUFFIX, default_quantize, quantize_state_dict  # noqa: E402
+from rl.exchange.layout import SCALE_SUFFIX, default_quantize  # noqa: E402
+from rl.exchange.weights import quantize_state_dict  # noqa: E402
 from rl.trainer.owners import OwnershipPlan  # noqa: E402
 
 # experts ~85% of the bytes, as in the MoE models this is for (Kimi-K2: ~97%)

@@ -30,18 +30,17 @@ def _plan(cfg: dict) -> dict:
     return make_plan(cfg)
 
 
-# Families whose attention vLLM's CPU build has no kernel for: served on GPUs only (docs/cpu.md).
-CPU_UNSERVABLE = {"glm_moe_dsa": "DeepSeek sparse attention (GLM-5's DSA)"}
-
-
 def check_servable(cfg: dict) -> None:
     """Refuse, before anything is written or started, a run whose policy servers would be CPU vLLM
     processes that cannot load the model: otherwise every role starts and the run dies a minute later
     with the inference role's traceback."""
+    from rl.contract import families
     family = cfg["model"].get("family", "qwen3")
-    if family in CPU_UNSERVABLE and not int(cfg["inference"].get("gpus_per_node") or 0):
+    # families whose attention vLLM's CPU build has no kernel for are served on GPUs only (docs/cpu.md)
+    why = families.get(family).cpu_unservable
+    if why and not int(cfg["inference"].get("gpus_per_node") or 0):
         raise ConfigError(
-            f"model.family={family}: vLLM's CPU build cannot serve {CPU_UNSERVABLE[family]}; serve it on GPUs "
+            f"model.family={family}: vLLM's CPU build cannot serve {why}; serve it on GPUs "
             f"(cluster=slurm inference.gpus_per_node=N) or, on this machine, use +experiment=kimi_tiny "
             f"(the trainer alone runs here: pytest tests/unit/test_glm5.py)")
 

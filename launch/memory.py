@@ -29,13 +29,13 @@ the vocabulary for every position: the log-probabilities and their exp (two [L/c
 tensors) stay referenced through the whole backward, because the entropy, a statistic outside the
 loss, keeps its graph alive, and differentiating the loss needs three more. Backward's peak is the
 larger of that and one layer's backward (under AC its tensors recomputed; on the CPU also the
-gradients of rl.trainer.cpu.LoopedExperts' per-expert weight slices, each a zero-filled tensor of the
+gradients of rl.models.cpu.LoopedExperts' per-expert weight slices, each a zero-filled tensor of the
 whole [experts, hidden, dim] weight, four at once as measured); the two never coexist.
 Workspace (GPU, or several ranks): FSDP's unsharded copy of the largest unit (a layer with this
 rank's experts, or the embedding / LM head) for the current and the prefetched unit in the compute
 dtype, plus that unit's unsharded gradients in the compute dtype and in fp32 for the reduce-scatter
 (+1 B/param of FP8 operands with `trainer.fp8`), and a fixed 4 GiB for the CUDA context, NCCL, cuBLAS
-and the caching allocator's slack. On the CPU (gloo ranks) the dense attention mask of rl.trainer.cpu
+and the caching allocator's slack. On the CPU (gloo ranks) the dense attention mask of rl.models.cpu
 is added: the boolean [L/cp, L] mask and, per layer, its fp32 copy inside SDPA.
 
 Inference, per GPU of a vLLM replica of tp x dp GPUs. With ep > 1 the routed experts are split over
@@ -62,8 +62,11 @@ interpreter and libraries (the measured test subtracts them), and the optimizer'
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+
+from rl.contract import families
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -76,49 +79,43 @@ FP8_BLOCK = 128
 
 @dataclass(frozen=True)
 class Shape:
-    """The architecture numbers the estimate reads from `model`."""
-    vocab: int
+    """The architecture numbers the estimate reads: the `model` group's fields under their own names, and
+    what the family's row (rl.contract.families) says about its layers."""
+    vocab_size: int
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    moe_hidden: int
-    experts: int
+    moe_hidden_dim: int
+    num_experts: int
     top_k: int
     max_seq_len: int
-    family: str = "qwen3"
-    q_lora: int = 0
-    kv_lora: int = 0
-    qk_nope: int = 0
-    qk_rope: int = 0
-    v_head: int = 0
-    n_shared: int = 0
-    n_dense: int = 0
-    dense_hidden: int = 0
-    idx_heads: int = 0
-    idx_dim: int = 0
-    idx_topk: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    dense_hidden_dim: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    qk_norm: bool = False              # per-head q/k RMSNorms (the family's row)
 
     @classmethod
     def from_cfg(cls, m: dict) -> "Shape":
-        g = lambda k: int(m.get(k) or 0)  # noqa: E731 - keys the schema adds default to 0
-        return cls(vocab=g("vocab_size"), dim=g("dim"), n_layers=g("n_layers"), n_heads=g("n_heads"),
-                   n_kv_heads=g("n_kv_heads"), head_dim=g("head_dim"), moe_hidden=g("moe_hidden_dim"),
-                   experts=g("num_experts"), top_k=g("top_k"), max_seq_len=g("max_seq_len"),
-                   family=str(m.get("family", "qwen3")), q_lora=g("q_lora_rank"), kv_lora=g("kv_lora_rank"),
-                   qk_nope=g("qk_nope_head_dim"), qk_rope=g("qk_rope_head_dim"), v_head=g("v_head_dim"),
-                   n_shared=g("n_shared_experts"), n_dense=g("n_dense_layers"),
-                   dense_hidden=g("dense_hidden_dim"), idx_heads=g("index_n_heads"),
-                   idx_dim=g("index_head_dim"), idx_topk=g("index_topk"))
+        sizes = {f.name: int(m.get(f.name) or 0) for f in dataclasses.fields(cls) if f.name != "qk_norm"}
+        return cls(**sizes, qk_norm=families.get(str(m.get("family", "qwen3"))).qk_norm)
 
     @property
     def mla(self) -> bool:
-        return self.kv_lora > 0
+        return self.kv_lora_rank > 0
 
     @property
     def moe_layers(self) -> int:
-        return self.n_layers - self.n_dense
+        return self.n_layers - self.n_dense_layers
 
 
 @dataclass(frozen=True)
@@ -135,13 +132,13 @@ class Params:
 
     @property
     def experts_total(self) -> int:
-        return self.shape.moe_layers * self.shape.experts * self.expert
+        return self.shape.moe_layers * self.shape.num_experts * self.expert
 
     @property
     def linear(self) -> int:
         """Linears of attention and MLPs: the weights stored in FP8."""
         s = self.shape
-        return s.n_layers * self.attn_linear + s.moe_layers * self.shared + s.n_dense * self.dense_ffn
+        return s.n_layers * self.attn_linear + s.moe_layers * self.shared + s.n_dense_layers * self.dense_ffn
 
     @property
     def dense(self) -> int:
@@ -160,19 +157,19 @@ class Params:
 def count_params(s: Shape) -> Params:
     d, h = s.dim, s.n_heads
     if s.mla:
-        qk = s.qk_nope + s.qk_rope
-        q = (d * s.q_lora + s.q_lora * h * qk) if s.q_lora else d * h * qk
-        attn = q + d * (s.kv_lora + s.qk_rope) + s.kv_lora * h * (s.qk_nope + s.v_head) + h * s.v_head * d
-        norms = s.q_lora + s.kv_lora
+        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
+        q = (d * s.q_lora_rank + s.q_lora_rank * h * qk) if s.q_lora_rank else d * h * qk
+        attn = q + d * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank * h * (s.qk_nope_head_dim + s.v_head_dim) + h * s.v_head_dim * d
+        norms = s.q_lora_rank + s.kv_lora_rank
     else:
         attn = d * (h + 2 * s.n_kv_heads) * s.head_dim + h * s.head_dim * d
-        norms = 2 * s.head_dim if s.family == "qwen3" else 0   # qwen3's q/k norms
-    if s.idx_heads:
-        attn += (s.q_lora or d) * s.idx_heads * s.idx_dim + d * s.idx_dim + d * s.idx_heads
-        norms += 2 * s.idx_dim                                   # the indexer's key LayerNorm
-    return Params(embed=s.vocab * d, attn_linear=attn, expert=3 * d * s.moe_hidden,
-                  shared=s.n_shared * 3 * d * s.moe_hidden, router=s.experts * d,
-                  dense_ffn=3 * d * s.dense_hidden, norms=s.n_layers * (2 * d + norms) + d, shape=s)
+        norms = 2 * s.head_dim if s.qk_norm else 0   # qwen3's q/k norms
+    if s.index_n_heads:
+        attn += (s.q_lora_rank or d) * s.index_n_heads * s.index_head_dim + d * s.index_head_dim + d * s.index_n_heads
+        norms += 2 * s.index_head_dim                                   # the indexer's key LayerNorm
+    return Params(embed=s.vocab_size * d, attn_linear=attn, expert=3 * d * s.moe_hidden_dim,
+                  shared=s.n_shared_experts * 3 * d * s.moe_hidden_dim, router=s.num_experts * d,
+                  dense_ffn=3 * d * s.dense_hidden_dim, norms=s.n_layers * (2 * d + norms) + d, shape=s)
 
 
 @dataclass(frozen=True)
@@ -240,27 +237,27 @@ def layer_acts(s: Shape, moe: bool, cb: int, cp: int, ep: int, cpu: bool, l_kv: 
     saved = d * cb + f4 + 2 * d * cb           # block input; attention norm: 1/rms, normalised, output
     mms: list[float] = []
     if s.mla:
-        qk, kvl = s.qk_nope + s.qk_rope, s.kv_lora
-        if s.q_lora:
-            saved += 3 * s.q_lora * cb + f4    # q_a output = q norm input, normalised, output
-            mms += [s.q_lora, h * qk]
+        qk, kvl = s.qk_nope_head_dim + s.qk_rope_head_dim, s.kv_lora_rank
+        if s.q_lora_rank:
+            saved += 3 * s.q_lora_rank * cb + f4    # q_a output = q norm input, normalised, output
+            mms += [s.q_lora_rank, h * qk]
         else:
             mms += [h * qk]
         saved += h * qk * cb                   # q = cat(q_nope, rope(q_pe))
-        saved += (kvl + s.qk_rope) * cb + f4 + 2 * kvl * cb   # kv_a output (kv norm input), normed, out
+        saved += (kvl + s.qk_rope_head_dim) * cb + f4 + 2 * kvl * cb   # kv_a output (kv norm input), normed, out
         if cp > 1:                             # k and v all-gathered over the cp ranks for attention
-            saved += h * (qk + s.v_head) * cb * cp
+            saved += h * (qk + s.v_head_dim) * cb * cp
         else:                                  # k = cat(k_nope, k_pe); v is a view of kv_b's output
-            saved += h * qk * cb + h * (s.qk_nope + s.v_head) * cb
-        mms += [kvl + s.qk_rope, h * (s.qk_nope + s.v_head)]
-        out = h * s.v_head
-        if s.idx_heads:                        # indexer: q, k (gathered), head weights, top-k ids
-            saved += s.idx_heads * s.idx_dim * cb + 2 * s.idx_dim * cb * cp + 2 * f4 + s.idx_heads * f4
-            saved += s.idx_topk * 4
-            mms += [s.idx_heads * s.idx_dim, s.idx_dim]
+            saved += h * qk * cb + h * (s.qk_nope_head_dim + s.v_head_dim) * cb
+        mms += [kvl + s.qk_rope_head_dim, h * (s.qk_nope_head_dim + s.v_head_dim)]
+        out = h * s.v_head_dim
+        if s.index_n_heads:                        # indexer: q, k (gathered), head weights, top-k ids
+            saved += s.index_n_heads * s.index_head_dim * cb + 2 * s.index_head_dim * cb * cp + 2 * f4 + s.index_n_heads * f4
+            saved += s.index_topk * 4
+            mms += [s.index_n_heads * s.index_head_dim, s.index_head_dim]
     else:
         hd, kv = s.head_dim, s.n_kv_heads
-        if s.family == "qwen3":                # q/k norms keep their input and normalised output
+        if s.qk_norm:                # q/k norms keep their input and normalised output
             saved += 2 * h * hd * cb + h * f4 + 2 * kv * hd * cb + kv * f4
         saved += 2 * hd * cb                   # RoPE's cos/sin rows
         saved += h * hd * cb + 2 * kv * hd * cb * cp   # attention inputs q, k, v (k, v gathered over cp)
@@ -268,23 +265,23 @@ def layer_acts(s: Shape, moe: bool, cb: int, cp: int, ep: int, cpu: bool, l_kv: 
         out = h * s.head_dim
     saved += out * cb + h * f4                 # attention output (wo's input) and log-sum-exp
     if cpu:
-        saved += l_kv * 4                      # rl.trainer.cpu: SDPA's fp32 copy of the dense mask
+        saved += l_kv * 4                      # rl.models.cpu: SDPA's fp32 copy of the dense mask
     mms += [d]                                 # wo
     sel = d * cb + out * cb + h * f4
     saved += d * cb + f4 + 2 * d * cb          # FFN norm: input (the residual), 1/rms, normalised, output
     k = s.top_k
     if moe:
-        f = s.moe_hidden
-        saved += s.experts * f4 + k * 8 + f4 + k * f4 + 2 * k * 8   # router scores, ids, weights, indices
+        f = s.moe_hidden_dim
+        saved += s.num_experts * f4 + k * 8 + f4 + k * f4 + 2 * k * 8   # router scores, ids, weights, indices
         saved += k * d * cb + 4 * k * f * cb + k * f4 + k * d * cb   # dispatched, SwiGLU x4, scores, out
         mms += [k * f, k * f, k * d]           # the experts' three GEMMs (the gate is always recomputed)
         sel += k * 8 + (2 * k * d * cb if ep > 1 else 0)   # top-k ids; all-to-all outputs
-        if s.n_shared:
-            saved += 4 * s.n_shared * f * cb
-            mms += [s.n_shared * f, s.n_shared * f, d]
+        if s.n_shared_experts:
+            saved += 4 * s.n_shared_experts * f * cb
+            mms += [s.n_shared_experts * f, s.n_shared_experts * f, d]
     else:
-        saved += 4 * s.dense_hidden * cb
-        mms += [s.dense_hidden, s.dense_hidden, d]
+        saved += 4 * s.dense_hidden_dim * cb
+        mms += [s.dense_hidden_dim, s.dense_hidden_dim, d]
     sel += _mm_alternate(mms) * cb
     return LayerActs(saved=saved, selective=sel)
 
@@ -307,7 +304,7 @@ def trainer_acts(s: Shape, *, tokens: int, cb: int, cp: int, ep: int, ac: str, c
     """Activation bytes of one rank for a packed row of `tokens` tokens split over `cp` ranks."""
     row = tokens if cp == 1 else -(-tokens // (2 * cp)) * 2 * cp   # head-tail CP pads to 2*cp chunks
     n = row // cp
-    layers = [layer_acts(s, i >= s.n_dense, cb, cp, ep, cpu, row) for i in range(s.n_layers)]
+    layers = [layer_acts(s, i >= s.n_dense_layers, cb, cp, ep, cpu, row) for i in range(s.n_layers)]
     keep = {"full": lambda a: s.dim * cb, "selective": lambda a: a.selective, "none": lambda a: a.saved}[ac]
     kept = sum(keep(a) for a in layers)
     kept += 8 + 3 * s.dim * cb + 4           # token ids; final norm's input, normalised, output
@@ -316,12 +313,12 @@ def trainer_acts(s: Shape, *, tokens: int, cb: int, cp: int, ep: int, ac: str, c
     worst = max(layers, key=lambda a: a.saved - keep(a))
     layer_bwd = (worst.saved - keep(worst)) * n    # AC: the layer's tensors again, during its backward
     if cpu and s.moe_layers:
-        # rl.trainer.cpu.LoopedExperts indexes each expert's weights: every slice's gradient is a
+        # rl.models.cpu.LoopedExperts indexes each expert's weights: every slice's gradient is a
         # zero-filled [experts, hidden, dim] tensor summed into the weight's (measured: 4 at once).
-        layer_bwd += 4 * (s.experts // ep) * s.moe_hidden * s.dim * cb
+        layer_bwd += 4 * (s.num_experts // ep) * s.moe_hidden_dim * s.dim * cb
     # The entropy (a statistic, not in the loss) keeps log-softmax and its exp referenced until the
     # micro-batch ends; the loss's own backward then needs three more [tokens, vocab] fp32 buffers.
-    return TrainerActs(kept=int(kept * n), logprobs=2 * s.vocab * 4 * n, head_bwd=3 * s.vocab * 4 * n,
+    return TrainerActs(kept=int(kept * n), logprobs=2 * s.vocab_size * 4 * n, head_bwd=3 * s.vocab_size * 4 * n,
                        layer_bwd=int(layer_bwd), tokens=n, row=row)
 
 
@@ -348,8 +345,8 @@ def _trainer(cfg: dict, plan: dict, p: Params, s: Shape) -> RoleMemory:
         terms.append(("backward: one layer" + (" recomputed" if ac != "none" else ""), acts.layer_bwd))
     if world > 1:
         moe_unit = (p.attn_linear + p.shared + p.router + 2 * s.dim
-                    + (s.experts // ep) * p.expert) if s.moe_layers else 0
-        unit = max(p.embed, moe_unit, p.attn_linear + p.dense_ffn if s.n_dense else 0)
+                    + (s.num_experts // ep) * p.expert) if s.moe_layers else 0
+        unit = max(p.embed, moe_unit, p.attn_linear + p.dense_ffn if s.n_dense_layers else 0)
         ws = unit * (2 * cb + cb + 4) + (unit if t.get("fp8") else 0)
         terms.append(("FSDP unsharded buffers", ws))
     if gpus:
@@ -384,9 +381,9 @@ def _weight_bytes(cfg: dict, gpus: int) -> tuple[float, float]:
 def kv_bytes_per_token(s: Shape, tp: int, kvb: int) -> int:
     """KV cache bytes of one token, all layers, on one GPU of a tensor-parallel group of `tp`."""
     if s.mla:
-        per = (s.kv_lora + s.qk_rope) * kvb
-        if s.idx_heads:
-            per += s.idx_dim + 4 * math.ceil(s.idx_dim / FP8_BLOCK)
+        per = (s.kv_lora_rank + s.qk_rope_head_dim) * kvb
+        if s.index_n_heads:
+            per += s.index_head_dim + 4 * math.ceil(s.index_head_dim / FP8_BLOCK)
     else:
         per = 2 * math.ceil(s.n_kv_heads / tp) * s.head_dim * kvb
     return per * s.n_layers
@@ -431,9 +428,9 @@ def _inference(cfg: dict, plan: dict, p: Params, s: Shape) -> list[RoleMemory]:
         kv = seqs * max_len * kv_bytes_per_token(s, tp, wb)
         terms.append((f"KV cache: {seqs} x {max_len} tokens", int(kv)))
         batch = 16384 if float(cfg.get("cluster", {}).get("gpu_memory_gib", 140.0)) >= 160 else 8192
-        attn = (s.n_heads / tp) * ((2 * (s.qk_nope + s.qk_rope) + s.v_head) if s.mla else 3 * s.head_dim)
-        hidden = 6 * s.dim + attn + s.top_k * (3 * s.moe_hidden + s.dim)
-        ws = batch * hidden * wb + 2 * VLLM_MAX_SEQS * s.vocab / tp * 4
+        attn = (s.n_heads / tp) * ((2 * (s.qk_nope_head_dim + s.qk_rope_head_dim) + s.v_head_dim) if s.mla else 3 * s.head_dim)
+        hidden = 6 * s.dim + attn + s.top_k * (3 * s.moe_hidden_dim + s.dim)
+        ws = batch * hidden * wb + 2 * VLLM_MAX_SEQS * s.vocab_size / tp * 4
         terms.append((f"workspace: {batch}-token forward", int(ws)))
         terms.append(("CUDA graphs, NCCL" + (", DeepEP" if ep > 1 else ""),
                       VLLM_RUNTIME_EP if ep > 1 else VLLM_RUNTIME))
@@ -478,10 +475,7 @@ def _fmt(b: float) -> str:
 def check(report: MemoryReport) -> None:
     """Raise PlanError (one line: the role, its total, the capacity, the largest term, what to try) when a
     role does not fit its GPU, or (with cluster.host_memory_gib) its nodes' host memory."""
-    try:
-        from rl.contract.config import PlanError
-    except ImportError:  # pragma: no cover - older trees
-        from launch.plan import PlanError
+    from rl.contract.config import PlanError
     for r in report.roles:
         if r.capacity and r.total > r.capacity:
             term, size = max(r.terms, key=lambda t: t.nbytes)

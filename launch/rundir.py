@@ -18,7 +18,7 @@ import yaml
 from rl.contract import paths
 from rl.contract.config import ConfigError
 from rl.contract.secret import create_secret
-from rl.exchange import atomic_write_json, atomic_write_text
+from rl.contract.atomic import atomic_write_json, atomic_write_text
 
 # Keys a resume may change. Everything else must match the frozen config.
 RESUMABLE_PREFIXES = ("trainer.max_steps", "cluster.", "wandb.", "inference.startup_timeout_s",

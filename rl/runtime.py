@@ -22,7 +22,8 @@ from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import ResumeState, RoleRecord
-from rl.exchange import atomic_write_json, check_fence, fence
+from rl.contract.atomic import atomic_write_json
+from rl.exchange import check_fence, fence
 
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
 

@@ -22,6 +22,8 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from rl.contract import families, sandbox_runtimes
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
@@ -31,8 +33,8 @@ class PlanError(ConfigError):
     """A config whose allocation cannot work (topology, ports, memory); the message names the key."""
 
 
-# Model families the config accepts (the trainer's model builders; rl.trainer.model).
-FAMILIES = ("qwen3", "deepseek_v3", "kimi_k2_7", "glm_moe_dsa")
+# Model families the config accepts: the rows of rl.contract.families (their networks: rl/models).
+FAMILIES = families.FAMILIES
 
 
 @dataclass
@@ -90,7 +92,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 1024
     dtype: str = "float32"             # compute dtype of the trainer (fp32 on CPU)
     fp8: bool = False                  # block-scaled FP8 training (emulated on CPU)
-    router_replay: bool = False        # R3: MoE routers use the batch's recorded expert ids (rl.trainer.replay)
+    router_replay: bool = False        # R3: MoE routers use the batch's recorded expert ids (rl.models.replay)
     activation_checkpointing: str = "none"  # none | selective | full (torchtitan's AC modes)
     cpu_offload: bool = False          # FSDP2 CPU offload of parameters, gradients and optimizer states
     checkpoint_every: int = 5
@@ -481,11 +483,10 @@ def validate(cfg: DictConfig | dict) -> None:
              "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
     need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
          "must be auto, swe_bench, swe_smith, swe_rebench or r2e_gym")
-    need(e.swe.runtime in ("inprocess", "bubblewrap", "podman", "apptainer"), "env.swe.runtime",
-         "must be inprocess, bubblewrap, podman or apptainer")
+    need(e.swe.runtime in sandbox_runtimes.NAMES, "env.swe.runtime", f"must be {sandbox_runtimes.names_text()}")
     need(e.swe.max_sandbox_starts_per_s > 0, "env.swe.max_sandbox_starts_per_s", "must be positive")
-    need(e.swe.runtime != "apptainer" or bool(e.swe.image_cache), "env.swe.image_cache",
-         "must be set for env.swe.runtime=apptainer (a directory on the shared filesystem for the SIFs)")
+    need(not sandbox_runtimes.get(e.swe.runtime).needs_image_cache or bool(e.swe.image_cache), "env.swe.image_cache",
+         f"must be set for env.swe.runtime={e.swe.runtime} (a directory on the shared filesystem for the SIFs)")
     if e.swe.image_cache:
         cache = os.path.realpath(str(e.swe.image_cache))
         need(os.path.isabs(str(e.swe.image_cache)), "env.swe.image_cache", "must be an absolute path")

@@ -5,14 +5,11 @@ checkpoint's config.json once, at composition, and writes the sizes into the run
 memory estimate, the plan and every role see the checkpoint's architecture. The trainer builds its network
 from the same config.json (rl.trainer.model), so the yaml sizes matter only for models created locally.
 
-Families and the config.json shapes they accept:
-- `qwen3`: `model_type` qwen3_moe (Qwen3MoeForCausalLM);
-- `deepseek_v3`: `model_type` deepseek_v3 (DeepseekV3ForCausalLM);
-- `kimi_k2_7`: Kimi's text tower, a DeepSeek-V3 network: `model_type` kimi_k2 (text-only releases),
-  kimi_k25 (multimodal releases: the text tower's config is `text_config` and its tensors are named
-  `language_model.*`; the trainer trains the text tower only), or a deepseek_v3 config with
-  `model.family=kimi_k2_7` given explicitly (the tiny twin, written with transformers' DeepseekV3Config);
-- `glm_moe_dsa`: `model_type` glm_moe_dsa (GLM-5, GlmMoeDsaForCausalLM).
+Families and the config.json shapes they accept are rows of rl.contract.families (`model_types`, and
+`also_model_types`: a config format of another family that this one may be asked for explicitly, as
+`model.family=kimi_k2_7` on the deepseek_v3 config of its tiny twin). Kimi's multimodal releases
+(`kimi_k25`) keep the text tower's config in `text_config` and its tensors under `language_model.*`;
+the trainer trains the text tower only.
 
 A value the yaml sets that contradicts the checkpoint is an error naming both; a value left at the
 schema default is replaced. `model.max_seq_len` is a usage limit, not a size: it may be set below the
@@ -27,19 +24,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-# model_type -> family
-_FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2_7",
-              "kimi_k25": "kimi_k2_7", "glm_moe_dsa": "glm_moe_dsa"}
-# families that may be asked for explicitly on a checkpoint of another family's config format
-_COMPATIBLE = {"deepseek_v3": {"deepseek_v3", "kimi_k2_7"}, "kimi_k2_7": {"kimi_k2_7"},
-               "qwen3": {"qwen3"}, "glm_moe_dsa": {"glm_moe_dsa"}}
+from rl.contract import families
+
 CONFIG = "config.json"
 SUPPORTED_QUANT = ("fp8",)
-# ModelConfig keys that come from the checkpoint (everything but name, family, hf_path, max_seq_len)
-DERIVED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
-           "num_experts", "top_k", "rope_theta", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-           "qk_rope_head_dim", "v_head_dim", "n_shared_experts", "n_dense_layers", "dense_hidden_dim",
-           "index_n_heads", "index_head_dim", "index_topk")
 
 
 class CheckpointError(ValueError):
@@ -74,12 +62,13 @@ def weight_prefix(cfg: Mapping[str, Any]) -> str:
 
 def family_of(cfg: Mapping[str, Any], requested: str | None = None) -> str:
     mt = cfg.get("model_type")
-    fam = _FAMILY_OF.get(mt)
+    fam = families.BY_MODEL_TYPE.get(mt)
     if fam is None:
         raise CheckpointError(f"config.json model_type={mt!r} is not a known family (known model types: "
-                              f"{', '.join(sorted(_FAMILY_OF))})")
+                              f"{', '.join(sorted(families.BY_MODEL_TYPE))})")
     if requested and requested != fam:
-        if requested not in _COMPATIBLE[fam]:
+        row = families.BY_NAME.get(requested)
+        if row is None or mt not in row.also_model_types:
             raise CheckpointError(f"model.family={requested!r} does not fit the checkpoint (model_type={mt!r}, "
                                   f"family {fam!r})")
         return requested
@@ -162,7 +151,8 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
     zero = dict(q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
                 n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0,
                 index_head_dim=0, index_topk=0)
-    if family == "qwen3":
+    attention = families.get(family).attention
+    if attention == "gqa":
         if tc.get("mlp_only_layers") or int(tc.get("decoder_sparse_step", 1)) != 1:
             raise CheckpointError("config.json: Qwen3-MoE with dense layers (mlp_only_layers / "
                                   "decoder_sparse_step) is not supported")
@@ -177,7 +167,7 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
                n_shared_experts=int(tc.get("n_shared_experts") or 0),
                n_dense_layers=int(tc.get("first_k_dense_replace") or 0),
                dense_hidden_dim=int(need("intermediate_size")))
-    if family == "glm_moe_dsa":
+    if attention == "dsa":
         out.update(index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
                    index_topk=int(need("index_topk")))
     return out

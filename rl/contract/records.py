@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional, TypeVar
 
 from rl.contract import paths
+from rl.contract.atomic import atomic_write_json
 
 T = TypeVar("T")
 
@@ -30,7 +31,6 @@ class RecordError(ValueError):
 
 
 def _write(path: Path, obj) -> None:
-    from rl.exchange import atomic_write_json
     atomic_write_json(path, dataclasses.asdict(obj))
 
 
@@ -57,6 +57,8 @@ def _read(cls: type[T], path: Path) -> T:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RecordError(f"{path}: not JSON ({e})") from None
     names = {f.name for f in dataclasses.fields(cls)}
+    if isinstance(data, dict) and (unknown := set(data) - names):
+        raise RecordError(f"{path}: not a {cls.__name__} record (unknown keys {sorted(unknown)})")
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     if not isinstance(data, dict) or (missing := required - set(data)):
@@ -64,7 +66,7 @@ def _read(cls: type[T], path: Path) -> T:
     for key, (ok, expected) in getattr(cls, "_checks", {}).items():
         if key in data and not ok(data[key]):
             raise RecordError(f"{path}: {key}={data[key]!r} is not {expected}")
-    return cls(**{k: v for k, v in data.items() if k in names})
+    return cls(**data)
 
 
 def _count(v) -> bool:
@@ -177,6 +179,31 @@ class ServerRecord:
     @classmethod
     def read(cls, run_dir, index: int) -> Optional["ServerRecord"]:
         return read_optional(cls, paths.server_record(run_dir, index))
+
+
+@dataclass
+class ReplicaStart:
+    """`inference/replica_<i>.start.json`: the version and load mode the head of multi-node replica i
+    chose, for its other nodes (they must load the same weights), tagged with the incarnation that wrote
+    it (prepare's restart count and the Slurm job) so a record of an earlier incarnation is never taken."""
+    version: int
+    fp8: bool
+    restart: int
+    job: Optional[str] = None
+
+    _checks = {
+        "version": (_count, "a policy version"),
+        "fp8": (lambda v: isinstance(v, bool), "a boolean"),
+        "restart": (_count, "a non-negative integer"),
+        "job": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    }
+
+    def write(self, run_dir, index: int) -> None:
+        _write(paths.replica_start_record(run_dir, index), self)
+
+    @classmethod
+    def read(cls, run_dir, index: int) -> Optional["ReplicaStart"]:
+        return read_optional(cls, paths.replica_start_record(run_dir, index))
 
 
 @dataclass

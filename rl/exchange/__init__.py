@@ -55,6 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from rl.contract import paths
+from rl.contract.atomic import atomic_write_bytes, atomic_write_json
+from rl.contract.records import RecordError, ResumeState, read_optional
 from rl.faults import crash_point
 
 from rl.exchange.jsonl import append_jsonl, read_jsonl
@@ -78,7 +81,7 @@ _FENCES: dict[str, int] = {}
 # The highest restart count this process has seen recorded for a run directory: a resume.json that later
 # shows a lower one went backwards (rewound by hand, or an old copy restored) and is not believed.
 _SEEN: dict[str, int] = {}
-RESUME = "resume.json"  # rl.contract.paths.RESUME: rl.prepare's record of the incarnation
+RESUME = paths.RESUME  # rl.prepare's record of the incarnation (rl.contract.records.ResumeState)
 # rl.prepare's append-only record of every incarnation it started, `incarnations/restart_000003.json`:
 # resume.json is rewritten each time, so on its own a rewound count would be indistinguishable from an
 # old one; these files are only ever added, and the newest of them is a floor resume.json must not go under.
@@ -124,7 +127,6 @@ def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnati
     prepare. `strict`: a malformed resume.json, or one whose restart count is below the newest recorded
     incarnation (or missing while incarnations are recorded), raises rl.contract.records.RecordError in
     one line. Not strict (verify's late-step check): the best of what is readable."""
-    from rl.contract.records import RecordError, ResumeState, read_optional
     run_dir = Path(run_dir)
     try:
         r = read_optional(ResumeState, run_dir / RESUME)
@@ -176,7 +178,6 @@ def check_fence(run_dir: str | os.PathLike, what: str) -> None:
     """Raise Fenced if this process's incarnation of `run_dir` is no longer the newest: for writes
     outside steps (log records, metrics) and for a role that wakes up (a stopped process continued after
     its successor started must not train, consume or record anything). No-op for unfenced processes."""
-    from rl.contract.records import RecordError
     key = str(Path(run_dir).resolve())
     mine = _FENCES.get(key)
     if mine is None:
@@ -370,29 +371,6 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write one text file atomically (tmp + fsync + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    """Write one JSON file atomically (tmp + fsync + rename): for small state files outside steps."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
 @dataclass
 class Published:
     path: Path
@@ -477,7 +455,7 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             "meta": meta or {}, **({"epoch": epoch} if epoch is not None else {}),
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}),
         }
-        _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_path(tmp)
         _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
         crash_point("commit.before_rename")
@@ -602,7 +580,7 @@ def latest_complete(run_dir: str | os.PathLike, kind: str, checksums: bool = Fal
 def set_aside(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
     """Move a step that failed verification to `<kind>/corrupt/step_N-<time>`: out of every reader's
     sight (one atomic rename), kept for inspection, never deleted here."""
-    from rl.contract.paths import corrupt_dir
+    corrupt_dir = paths.corrupt_dir
     src = step_dir(run_dir, kind, step)
     dest = corrupt_dir(run_dir, kind) / f"{src.name}-{int(time.time())}"
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -679,7 +657,7 @@ class ConsumedLog:
     """Append-only record of consumed steps, `<kind>/consumed.jsonl`, one JSON line per consumption."""
 
     def __init__(self, run_dir: str | os.PathLike, kind: str, consumer: str):
-        from rl.contract.paths import consumed_log
+        consumed_log = paths.consumed_log
         self.path = consumed_log(run_dir, kind)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.consumer = consumer
@@ -740,7 +718,3 @@ def delta_chain(path: str | os.PathLike) -> list[Path]:
         seen.add(nxt.name)
         chain.append(nxt)
     return chain
-
-
-# Retention lives in its own module; re-exported so every caller keeps spelling it exchange.prune.
-from rl.exchange.retention import corrupt_steps, prune, served_versions, weights_in_use  # noqa: E402,F401

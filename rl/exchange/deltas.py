@@ -13,7 +13,7 @@ verified) and the digest of every tensor *as rebuilt*, so a reconstruction again
 caught. Each trainer rank diffs against its own copy of what it published last (`WeightPublisher`); a full
 version comes every `trainer.weights_full_every` steps, after a restart and whenever the previous version
 was not this incarnation's, so a chain is never longer than that. Retention keeps the chain of every kept
-step (rl.exchange.prune). Readers rebuild from their own copy of the base (an inference worker keeps the
+step (rl.exchange.retention.prune). Readers rebuild from their own copy of the base (an inference worker keeps the
 wire form of what it serves) or, without one, from the chain (`stored_tensors`).
 """
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Callable, Mapping
 import torch
 
 from rl import exchange, fp8
+from rl.contract.atomic import atomic_write_json
 from rl.exchange import shards
 from rl.exchange.shard_reader import ShardReader, VerifiedOnNode
-from rl.exchange.weights import default_quantize
+from rl.exchange.layout import default_quantize
 
 DELTA, IDX, VAL = shards.DELTA, shards.IDX, shards.VAL
 
@@ -119,17 +120,8 @@ def write_delta_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tenso
     part["bytes"] = size
     part["seconds"] = spent
     (Path(out_dir) / shards.PARTS).mkdir(exist_ok=True)
-    exchange.atomic_write_json(Path(out_dir) / shards.PARTS / f"rank-{rank:05d}.json", part)
+    atomic_write_json(Path(out_dir) / shards.PARTS / f"rank-{rank:05d}.json", part)
     return part
-
-
-def rebuild(base: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The new flat bytes: `base`'s, with the bytes at `idx` replaced by `val`."""
-    out = base.reshape(-1).view(torch.uint8).clone()
-    if out.numel() != nbytes:
-        raise exchange.CorruptStep(f"delta base has {out.numel()} bytes, the tensor {nbytes}")
-    out[idx.long()] = val
-    return out
 
 
 def stored_tensors(weights_dir: Path, select: Callable[[str], bool] | None = None, *,

@@ -30,7 +30,7 @@ import torch
 
 from rl import exchange, fp8
 from rl.exchange import shards
-from rl.exchange.weights import SCALE_SUFFIX, default_quantize
+from rl.exchange.layout import SCALE_SUFFIX, default_quantize
 
 
 _GATHERED = "\0gather:"  # snapshot keys of shards to gather (never an HF name)

@@ -220,7 +220,6 @@ class ShardReader:
         info = self.sparse[name]
         dtype, shape = _DTYPES[info["dtype"]], info["shape"]
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        from rl.exchange.deltas import rebuild
         out = rebuild(base[name], idx, val, n)
         if self.verify and verify_rebuilt and hashlib.sha256(_bytes(out)).hexdigest() != \
                 self.digests["tensors"].get(name):
@@ -275,6 +274,15 @@ class ShardReader:
                 os.close(fd)
             if verified is not None:
                 verified.add(done)
+
+
+def rebuild(base: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The new flat bytes: `base`'s, with the bytes at `idx` replaced by `val`."""
+    out = base.reshape(-1).view(torch.uint8).clone()
+    if out.numel() != nbytes:
+        raise exchange.CorruptStep(f"delta base has {out.numel()} bytes, the tensor {nbytes}")
+    out[idx.long()] = val
+    return out
 
 
 def dequantize_stream(items: Iterable[tuple[str, torch.Tensor]], quantized: set[str], block: int,

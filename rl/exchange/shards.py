@@ -30,9 +30,10 @@ from typing import Callable, Mapping
 import torch
 
 from rl import exchange, fp8
+from rl.contract.atomic import atomic_write_json
 from rl.faults import crash_point
 
-from rl.exchange.weights import FP8_META, INDEX, SCALE_SUFFIX, default_quantize
+from rl.exchange.layout import FP8_META, INDEX, SCALE_SUFFIX, default_quantize
 
 CHECKSUMS = "checksums.json"
 PARTS = "parts"
@@ -260,7 +261,7 @@ def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *,
         producer.join()
     part["seconds"] = spent
     (out_dir / PARTS).mkdir(exist_ok=True)
-    exchange.atomic_write_json(out_dir / PARTS / f"rank-{rank:05d}.json", part)
+    atomic_write_json(out_dir / PARTS / f"rank-{rank:05d}.json", part)
     return part
 
 

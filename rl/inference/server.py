@@ -58,7 +58,8 @@ from rl import exchange, runtime
 from rl.contract import paths
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
-from rl.contract.records import ServerRecord
+from rl.contract.atomic import atomic_write_json
+from rl.contract.records import RecordError, ReplicaStart, ServerRecord
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
@@ -136,7 +137,7 @@ def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> d
     vLLM's Fp8Config reads `ignored_layers` and falls back to `modules_to_not_convert` only when the
     former is empty, so a checkpoint that uses neither gets `ignored_layers`.
     """
-    from rl.exchange.weights import SCALE_SUFFIX
+    from rl.exchange.layout import SCALE_SUFFIX
     own = _quant_holder(checkpoint_config).get("quantization_config") or {}
     if own and own.get("quant_method") != "fp8":
         own = {}  # another format: the shards are ours (block FP8), not the checkpoint's
@@ -221,8 +222,8 @@ def claim(local_dir: Path, run_dir: Path, role: str) -> Path:
     or several nodes of one replica sharing a host's disk, own the same run directory)."""
     local_dir.mkdir(parents=True, exist_ok=True)
     p = local_dir / f"owner.{role}.json"
-    exchange.atomic_write_json(p, {"run_dir": str(run_dir), "host": socket.gethostname(), "pid": os.getpid(),
-                                   "role": role, "time": time.time()})
+    atomic_write_json(p, {"run_dir": str(run_dir), "host": socket.gethostname(), "pid": os.getpid(),
+                       "role": role, "time": time.time()})
     return p
 
 
@@ -298,7 +299,7 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
     """
     from safetensors.torch import save_file
 
-    from rl.exchange.weights import FP8_META, INDEX
+    from rl.exchange.layout import FP8_META, INDEX
 
     from rl.exchange.shard_reader import ShardReader, dequantize_stream
 
@@ -410,15 +411,15 @@ def _wait_first_publication(run_dir: Path, stop: runtime.StopFlag) -> tuple[Path
 start_record = paths.replica_start_record
 
 
-def _incarnation(run_dir: Path) -> dict:
+def _incarnation(run_dir: Path) -> tuple[int, str | None]:
     """What tells this incarnation's start record from an earlier one's: prepare's restart count (it
     runs before the roles of every incarnation) and the Slurm job."""
-    return {"restart": runtime.resume_state(run_dir).restart, "job": os.environ.get("SLURM_JOB_ID")}
+    return runtime.resume_state(run_dir).restart, os.environ.get("SLURM_JOB_ID")
 
 
 def write_start(run_dir: Path, index: int, version: int, fp8: bool) -> None:
-    exchange.atomic_write_json(start_record(run_dir, index),
-                               {"version": version, "fp8": fp8, **_incarnation(run_dir)})
+    restart, job = _incarnation(run_dir)
+    ReplicaStart(version=version, fp8=fp8, restart=restart, job=job).write(run_dir, index)
 
 
 def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, bool] | None:
@@ -432,11 +433,11 @@ def _wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int,
     path, announced = start_record(run_dir, index), False
     while not stop.is_set() and not runtime.is_done(run_dir):
         try:
-            rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            rec = {}
-        if rec and all(rec.get(k) == v for k, v in want.items()):
-            return int(rec["version"]), bool(rec["fp8"])
+            rec = ReplicaStart.read(run_dir, index)
+        except (OSError, RecordError):  # another layout (an older incarnation's): not this one's record
+            rec = None
+        if rec is not None and (rec.restart, rec.job) == want:
+            return rec.version, rec.fp8
         if not announced:
             log(f"waiting for {path} (the version the replica's head loads)")
             announced = True

@@ -106,7 +106,7 @@ def report_name(dp_rank: int, rank: int) -> str:
 
 
 def write_report(report_dir: str | os.PathLike, dp_rank: int, rank: int, result: dict) -> None:
-    from rl.exchange import atomic_write_json
+    from rl.contract.atomic import atomic_write_json
     atomic_write_json(Path(report_dir) / report_name(dp_rank, rank), result)
 
 

@@ -16,6 +16,8 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
+from rl.contract import families
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
 PAD, BOS_EOS, IM_START, IM_END = "<|endoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -72,10 +74,32 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0):
     return fast
 
 
+def hf_config_dict(family: str, sizes: dict, vocab_size: int, eos: int, pad: int, dtype: str = "float32") -> dict:
+    """config.json of `family` as transformers' config class writes it, plus what vLLM needs (its row's
+    `twin_extra` keys, without its `twin_drop` keys: rl.contract.families)."""
+    import transformers
+    row = families.get(family)
+    c = getattr(transformers, row.hf_config_class)(vocab_size=vocab_size, eos_token_id=eos, pad_token_id=pad,
+                                                   bos_token_id=None, tie_word_embeddings=False, **sizes)
+    c.architectures = [row.hf_model_class]
+    d = c.to_dict()
+    d["dtype"] = d["torch_dtype"] = dtype
+    d.update(row.twin_extra)
+    for k in row.twin_drop:
+        d.pop(k, None)
+    return d
+
+
 def hf_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
-    """config.json of the family's HF architecture with the sizes of the `model` config group."""
-    if m["family"] != "qwen3":
-        from rl.model.twins import hf_config_dict
+    """config.json of the family's HF architecture with the sizes of the `model` config group.
+
+    Architectures in `_WRITTEN_HERE` get a config.json written key by key (the embedded default run's
+    Qwen3-MoE, unchanged since it was first published); the others their transformers config class's,
+    with the MLA sizes (and the DSA indexer's for attention `dsa`)."""
+    row = families.get(m["family"])
+    if row.hf_model_class in _WRITTEN_HERE:
+        return _WRITTEN_HERE[row.hf_model_class](m, vocab_size, eos_token_id, pad_token_id)
+    if row.attention in ("mla", "dsa"):
         sizes = dict(hidden_size=m["dim"], num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
                      q_lora_rank=m["q_lora_rank"] or None, kv_lora_rank=m["kv_lora_rank"],
                      qk_rope_head_dim=m["qk_rope_head_dim"], qk_nope_head_dim=m["qk_nope_head_dim"],
@@ -85,10 +109,15 @@ def hf_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_toke
                      first_k_dense_replace=m["n_dense_layers"], max_position_embeddings=m["max_seq_len"],
                      n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
                      rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
-        if m["family"] == "glm_moe_dsa":
+        if row.attention == "dsa":
             sizes.update(index_n_heads=m["index_n_heads"], index_head_dim=m["index_head_dim"],
                          index_topk=m["index_topk"])
         return hf_config_dict(m["family"], sizes, vocab_size, eos_token_id, pad_token_id, "bfloat16")
+    raise NotImplementedError(f"model.family={m['family']}: no config.json for a model created here "
+                              f"(attention {row.attention}); start from a checkpoint (model.hf_path)")
+
+
+def _qwen3_moe_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -121,6 +150,9 @@ def hf_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_toke
         "pad_token_id": pad_token_id,
         "use_cache": True,
     }
+
+
+_WRITTEN_HERE = {"Qwen3MoeForCausalLM": _qwen3_moe_config}
 
 
 def write_hf_assets(out_dir: str | Path, m: Mapping[str, Any], seed: int = 0) -> dict:

@@ -21,49 +21,11 @@ import argparse
 import json
 from pathlib import Path
 
-# Kimi-K2.7's routing and attention layout at tiny width (384 experts -> 8, 61 layers -> 2).
-_DSV3_TINY = dict(hidden_size=128, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-                  q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                  intermediate_size=128, n_group=1, topk_group=1, norm_topk_prob=True,
-                  max_position_embeddings=512, rms_norm_eps=1e-6)
-TWINS = {
-    "qwen3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  moe_intermediate_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                  norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    "deepseek_v3": dict(_DSV3_TINY, routed_scaling_factor=2.5,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "kimi_k2_7": dict(_DSV3_TINY, routed_scaling_factor=2.827,
-                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
-    "glm_moe_dsa": dict(hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
-                        q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                        intermediate_size=128, n_group=1, topk_group=1, norm_topk_prob=True,
-                        index_topk=8, index_head_dim=32, index_n_heads=2, max_position_embeddings=512,
-                        routed_scaling_factor=2.5, rms_norm_eps=1e-5,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-}
-_CLASSES = {"qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-            "kimi_k2_7": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-            "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
+from rl.contract import families
+from rl.model.tiny import IM_END, PAD, build_tokenizer, hf_config_dict
 
-
-def hf_config_dict(family: str, sizes: dict, vocab_size: int, eos: int, pad: int, dtype: str = "float32") -> dict:
-    """config.json of `family` as transformers' config class writes it, plus what vLLM needs."""
-    import transformers
-    cfg_cls = getattr(transformers, _CLASSES[family][0])
-    c = cfg_cls(vocab_size=vocab_size, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
-                tie_word_embeddings=False, **sizes)
-    c.architectures = [_CLASSES[family][1]]
-    d = c.to_dict()
-    d["dtype"] = d["torch_dtype"] = dtype
-    if family != "qwen3":
-        d["topk_method"] = "noaux_tc"   # vLLM builds e_score_correction_bias only with this
-        d["scoring_func"] = "sigmoid"
-        d.pop("num_nextn_predict_layers", None)
-    return d
+# every family has a twin: its row's sizes (rl.contract.families)
+TWINS = {f.name: f.twin for f in families.ROWS}
 
 
 def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: int = 512,
@@ -71,7 +33,6 @@ def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: i
     """A tiny random checkpoint of `family` in `out_dir` (tokenizer, config.json, safetensors)."""
     import torch
     import transformers
-    from rl.model.tiny import IM_END, PAD, build_tokenizer
 
     if family not in TWINS:
         raise ValueError(f"no tiny twin for family {family!r} (known: {', '.join(TWINS)})")
@@ -80,9 +41,10 @@ def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: i
     tok = build_tokenizer(out, vocab_size=vocab_size, seed=seed)
     eos, pad = tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(PAD)
     d = hf_config_dict(family, {**TWINS[family], **(sizes or {})}, vocab_size, eos, pad, dtype)
-    cfg = getattr(transformers, _CLASSES[family][0]).from_dict(d)
+    row = families.get(family)
+    cfg = getattr(transformers, row.hf_config_class).from_dict(d)
     torch.manual_seed(seed)
-    model = getattr(transformers, _CLASSES[family][1])(cfg).to(getattr(torch, dtype))
+    model = getattr(transformers, row.hf_model_class)(cfg).to(getattr(torch, dtype))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -90,9 +52,9 @@ def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: i
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
     model.save_pretrained(str(out), safe_serialization=True)
     # transformers does not write the keys vLLM relies on; config.json is the one both read
+    keep = (*row.twin_extra, "dtype", "torch_dtype")
     (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()),
-                                                 **{k: d[k] for k in ("topk_method", "scoring_func", "dtype",
-                                                                      "torch_dtype") if k in d}}, indent=1))
+                                                 **{k: d[k] for k in keep if k in d}}, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": True, "temperature": 1.0, "top_p": 1.0,
          "top_k": 0}, indent=1))

@@ -1,17 +1,19 @@
 """Block-scaled FP8 training (`trainer.fp8`), DeepSeek-V3's recipe, with rl.fp8's quantizer.
 
-Which GEMMs: exactly the weights the publisher stores in FP8 (rl.exchange.weights.default_quantize: every
+Which GEMMs: exactly the weights the publisher stores in FP8 (rl.exchange.layout.default_quantize: every
 2-D `.weight` but embeddings, LM head, norms and the router gate), per family:
 - qwen3: the attention projections q, k, v, o (torchtitan's fused `wqkv` and `wo`) and the routed experts;
 - deepseek_v3 / kimi_k2_7 (torchtitan's MLA attention): `wq` (HF q_proj) or `wq_a`/`wq_b` (q_a_proj,
   q_b_proj), `wkv_a` (kv_a_proj_with_mqa), `wkv_b` (kv_b_proj), `wo` (o_proj); the dense layers'
   FeedForward and the MoE shared experts (w1/w3/w2 = gate/up/down_proj); the routed experts;
 - glm_moe_dsa: as DeepSeek-V3, plus the DSA indexer's `wq_b` and `wk` (indexer.wq_b / indexer.wk).
+This module names no family: GQA and torchtitan's MLA are torchtitan's attention types; a family's own
+attention config declares the projections it runs in FP8 (`fp8_linears`, e.g. GLM-5's GlmAttention).
 High precision (the trainer's dtype), as in the published shards: embeddings, LM head, every norm (the MLA
 latent norms, the indexer's k_norm), the router gate and its `e_score_correction_bias` (expert_bias_E),
 and GLM-5's indexer `weights_proj`. That one is high precision on purpose: vLLM fuses it with `wk` into
 an unquantized `wk_weights_proj` (it can only upcast an FP8 `wk`), GLM-5's own FP8 checkpoint keeps it
-in bf16 (tests/integration/test_inference_gpu.py), and the indexer reads its weight in fp32 (glm5.py).
+in bf16 (tests/integration/test_inference_gpu.py), and the indexer reads its weight in fp32 (rl/models/glm_moe_dsa/model.py).
 The publisher keeps it high precision when the start checkpoint's quantization_config ignores it (GLM-5's
 does); `default_quantize` on its own (a checkpoint without one, e.g. the twins) still writes it as FP8,
 the one weight where shards and trainer then differ. More generally the trainer does not read the start
@@ -33,7 +35,7 @@ kv_a_proj_with_mqa row for row, latent then rope part; HF's rope_interleave de-i
 not weights), so they are blocked directly. So what inference dequantizes from `weights/step_N` is bit for
 bit the W_q the trainer computed with (tests/unit/test_fp8_training.py checks it per family).
 
-`apply(model_config)` is a separate step on the model config, after rl.trainer.cpu.apply and before the
+`apply(model_config)` is a separate step on the model config, after rl.models.cpu.apply and before the
 build: Linear configs become `Fp8Linear.Config`, routed experts `Fp8Experts.Config`. Attention types it
 does not know are a NotImplementedError naming the type (never a silent high-precision projection).
 
@@ -52,6 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from rl import fp8 as q8
+from rl.models import cpu
+from rl.models.common import hf_state_dict
 from torchtitan.models.common.linear import Linear
 
 
@@ -142,12 +146,27 @@ def _fp8_linear_config(c: Linear.Config, qkv=None) -> Fp8Linear.Config:
     return Fp8Linear.Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.init}, qkv=qkv)
 
 
-def _fp8_attention(att) -> None:
-    """The FP8 projections of one attention config: GQA (qkv_linear + wo) or DeepSeek-V3's MLA (+ DSA)."""
-    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
-    from torchtitan.models.deepseek_v3.model import Attention as MLA
-    from rl.trainer.glm5 import GlmAttention
+# DeepSeek-V3's MLA (torchtitan's Attention): HF q_proj | q_a_proj, q_b_proj; kv_a_proj_with_mqa; kv_b_proj
+_MLA_LINEARS = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
 
+
+def _declared_linears(att) -> tuple[str, ...] | None:
+    """The projections (dotted paths in the config, besides `wo`) an MLA-style attention config runs in
+    FP8: what its class declares as `fp8_linears` (a family's own attention, e.g. GLM-5's with the DSA
+    indexer), torchtitan's MLA ones for its own Attention config, None for a type this does not know."""
+    from torchtitan.models.deepseek_v3.model import Attention as MLA
+    declared = getattr(type(att), "fp8_linears", None)
+    if declared is not None:
+        return tuple(declared)
+    return _MLA_LINEARS if type(att) is MLA.Config else None
+
+
+def _fp8_attention(att) -> None:
+    """The FP8 projections of one attention config: GQA (qkv_linear + wo), or an MLA-style attention
+    whose projections `_declared_linears` names (each its HF tensor as it is)."""
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
+
+    linears = None if isinstance(att, GQAttention.Config) else _declared_linears(att)
     if isinstance(att, GQAttention.Config):
         qc = att.qkv_linear
         if isinstance(qc, FusedQKVLinear.Config):
@@ -157,18 +176,17 @@ def _fp8_attention(att) -> None:
             qc.wq, qc.wk, qc.wv = (_fp8_linear_config(c) for c in (qc.wq, qc.wk, qc.wv))
         else:
             raise NotImplementedError(f"FP8 for {type(qc).__name__}")
-    elif type(att) in (MLA.Config, GlmAttention.Config):
-        # HF q_proj | q_a_proj, q_b_proj; kv_a_proj_with_mqa; kv_b_proj (each its HF tensor as it is)
-        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
-            if getattr(att, name) is not None:
-                setattr(att, name, _fp8_linear_config(getattr(att, name)))
-        if type(att) is GlmAttention.Config:
-            # weights_proj stays high precision (module docstring); k_norm is a norm
-            ix = att.indexer
-            ix.wq_b, ix.wk = _fp8_linear_config(ix.wq_b), _fp8_linear_config(ix.wk)
+    elif linears is not None:
+        for path in linears:
+            *parents, name = path.split(".")
+            owner = att
+            for p in parents:
+                owner = getattr(owner, p)
+            if getattr(owner, name) is not None:
+                setattr(owner, name, _fp8_linear_config(getattr(owner, name)))
     else:
         raise NotImplementedError(f"FP8 for attention {type(att).__name__} (known: GQA, DeepSeek-V3 MLA, "
-                                  f"GLM-5 MLA + DSA indexer)")
+                                  f"and attention configs declaring `fp8_linears`)")
     att.wo = _fp8_linear_config(att.wo)
 
 
@@ -185,7 +203,6 @@ def apply(model_config) -> None:
     shared-expert FeedForwards, routed experts (GroupedExperts, or the CPU's LoopedExperts, become
     Fp8Experts on every device). In place, on a Decoder config; applying twice changes nothing."""
     from torchtitan.models.common.moe import GroupedExperts
-    from rl.trainer import cpu
 
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
@@ -222,7 +239,6 @@ def trainer_fp8_state_dict(built) -> dict[str, torch.Tensor]:
     (Single process.) The FP8 values are swapped into the parameters, read through the HF adapter,
     and the master weights are put back.
     """
-    from rl.trainer.model import hf_state_dict
     saved = []
     for _, m in fp8_modules(built.model):
         if isinstance(m, Fp8Linear):

@@ -14,13 +14,13 @@ torchtitan, so the trainer's `dp_shard * ep` ranks are torchtitan's `dp_shard`, 
   lockstep;
 - each micro-batch row is split over the `cp` ranks (head-tail load balanced, as torchtitan's
   `_HeadTailLoadBalancer`): rank r holds chunks r and 2cp-1-r of 2cp; K/V are all-gathered in attention
-  (rl.trainer.cpu.dense_cp on the CPU; torchtitan's own CP wrapper otherwise).
+  (rl.models.cpu.dense_cp; the row layout is rl.models.common.headtail_index).
 
 The loss of every rank is its *local sum* divided by the batch-wide number of loss tokens, and FSDP's
 gradient division is off (torchtitan's `disable_fsdp_gradient_division`), so the summed gradients equal
 the single-process gradient of the same batch.
 
-`parallelize_fn` is torchtitan's qwen3 one (`built.spec.parallelize_fn`). Every rank first materialises
+`parallelize_fn` is the family's (`built.spec.parallelize_fn`, rl/models/<family>). Every rank first materialises
 the whole model with the run's seed (the same initial weights as a single-process run), then FSDP/EP
 keep each rank's shard. That costs a full model per rank at start: fine for the models this trainer
 creates from scratch; an `hf_path` start would load the shards through DCP instead.
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rl.trainer import cpu
+from rl.models import cpu
 
 SPMD_BACKEND = "partial_dtensor"   # "spmd_types" (0.3.0's default) fails with torch 2.13 (notes)
 
@@ -174,8 +174,8 @@ def parallelize(model, spec, d: Dist, dtype: torch.dtype, *, activation_checkpoi
                                     expert_parallel_degree=d.ep, spmd_backend=SPMD_BACKEND)
     kwargs = dict(parallel_dims=d.dims, training=training, parallelism=parallelism,
                   compile_config=CompileConfig(enable=False), ac_config=ac, dump_folder="")
-    with cpu.patch_cp_for_dense_attention():  # CP runs dense-mask attention on every device
-        model = spec.parallelize_fn(model, **kwargs)
+    # the family's parallelize function (rl/models/<family>): CP runs dense-mask attention on every device
+    model = spec.parallelize_fn(model, **kwargs)
     if d.device.type == "cpu":
         cpu.fsdp_gloo(model)
     return model
@@ -203,16 +203,3 @@ def clip_grad_norm(model, max_norm: float, d: Dist) -> float:
     from torchtitan.distributed import utils as dist_utils
     return float(dist_utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=None,
                                             ep_enabled=d.ep > 1))
-
-
-# -- data layout ----------------------------------------------------------------------------------------
-def headtail_index(length: int, cp: int, rank: int) -> torch.Tensor:
-    """Positions of a row of `length` (a multiple of 2*cp) that cp rank `rank` holds."""
-    c = length // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-
-
-def gathered_index(length: int, cp: int) -> torch.Tensor:
-    """Row positions in the order the all-gathered K/V lay them out (rank 0's chunk, rank 1's, ...)."""
-    return torch.cat([headtail_index(length, cp, r) for r in range(cp)])

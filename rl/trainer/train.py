@@ -49,15 +49,18 @@ import numpy as np
 import torch
 
 from rl import exchange, runtime
-from rl.exchange import weights as wire
+from rl.exchange import retention
+from rl.exchange import layout
 from rl.exchange.publisher import WeightPublisher
 from rl.contract.batch import BATCH_FILE, InvalidBatch, RolloutBatch
 from rl.runtime import EXIT_PREEMPTED, StopFlag, load_config, log, mark_done, own_epoch, record_role, resume_state
 from rl.trainer import checkpoint as ckpt
-from rl.trainer import parallel, replay
+from rl.models import replay
+from rl.models.common import gathered_index, headtail_index, position_logprobs
+from rl.trainer import parallel
 from rl.trainer.owners import OwnershipPlan
 from rl.trainer.loss import LossConfig, add_stats, finalize_stats, pg_loss
-from rl.trainer.model import Built, build_model, hf_state_dict, position_logprobs
+from rl.trainer.model import Built, build_model
 
 ROLE = "trainer"
 # (n, rng) -> [(prompt_ids, completion_ids)]: the supervised warm start's data.
@@ -115,7 +118,7 @@ def _empty_row(keys, length: int, routed_like: torch.Tensor | None) -> Row:
 
 def _cp_shard(row: Row, d: parallel.Dist) -> Row:
     """This cp rank's head-tail part of `row` and its attention mask rows (against gathered keys)."""
-    from rl.trainer import cpu
+    from rl.models import cpu
     n, m = row.tokens.shape[1], 2 * d.cp
     pad = -n % m
     if pad:  # a separate document of padding tokens, outside the loss
@@ -127,8 +130,8 @@ def _cp_shard(row: Row, d: parallel.Dist) -> Row:
                   torch.nn.functional.pad(row.targets, (0, pad)),
                   {k: torch.nn.functional.pad(v, (0, pad)) for k, v in row.per_token.items()}, routed)
         n += pad
-    mine = parallel.headtail_index(n, d.cp, d.cp_rank)
-    masks = cpu.cp_document_mask(row.positions, mine, parallel.gathered_index(n, d.cp))
+    mine = headtail_index(n, d.cp, d.cp_rank)
+    masks = cpu.cp_document_mask(row.positions, mine, gathered_index(n, d.cp))
     return Row(row.tokens[:, mine], row.positions[:, mine], row.targets[:, mine],
                {k: v[:, mine] for k, v in row.per_token.items()},
                None if row.routed is None else row.routed[:, mine], masks)
@@ -260,7 +263,7 @@ class Trainer:
         if row.routed is None:
             if not self._warned_self_recorded and self.dist.is_main:
                 log(ROLE, "router_replay: the batch carries no routed experts; replaying the trainer's own "
-                          "eval-mode routing (exercises R3, no mismatch reduction; see rl.trainer.replay)")
+                          "eval-mode routing (exercises R3, no mismatch reduction; see rl.models.replay)")
                 self._warned_self_recorded = True
             row.routed = replay.record_routing(self.model, row.tokens, row.positions, row.masks)
 
@@ -380,7 +383,7 @@ class Trainer:
             t = self.cfg.trainer
             self._pub = WeightPublisher(
                 run_dir, rank=self.dist.rank, world=self.dist.world, token=self._publish_token, producer=ROLE,
-                wire_dtype=self.built.dtype, quantize=wire.quantize_except(self._checkpoint_naming()[1]),
+                wire_dtype=self.built.dtype, quantize=layout.quantize_except(self._checkpoint_naming()[1]),
                 background=bool(t.publish_async), commit_timeout_s=float(t.publish_timeout_s),
                 full_every=int(t.weights_full_every), delta_max_fraction=float(t.delta_max_fraction))
         return self._pub
@@ -437,7 +440,7 @@ class Trainer:
         ckpt.save(run_dir, step, self.model, self.optimizer, self.progress, dist=self.dist)
         if self.dist.is_main:
             # checksums: a corrupt newest checkpoint must not count as kept (rl.exchange.retention)
-            exchange.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints), checksums=True)
+            retention.prune(run_dir, ckpt.KIND, int(self.cfg.trainer.keep_checkpoints), checksums=True)
 
     def load(self, run_dir, step: int) -> None:
         self.progress = ckpt.load(run_dir, step, self.model, self.optimizer)
@@ -459,7 +462,7 @@ def _final_sweep(run_dir, tr: "Trainer", d, final: int) -> None:
     byte once, at the end of the run only."""
     from rl.exchange.deltas import stored_tensors
     deep = {"weights": stored_tensors}
-    bad = d.broadcast({k: exchange.corrupt_steps(run_dir, k, deep.get(k))
+    bad = d.broadcast({k: retention.corrupt_steps(run_dir, k, deep.get(k))
                        for k in ("checkpoints", "weights", "rollouts")} if d.is_main else None)
     if d.is_main:
         for kind, steps in bad.items():
@@ -512,7 +515,7 @@ def write_assets(out_dir: Path, m) -> None:
     import shutil
     src = Path(m.hf_path)
     for p in sorted(src.iterdir()):
-        if p.is_file() and not p.name.endswith(_WEIGHT_FILES) and p.name != wire.INDEX:
+        if p.is_file() and not p.name.endswith(_WEIGHT_FILES) and p.name != layout.INDEX:
             shutil.copy2(p, Path(out_dir) / p.name)
 
 
@@ -527,8 +530,8 @@ def _default_examples(run_dir, cfg) -> Examples:
 def _prune_weights(run_dir, cfg, last_ckpt: int) -> list[int]:
     """Retention of weights: `keep_weights` verified versions, the newest checkpoint's (a restart
     serves it), and every version a server may still load (rl.exchange.retention.weights_in_use)."""
-    protect = {last_ckpt} | exchange.weights_in_use(run_dir, int(cfg.orchestrator.max_off_policy))
-    return exchange.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=protect)
+    protect = {last_ckpt} | retention.weights_in_use(run_dir, int(cfg.orchestrator.max_off_policy))
+    return retention.prune(run_dir, "weights", int(cfg.trainer.keep_weights), protect=protect)
 
 
 def _metrics_logger(run_dir, cfg):

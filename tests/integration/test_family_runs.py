@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from _trainer_helpers import publish_batches
 from builders import compose_cfg
 from rl import exchange
+from rl.exchange import layout
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 
@@ -75,7 +76,7 @@ def test_glm5_tiny_trainer_trains_from_its_checkpoint_and_publishes_servable_sha
     exchange.verify(w)
     assets = exchange.step_dir(tmp_path, "assets", exchange.latest_complete(tmp_path, "assets"))
     assert json.loads((assets / "config.json").read_text())["model_type"] == "glm_moe_dsa"
-    quantized = json.loads((w / wire.FP8_META).read_text())["quantized"]
+    quantized = json.loads((w / layout.FP8_META).read_text())["quantized"]
     assert any(".indexer.wk." in n for n in quantized) and any("mlp.experts." in n for n in quantized)
     assert not any("weights_proj" in n or "mlp.gate." in n or "norm" in n for n in quantized)
     names = {n for n, _ in wire.iter_tensors(w, dequantize=True)}

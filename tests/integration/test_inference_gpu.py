@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from rl.contract.atomic import atomic_write_json  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.contract.plan import expand  # noqa: E402
@@ -42,7 +43,7 @@ def _start(root, *overrides):
 
 
 def _stop(run_dir, proc):
-    exchange.atomic_write_json(run_dir / "DONE", {})
+    atomic_write_json(run_dir / "DONE", {})
     proc.wait(120)
 
 

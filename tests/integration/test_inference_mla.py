@@ -36,10 +36,12 @@ pytest.importorskip("vllm")
 from launch.compose import compose  # noqa: E402
 from launch.plan import make_plan  # noqa: E402
 from launch.rundir import freeze_run_dir  # noqa: E402
+from rl.contract.atomic import atomic_write_json  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.contract.plan import Plan  # noqa: E402
-from rl.exchange.weights import INDEX, write_shards  # noqa: E402
+from rl.exchange.layout import INDEX  # noqa: E402
+from rl.exchange.weights import write_shards  # noqa: E402
 from rl.inference.server import materialize  # noqa: E402
 from rl.model.twins import write_twin  # noqa: E402
 from rl.orchestrator.client import InferenceClient  # noqa: E402
@@ -136,7 +138,7 @@ def mla(tmp_path_factory):
                "secret": paths.secret_file(run_dir).read_text().strip(), "plan": plan}
     finally:
         if proc.poll() is None:
-            exchange.atomic_write_json(run_dir / "DONE", {})
+            atomic_write_json(run_dir / "DONE", {})
             try:
                 proc.wait(90)
             except subprocess.TimeoutExpired:

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from launch.compose import compose  # noqa: E402
 from launch.plan import make_plan  # noqa: E402
 from launch.rundir import freeze_run_dir  # noqa: E402
+from rl.contract.atomic import atomic_write_json  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.contract.config import ModelConfig  # noqa: E402
@@ -157,7 +158,7 @@ def setup(tmp_path_factory):
                "start_s": time.monotonic() - t0}
     finally:
         if proc.poll() is None:
-            exchange.atomic_write_json(run_dir / "DONE", {})
+            atomic_write_json(run_dir / "DONE", {})
             try:
                 proc.wait(90)
             except subprocess.TimeoutExpired:
@@ -452,7 +453,7 @@ def test_server_stops_on_done(setup):
     info = setup["info"]
     assert info.index == 0 and info.host == socket.gethostname()
     assert (run_dir / "roles" / "inference_0.json").exists()
-    exchange.atomic_write_json(run_dir / "DONE", {})
+    atomic_write_json(run_dir / "DONE", {})
     assert proc.wait(90) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(info.pid, 0)

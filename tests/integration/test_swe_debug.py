@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.slow]
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from rl.contract.atomic import atomic_write_json  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.metrics import read_metrics  # noqa: E402
 from rl.contract.batch import RolloutBatch  # noqa: E402
@@ -118,7 +119,7 @@ def server(tmp_path_factory):
             time.sleep(1)
         yield {"run_dir": run_dir, "cfg": cfg, "url": json.loads(info.read_text())["url"]}
     finally:
-        exchange.atomic_write_json(run_dir / "DONE", {})
+        atomic_write_json(run_dir / "DONE", {})
         try:
             proc.wait(90)
         except subprocess.TimeoutExpired:

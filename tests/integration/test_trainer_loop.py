@@ -7,12 +7,14 @@ import torch
 
 from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
 from rl import exchange, fp8
+from rl.exchange import retention
 from rl.exchange.deltas import stored_tensors
+from rl.exchange import layout
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, StopFlag, is_done
 from rl.trainer.train import Trainer, run
-from rl.trainer.model import hf_state_dict
+from rl.models.common import hf_state_dict
 
 
 def _final_state(run_dir, cfg, step):
@@ -118,7 +120,7 @@ def test_published_fp8_shards_dequantize_to_fake_quantized_trainer_weights(tmp_p
     ours = hf_state_dict(tr.built)
     got = dict(wire.iter_tensors(exchange.step_dir(tmp_path, "weights", 1), dequantize=True))
     assert got.keys() == ours.keys()
-    quantized = json.loads((exchange.step_dir(tmp_path, "weights", 1) / wire.FP8_META).read_text())["quantized"]
+    quantized = json.loads((exchange.step_dir(tmp_path, "weights", 1) / layout.FP8_META).read_text())["quantized"]
     assert any(".mlp.experts." in q for q in quantized) and any("q_proj" in q for q in quantized)
     for name, w in ours.items():
         expected = fp8.fake_quantize_block(w) if name in quantized else w
@@ -140,7 +142,7 @@ def test_damage_found_at_the_end_is_set_aside(tmp_path):
     assert run(tmp_path, cfg, examples=examples, poll=0.01, after_step=damage) == 0
     assert hits and is_done(tmp_path)
     for kind in ("rollouts", "weights", "checkpoints"):
-        assert exchange.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
+        assert retention.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
     assert 1 not in exchange.list_steps(tmp_path, "rollouts")
     assert [p.name.split("-")[0] for p in (tmp_path / "rollouts" / "corrupt").iterdir()] == ["step_000001"]
 
@@ -161,12 +163,12 @@ def test_the_final_weights_and_checkpoint_are_written_again_when_damaged(tmp_pat
                 b = fh.read(1)
                 fh.seek(f.stat().st_size // 2)
                 fh.write(bytes([b[0] ^ 0x10]))
-        assert set(exchange.corrupt_steps(run_dir, "weights", stored_tensors)) >= {final}
+        assert set(retention.corrupt_steps(run_dir, "weights", stored_tensors)) >= {final}
         real(run_dir, tr, d, final)
     monkeypatch.setattr(train, "_final_sweep", damage_then_sweep)
     assert run(tmp_path, cfg, examples=examples, poll=0.01) == 0
     for kind in ("weights", "checkpoints"):
-        assert exchange.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
+        assert retention.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind
         assert exchange.latest_complete(tmp_path, kind, checksums=True) == 2, kind
         assert len(list((tmp_path / kind / "corrupt").iterdir())) == 1
     assert Trainer(cfg).load(tmp_path, 2) is None  # the rewritten checkpoint loads

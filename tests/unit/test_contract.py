@@ -187,3 +187,16 @@ def test_roles_read_the_config_through_the_schema(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"run_dir": str(tmp_path), "trainer": {"lr_typo": 1}}))
     with pytest.raises(C.ConfigError, match="lr_typo"):
         C.load(tmp_path)
+
+
+def test_records_refuse_unknown_keys_and_the_start_record_is_typed(tmp_path):
+    from rl.contract import paths
+    from rl.contract.records import RecordError, ReplicaStart
+    ReplicaStart(version=3, fp8=True, restart=1, job=None).write(tmp_path, 0)
+    assert ReplicaStart.read(tmp_path, 0) == ReplicaStart(3, True, 1, None)
+    paths.replica_start_record(tmp_path, 1).write_text('{"version": 3, "fp8": true, "restart": 1, "extra": 0}')
+    with pytest.raises(RecordError, match=r"unknown keys \['extra'\]"):
+        ReplicaStart.read(tmp_path, 1)
+    paths.replica_start_record(tmp_path, 2).write_text('{"version": "3", "fp8": true, "restart": 1}')
+    with pytest.raises(RecordError, match="version='3' is not a policy version"):
+        ReplicaStart.read(tmp_path, 2)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl import exchange
+from rl.exchange import retention
 from rl.exchange import CorruptStep
 
 
@@ -104,7 +105,7 @@ def test_a_step_published_between_the_check_and_the_rename_is_kept(tmp_path, mon
 def test_prune_keeps_newest_and_protected(tmp_path):
     for s in range(6):
         exchange.publish(tmp_path, "weights", s, _write({"f": b"1"}), producer="t")
-    gone = exchange.prune(tmp_path, "weights", keep_last=2, protect=[1])
+    gone = retention.prune(tmp_path, "weights", keep_last=2, protect=[1])
     assert gone == [0, 2, 3]
     assert exchange.list_steps(tmp_path, "weights") == [1, 4, 5]
 
@@ -134,7 +135,8 @@ def test_wait_for_times_out_and_stops(tmp_path):
 
 
 def test_atomic_write_json(tmp_path):
-    exchange.atomic_write_json(tmp_path / "a" / "s.json", {"x": 1})
+    from rl.contract.atomic import atomic_write_json
+    atomic_write_json(tmp_path / "a" / "s.json", {"x": 1})
     assert json.loads((tmp_path / "a" / "s.json").read_text()) == {"x": 1}
     assert os.listdir(tmp_path / "a") == ["s.json"]
 
@@ -297,38 +299,38 @@ def test_prune_counts_only_verified_steps(tmp_path):
     for s in (5, 10, 15):
         exchange.publish(tmp_path, "checkpoints", s, _write({"f": b"state" * 10}), producer="t")
     _flip(tmp_path / "checkpoints" / "step_000015" / "f")
-    assert exchange.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == [5]
+    assert retention.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == [5]
     assert exchange.list_steps(tmp_path, "checkpoints") == [10, 15]
     # nothing verifies: nothing is deleted
     _flip(tmp_path / "checkpoints" / "step_000010" / "f")
-    assert exchange.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == []
+    assert retention.prune(tmp_path, "checkpoints", keep_last=1, checksums=True) == []
     # sizes only (weights): a truncated newest step does not count either
     for s in range(4):
         exchange.publish(tmp_path, "weights", s, _write({"f": b"w" * 8}), producer="t")
     with open(tmp_path / "weights" / "step_000003" / "f", "r+b") as f:
         f.truncate(4)
-    assert exchange.prune(tmp_path, "weights", keep_last=2) == [0]
+    assert retention.prune(tmp_path, "weights", keep_last=2) == [0]
     assert exchange.list_steps(tmp_path, "weights") == [1, 2, 3]
 
 
 def test_weights_in_use_follow_the_off_policy_bound_and_the_servers(tmp_path):
     for s in range(8):
         exchange.publish(tmp_path, "weights", s, _write({"f": b"w"}), producer="t")
-    assert exchange.weights_in_use(tmp_path, max_off_policy=2) == {5, 6, 7}
+    assert retention.weights_in_use(tmp_path, max_off_policy=2) == {5, 6, 7}
     inference = tmp_path / "inference"
     inference.mkdir()
     (inference / "server_0.json").write_text(json.dumps({"version": 1, "index": 0}))
     (inference / "server_1.json").write_text(json.dumps({"version": 2, "index": 1}))
-    assert exchange.weights_in_use(tmp_path, max_off_policy=0) == {1, 2, 7}
+    assert retention.weights_in_use(tmp_path, max_off_policy=0) == {1, 2, 7}
     # server 1 has since reloaded version 3 (its worker's report); a refused load does not count
     (inference / "reloads" / "server_1").mkdir(parents=True)
     (inference / "reloads" / "server_1" / "dp0000-rank0000.json").write_text(json.dumps(
         {"version": 3, "loaded": True}))
     (inference / "reloads" / "server_1" / "dp0000-rank0001.json").write_text(json.dumps(
         {"version": 2, "loaded": False, "error": "refused"}))
-    assert exchange.served_versions(tmp_path) == {1, 3}
-    gone = exchange.prune(tmp_path, "weights", keep_last=1,
-                          protect=exchange.weights_in_use(tmp_path, max_off_policy=1))
+    assert retention.served_versions(tmp_path) == {1, 3}
+    gone = retention.prune(tmp_path, "weights", keep_last=1,
+                          protect=retention.weights_in_use(tmp_path, max_off_policy=1))
     assert gone == [0, 2, 4, 5] and exchange.list_steps(tmp_path, "weights") == [1, 3, 6, 7]
 
 

@@ -14,7 +14,8 @@ import torch
 
 from rl.contract import hf
 from rl.trainer import hf_load
-from rl.trainer.model import build_model, hf_state_dict, load_hf_state_dict, logits, materialize_empty
+from rl.models.common import hf_state_dict, load_hf_state_dict, logits
+from rl.trainer.model import build_model, materialize_empty
 
 FAMILIES = ["qwen3", "kimi_k2_7", "deepseek_v3"]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -157,3 +158,36 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
     tok, pos = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(logits(fresh.model, tok, pos), _reference(served)(input_ids=tok).logits, **TOL)
+
+
+def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
+    """One row per family in rl.contract.families; each has a builder module in the rl/models registry
+    (model_spec, set_sharding), a tiny twin (sizes and transformers classes that exist), and a memory
+    shape (launch.memory counts its parameters from the twin's config.json)."""
+    import importlib
+
+    import transformers
+
+    from launch import memory
+    from rl import models
+    from rl.contract import families
+    from rl.contract.config import FAMILIES as CONFIG_FAMILIES
+    from rl.model.twins import TWINS
+
+    assert CONFIG_FAMILIES == families.FAMILIES
+    assert set(models.REGISTRY) == set(families.FAMILIES), "registry and table disagree"
+    for row in families.ROWS:
+        mod = models.family_module(row.name)
+        assert mod.__name__ == f"rl.models.{row.package}", row.name
+        assert callable(mod.model_spec) and callable(mod.set_sharding), row.name
+        assert importlib.util.find_spec(f"rl.models.{row.package}") is not None
+        assert row.name in TWINS and row.twin, row.name
+        assert hasattr(transformers, row.hf_config_class) and hasattr(transformers, row.hf_model_class), row.name
+        assert all(f in families.DERIVED for f in row.checkpoint_fields), row.name
+        cfg = transformers.__dict__[row.hf_config_class](vocab_size=512, **row.twin).to_dict()
+        cfg.update(row.twin_extra)
+        m = dict(hf.model_fields(cfg, row.name), family=row.name, max_seq_len=512)
+        shape = memory.Shape.from_cfg(m)
+        assert memory.count_params(shape).total > 0, row.name
+        assert (shape.kv_lora_rank > 0) == (row.attention != "gqa"), row.name
+        assert (shape.index_n_heads > 0) == (row.attention == "dsa"), row.name

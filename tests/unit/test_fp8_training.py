@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from rl import exchange, fp8
+from rl.exchange import layout
 from rl.exchange import weights as wire
 from rl.trainer import fp8 as fp8_training
 from rl.trainer.train import Trainer, run
@@ -105,7 +106,7 @@ def _from_twin(path: Path, family: str):
 def _fp8_hf_names(built) -> set[str]:
     """HF names of the weights the trainer multiplies in FP8: the FP8 modules' parameters set to NaN,
     read through the adapter (which splits fused wqkv and the experts into their HF tensors)."""
-    from rl.trainer.model import hf_state_dict
+    from rl.models.common import hf_state_dict
     params = [p for _, m in fp8_training.fp8_modules(built.model) for p in m.parameters()]
     saved = [p.clone() for p in params]
     for p in params:
@@ -122,14 +123,14 @@ def _fp8_hf_names(built) -> set[str]:
 def _publisher_fp8(path: Path, tensors) -> set[str]:
     """What Trainer.publish_weights stores as FP8 for a run started from checkpoint `path`."""
     from rl.contract import hf
-    quantize = wire.quantize_except(hf.ignored_modules(hf.read_config(path)))
+    quantize = layout.quantize_except(hf.ignored_modules(hf.read_config(path)))
     return {n for n, t in tensors.items() if quantize(n, t)}
 
 
 @pytest.mark.parametrize("family", FAMILIES + ["deepseek_v3"])
 def test_every_weight_the_publisher_quantizes_is_an_fp8_gemm(tmp_path, twin, family):
     from rl.model.twins import write_twin
-    from rl.trainer.model import hf_state_dict
+    from rl.models.common import hf_state_dict
     path = (write_twin(tmp_path / "ds", family, sizes=dict(q_lora_rank=None))  # HF q_proj, torchtitan wq
             if family == "deepseek_v3" else twin(family))
     b = _from_twin(path, family)
@@ -177,7 +178,7 @@ def test_published_shard_dequantizes_to_the_trainers_fp8_weights(tmp_path, twin,
     got = dict(wire.iter_tensors(path, dequantize=True))
     ours = fp8_training.trainer_fp8_state_dict(tr.built)     # what the trainer's GEMMs multiply by
     master = tr.full_hf_state_dict()
-    quantized = set(json.loads((path / wire.FP8_META).read_text())["quantized"])
+    quantized = set(json.loads((path / layout.FP8_META).read_text())["quantized"])
     assert got.keys() == ours.keys() == master.keys()
     # the trainer computes in FP8 exactly where the shard stores FP8 ...
     trained_fp8 = {k for k in ours if not torch.equal(ours[k], master[k])}

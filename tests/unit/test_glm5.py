@@ -1,4 +1,4 @@
-"""GLM-5 (rl.trainer.glm5) equals transformers 5.19's GlmMoeDsaForCausalLM, and its sparse attention works.
+"""GLM-5 (rl/models/glm_moe_dsa) equals transformers 5.19's GlmMoeDsaForCausalLM, and its sparse attention works.
 
 The outside reference is transformers' own implementation (random init, fp32, seed fixed), with the
 expert-bias correction made non-zero and the router weights scaled up so that the bias and the routing
@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.trainer import cpu, glm5, replay
+from rl.models import common, cpu, glm_moe_dsa, replay
+from rl.models.glm_moe_dsa import model as glm_model
+from rl.models.glm_moe_dsa.parallelize import parallelize_glm5
 from rl.trainer.model import materialize_empty
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -46,7 +48,7 @@ def _hf(seed=0, **over):
 def _ours(cfg, sd, flex=False):
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.tools.utils import set_default_dtype
-    spec = glm5.model_spec(cfg.to_dict(), max_seq_len=512)
+    spec = glm_moe_dsa.model_spec({"max_seq_len": 512}, cfg.to_dict())
     replay.apply(spec.model)
     cpu.apply(spec.model)
     if flex:  # the GPU's inner attention; the experts stay fp32 (torchtitan's grouped ones cast to bf16)
@@ -91,7 +93,8 @@ def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path)
     from transformers import AutoModelForCausalLM
     from rl.model.twins import write_twin
     from rl.trainer import hf_load
-    from rl.trainer.model import build_model, hf_state_dict, logits
+    from rl.models.common import hf_state_dict, logits
+    from rl.trainer.model import build_model
     path = write_twin(tmp_path / "glm5", "glm_moe_dsa", seed=2, sizes=dict(index_n_heads=8))
     b = build_model(dict(name="t", family="glm_moe_dsa", hf_path=str(path), max_seq_len=512), seed=0,
                     materialize=False)
@@ -126,7 +129,7 @@ def test_round_trip_of_checkpoint_names(tmp_path):
     sd = load_file(str(tmp_path / "model.safetensors"))
     assert any(".mlp.experts.0.gate_proj.weight" in k for k in sd)
     assert any(".self_attn.indexer.k_norm.bias" in k for k in sd)
-    spec = glm5.model_spec(cfg.to_dict(), max_seq_len=512)
+    spec = glm_moe_dsa.model_spec({"max_seq_len": 512}, cfg.to_dict())
     adapter = spec.state_dict_adapter(spec.model, None)
     tt = adapter.from_hf(sd)
     assert "layers.1.moe.expert_bias_E" in tt and "layers.2.attention.indexer.weights_proj.weight" in tt
@@ -202,7 +205,7 @@ def test_unsupported_config_values_name_the_key():
                       (dict(q_lora_rank=None), "q_lora_rank"),
                       (dict(hidden_act="gelu"), "hidden_act")]:
         with pytest.raises(ValueError, match=key):
-            glm5.model_spec({**base, **over})
+            glm_moe_dsa.model_spec({}, {**base, **over})
 
 
 # -- two gloo ranks ---------------------------------------------------------------------------------------
@@ -228,7 +231,8 @@ def _worker(rank, world, port, dims, path):
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
     from rl.trainer import parallel
-    from rl.trainer.model import build_model, load_hf_state_dict
+    from rl.models.common import load_hf_state_dict
+    from rl.trainer.model import build_model
     data = torch.load(path)
     dp, ep, cp = dims
     d = parallel.init(SimpleNamespace(dp_shard=dp, ep=ep, cp=cp), torch.device("cpu"))
@@ -254,7 +258,7 @@ def _worker(rank, world, port, dims, path):
             targets = torch.nn.functional.pad(tok[:, 1:], (0, 1))
             weight = torch.nn.functional.pad(torch.ones(tok.shape[0], tok.shape[1] - 1), (0, 1))
             row = _cp_shard(Row(tok, pos, targets, {"w": weight}), d)
-            mine = parallel.headtail_index(tok.shape[1], cp, d.cp_rank)
+            mine = common.headtail_index(tok.shape[1], cp, d.cp_rank)
             assert row.masks.shape == (tok.shape[0], 1, len(mine), tok.shape[1])
             out = model(row.tokens, positions=row.positions, attention_masks=row.masks)
             lg = out.detach()
@@ -283,7 +287,8 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
     heads, and in the last layer only exact ties (its indexer's query projection zeroed), which must be
     broken by key position whatever the CP layout."""
     import torch.multiprocessing as mp
-    from rl.trainer.model import build_model, load_hf_state_dict
+    from rl.models.common import load_hf_state_dict
+    from rl.trainer.model import build_model
     cp = dims[2]
     cfg, ref = _hf(**(dict(index_n_heads=2) if cp > 1 else {}))
     if cp > 1:  # layer 2's indexer scores every key 0: its selection is the tie-break alone
@@ -333,14 +338,13 @@ def test_indexer_under_a_cp_layout_selects_the_single_process_keys():
     the keys one process picks. Second pass: the indexer's query projection zeroed, so every key scores
     exactly 0 and the choice is the tie-break alone (each query's 8 earliest allowed keys); breaking
     ties by the gathered layout instead of key position would then choose other keys (the test's teeth)."""
-    from rl.trainer import parallel
     cfg, ref = _hf(index_n_heads=2)
     _, model = _ours(cfg, ref.state_dict())
     att = model.layers["1"].attention
     x = torch.randn(2, N, SIZES["hidden_size"], generator=torch.Generator().manual_seed(5))
     pos = _packed_positions()
     allowed_full = cpu.document_mask(pos)[:, 0]
-    g = parallel.gathered_index(N, 2)
+    g = common.gathered_index(N, 2)
     q_resid = att.q_norm(att.wq_a(x))
     for all_ties in (False, True):
         if all_ties:
@@ -351,7 +355,7 @@ def test_indexer_under_a_cp_layout_selects_the_single_process_keys():
         keys = att.indexer.keys(x[:, g], att.rope, pos[:, g])
         differs = False
         for r in range(2):
-            mine = parallel.headtail_index(N, 2, r)
+            mine = common.headtail_index(N, 2, r)
             args = (x[:, mine], q_resid[:, mine], att.rope, pos[:, mine], cpu.cp_document_mask(pos, mine, g)[:, 0])
             sel = att.indexer(*args, keys=keys, key_index=g)
             assert torch.equal(sel, single[:, mine][:, :, g]), (all_ties, r)
@@ -374,13 +378,13 @@ def test_indexer_selects_only_allowed_keys_topk_of_them():
 def test_tensor_parallel_is_refused_by_name():
     for cp in (False, True):
         with pytest.raises(NotImplementedError, match="tensor parallelism"):
-            glm5.parallelize_glm5(None, parallel_dims=SimpleNamespace(cp_enabled=cp, tp_enabled=True))
+            parallelize_glm5(None, parallel_dims=SimpleNamespace(cp_enabled=cp, tp_enabled=True))
 
 
 def test_context_parallel_refuses_a_block_mask():
     """Under CP a BlockMask of the local rows cannot say which gathered keys a query may see."""
     from torch.nn.attention.flex_attention import create_block_mask
     bm = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, N, N, device="cpu")
-    assert glm5.dense_allowed_mask(bm, 1, N, "cpu").shape == (1, 1, N, N)
+    assert glm_model.dense_allowed_mask(bm, 1, N, "cpu").shape == (1, 1, N, N)
     with pytest.raises(NotImplementedError, match="context parallelism"):
-        glm5.dense_allowed_mask(bm, 1, N // 2, "cpu", kv_length=N)
+        glm_model.dense_allowed_mask(bm, 1, N // 2, "cpu", kv_length=N)

@@ -176,7 +176,7 @@ def test_node_rank_role_name_and_url(tmp_path):
 
 def test_clean_stale_removes_only_our_dead_dirs(tmp_path):
     import socket
-    from rl.exchange import atomic_write_json
+    from rl.contract.atomic import atomic_write_json
     from rl.inference.server import claim, clean_stale
     host, dead = socket.gethostname(), 2 ** 22 + 12345
     owners = {"cur": [(host, dead)], "live": [(host, os.getpid())], "dead": [(host, dead)],

@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rl import exchange
+from rl.exchange import retention
 from rl.contract.config import Config
 from rl.prepare import NoCheckpoint, main, prepare
 
@@ -150,7 +151,7 @@ def test_keep_checkpoints_1_with_a_corrupt_newest_still_resumes_from_the_good_on
     _publish(d, "weights", range(11))
     _publish(d, "checkpoints", [5, 10])
     _flip(d / "checkpoints" / "step_000010" / "f.bin")
-    assert exchange.prune(d, "checkpoints", keep_last=1, checksums=True) == []
+    assert retention.prune(d, "checkpoints", keep_last=1, checksums=True) == []
     state = prepare(d)
     assert state.checkpoint_step == 5 and exchange.list_steps(d, "weights") == list(range(5))  # 5 republished
 

@@ -8,8 +8,9 @@ from omegaconf import OmegaConf
 
 from rl.contract.config import Config
 from rl.contract.batch import RolloutBatch, Sample
-from rl.trainer import replay
-from rl.trainer.model import build_model, logits, token_logprobs
+from rl.models import replay
+from rl.models.common import logits, token_logprobs
+from rl.trainer.model import build_model
 from rl.trainer.train import Trainer
 
 M = dict(name="tiny-replay", family="qwen3", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl import exchange
+from rl.exchange import retention
 from rl.contract.config import Config
 from rl.contract.records import RecordError
 from rl.exchange import CorruptStep, Fenced
@@ -189,15 +190,15 @@ def _finishes(fn, timeout=20.0):
 def test_a_weights_index_naming_a_fifo_is_refused_without_blocking(tmp_path):
     """The index names a FIFO beside the manifest (index checksum rewritten): readers refuse it at once,
     verified or not, instead of blocking in open(2)."""
-    from rl.exchange import weights
+    from rl.exchange import layout, weights
     from rl.exchange.shard_reader import ShardReader
     step = _weights_step(tmp_path, 0)
     fifo = step / "model-evil.safetensors"
     os.mkfifo(fifo)
-    index = json.loads((step / weights.INDEX).read_text())
+    index = json.loads((step / layout.INDEX).read_text())
     index["weight_map"]["model.norm.weight"] = fifo.name
-    (step / weights.INDEX).write_text(json.dumps(index))
-    _rehash(step, weights.INDEX)
+    (step / layout.INDEX).write_text(json.dumps(index))
+    _rehash(step, layout.INDEX)
     try:
         for read in (lambda: dict(ShardReader(step).tensors()),           # verified: the trainer, a server
                      lambda: weights.load_state_dict(step),               # unverified: iter_tensors
@@ -228,9 +229,9 @@ def test_a_delta_chain_that_loops_is_corrupt_not_a_recursion_error(tmp_path):
             done, out = _finishes(read)
             assert done and isinstance(out.get("error"), CorruptStep), out
             assert __import__("re").search(says, str(out["error"]))
-    bad = exchange.corrupt_steps(tmp_path, "weights")
+    bad = retention.corrupt_steps(tmp_path, "weights")
     assert set(bad) == {1, 2, 3}  # 3's base (2) loops
-    assert exchange.prune(tmp_path, "weights", keep_last=1) == []  # a chain it cannot read frees nothing
+    assert retention.prune(tmp_path, "weights", keep_last=1) == []  # a chain it cannot read frees nothing
 
 
 def test_a_malformed_resume_json_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -358,7 +358,7 @@ def test_grading_scores_reference_1_and_unmodified_less(runtime):
     row and one SWE-bench row over a git repository."""
     from rl.envs.swe.env import playable_under
     from rl.envs.swe.grader import grade
-    from rl.envs.swe.tasks import load_tasks
+    from rl.envs.swe.datasets import load_tasks
     tasks = [load_tasks()[0], playable_under(load_tasks("builtin_swebench")[1:2], runtime, None, "t")[0]]
     for task in tasks:
         ref = grade(task, extra_patch=task.patch, limits=LIMITS, runtime={"name": runtime})
@@ -372,7 +372,7 @@ def test_grading_never_writes_through_a_planted_directory_link(runtime, tmp_path
     writes the test files inside the tree; the host directory is untouched (it used to be written, and
     its hidden-test namesake deleted, through Path.write_text / unlink on the host side)."""
     from rl.envs.swe.grader import grade
-    from rl.envs.swe.tasks import load_tasks
+    from rl.envs.swe.datasets import load_tasks
     task = load_tasks()[0]
     tree, host = tmp_path / "tree", tmp_path / "host"
     for rel, text in task.files.items():

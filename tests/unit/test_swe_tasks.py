@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rl.envs.swe.grader import grade
-from rl.envs.swe.tasks import BUILTIN, Task, load_tasks
+from rl.envs.swe.datasets import load_tasks
+from rl.envs.swe.tasks import BUILTIN, Task
 
 TASKS = load_tasks()
 

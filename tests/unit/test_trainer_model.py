@@ -1,7 +1,8 @@
 """The trainer's torchtitan model: HF parity (what vLLM serves), packing isolation, gradients on CPU."""
 import torch
 
-from rl.trainer.model import build_model, hf_state_dict, load_hf_state_dict, logits, token_logprobs
+from rl.models.common import hf_state_dict, load_hf_state_dict, logits, token_logprobs
+from rl.trainer.model import build_model
 
 M = dict(name="tiny-test", family="qwen3", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
          moe_hidden_dim=24, num_experts=4, top_k=2, max_seq_len=64, rope_theta=10000.0)

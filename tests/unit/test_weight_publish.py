@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from rl import exchange
+from rl.exchange import retention
 from rl.exchange import shard_reader as rd
 from rl.exchange import shards
 from rl.exchange.publisher import WeightPublisher
@@ -113,12 +114,12 @@ from rl.exchange import shard_reader as rd
 from rl.exchange import shards
 from rl.exchange.publisher import WeightPublisher
 from test_weight_publish import moe_state, split_like_ep
-real = shards.exchange.atomic_write_json
+real = shards.atomic_write_json
 def die(path, obj):
     if "parts" in str(path):
         os._exit(9)  # killed after its shard files, before its part record
     real(path, obj)
-shards.exchange.atomic_write_json = die
+shards.atomic_write_json = die
 WeightPublisher({run!r}, rank=1, world=2, token="t1", background=False).publish(5, split_like_ep(moe_state(), 2)[0][1])
 """
 
@@ -301,7 +302,7 @@ def test_deltas_rebuild_every_version_bit_exactly_and_are_small(tmp_path):
     with pytest.raises(shards.NeedsBase):
         list(rd.ShardReader(step["delta"][4]).tensors(dequantize=False))
     # retention keeps what a kept delta is rebuilt from
-    assert exchange.prune(tmp_path / "delta", "weights", 1) == [0, 1, 2]
+    assert retention.prune(tmp_path / "delta", "weights", 1) == [0, 1, 2]
     assert exchange.list_steps(tmp_path / "delta", "weights") == [3, 4]
 
 

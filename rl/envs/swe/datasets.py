@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rl.envs.swe.grading import PARSERS
-from rl.envs.swe.tasks import ROW_LIMITS, Task, task_problem
+from rl.envs.swe.tasks import BUILTIN, ROW_LIMITS, SHIPPED, Task, task_problem
 
 FORMATS = ("swe_bench", "swe_smith", "swe_rebench", "r2e_gym")
 R2E_TEST_CMD = "bash run_tests.sh"   # R2E-Gym images carry the instance's test script in the repo root
@@ -303,3 +303,9 @@ def playable(tasks: list[Task], repos_dir: str | Path | None, where: Any = "task
                              f"{path}")
         out.append(dataclasses.replace(t, repo_dir=str(path)))
     return out
+
+
+def load_tasks(path: str | Path = BUILTIN, format: str = "auto", limits: dict | None = None) -> list[Task]:
+    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset), or
+    of a shipped set named in SHIPPED; `limits` overrides entries of ROW_LIMITS."""
+    return load_dataset(SHIPPED.get(str(path), path), format, limits)

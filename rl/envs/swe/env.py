@@ -28,7 +28,9 @@ from typing import Any
 from rl.envs.swe.datasets import needs_container, playable
 from rl.envs.swe.sandbox import Limits
 from rl.envs.swe.grader import grade
-from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, check_task, load_tasks, open_sandbox
+from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
+from rl.envs.swe.datasets import load_tasks
+from rl.envs.swe.tasks import Task, check_task, open_sandbox
 from rl.envs.swe.tools import TOOL_SPECS, Tools, parse_tool_call
 
 

@@ -53,7 +53,8 @@ from pathlib import Path, PurePosixPath
 from rl.envs.swe import patches
 from rl.envs.swe.grading import Grade, expected_output_reward, parse_r2e, parser, swebench_reward
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.tasks import IMAGE_RUNTIMES, Task, open_sandbox
+from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
+from rl.envs.swe.tasks import Task, open_sandbox
 
 PYTEST = ["-m", "pytest", "-rA", "-q", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
           "--no-header", "-W", "ignore"]

@@ -41,9 +41,10 @@ import threading
 import time
 from pathlib import Path
 
+from rl.contract import sandbox_runtimes
 from rl.envs.swe.sandbox import Limits, Result, Sandbox, SandboxError
 
-RUNTIMES = ("inprocess", "bubblewrap", "podman", "apptainer")
+RUNTIMES = sandbox_runtimes.NAMES  # the registry: rl.contract.sandbox_runtimes
 
 
 class RuntimeUnavailable(SandboxError):
@@ -320,18 +321,9 @@ class InprocessRuntime(Runtime):
 
 def runtime_class(name: str) -> type[Runtime]:
     """The class of a runtime, imported only when picked (podman/apptainer code is never loaded else)."""
-    if name == "inprocess":
-        return InprocessRuntime
-    if name == "bubblewrap":
-        from rl.envs.swe.runtime_bwrap import BubblewrapRuntime
-        return BubblewrapRuntime
-    if name == "podman":
-        from rl.envs.swe.runtime_podman import PodmanRuntime
-        return PodmanRuntime
-    if name == "apptainer":
-        from rl.envs.swe.runtime_apptainer import ApptainerRuntime
-        return ApptainerRuntime
-    raise ValueError(f"env.swe.runtime={name!r}: must be one of {', '.join(RUNTIMES)}")
+    import importlib
+    row = sandbox_runtimes.get(name)   # the registry names the module and class
+    return getattr(importlib.import_module(row.module), row.cls)
 
 
 def open_runtime(name: str, tree: Path | None = None, limits: Limits = Limits(), **kw) -> Runtime:
@@ -348,7 +340,7 @@ def from_config(swe) -> dict:
     {"name": ..., "image_cache": ...} to pass on to open_runtime."""
     set_start_rate(float(swe.max_sandbox_starts_per_s))
     out = {"name": str(swe.runtime)}
-    if swe.runtime == "apptainer":
+    if sandbox_runtimes.get(str(swe.runtime)).needs_image_cache:
         out["image_cache"] = str(swe.image_cache)
     return out
 

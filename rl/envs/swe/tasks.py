@@ -24,6 +24,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
 from rl.envs.swe import repos
 from rl.envs.swe.grading import parse_pytest
 from rl.envs.swe.runtimes import Runtime, open_runtime
@@ -34,7 +35,6 @@ BUILTIN = Path(__file__).with_name("data") / "builtin.jsonl"
 SHIPPED = {"builtin": BUILTIN, "builtin_swebench": BUILTIN.with_name("builtin_swebench.jsonl")}
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "--noconftest", "-p", "no:cacheprovider",
           "-o", "addopts=", "--no-header", "-W", "ignore"]
-IMAGE_RUNTIMES = ("podman", "apptainer")  # each command runs in the task's own image
 PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
 
 
@@ -276,13 +276,6 @@ def check_task(task: "Task", where: str = "row", limits: dict | None = None) -> 
     if bad:
         raise ValueError(f"{where} ({str(task.instance_id)[:80]}): {bad[0]}: {bad[1]}")
     return task
-
-
-def load_tasks(path: str | Path = BUILTIN, format: str = "auto", limits: dict | None = None) -> list[Task]:
-    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset), or
-    of a shipped set named in SHIPPED; `limits` overrides entries of ROW_LIMITS."""
-    from rl.envs.swe.datasets import load_dataset  # datasets.py builds on Task
-    return load_dataset(SHIPPED.get(str(path), path), format, limits)
 
 
 def patched_paths(diff: str) -> list[str]:

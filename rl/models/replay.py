@@ -89,7 +89,7 @@ def routers(model) -> list[ReplayRouter]:
     """The MoE routers in layer order (index = the `layers` axis of routed_experts)."""
     out = [m.router for m in model.modules() if isinstance(m, MoE)]
     if not all(isinstance(r, ReplayRouter) for r in out):
-        raise TypeError("the model was not built with rl.trainer.replay.apply (no ReplayRouter)")
+        raise TypeError("the model was not built with rl.models.replay.apply (no ReplayRouter)")
     return out
 
 
@@ -129,7 +129,7 @@ def recording(model):
 
 def record_routing(model, tokens: torch.Tensor, positions: torch.Tensor, masks=None) -> torch.Tensor:
     """The expert ids the model routes packed rows to, in eval mode without grad: [B, L, layers, K]."""
-    from rl.trainer.model import logits
+    from rl.models.common import logits
     was_training = model.training
     model.eval()
     try:

@@ -1,4 +1,4 @@
-"""Every CPU workaround of the trainer, in one place, applied only when the trainer runs on the CPU.
+"""Every CPU workaround of the trainer's networks, in one place, applied only when the trainer runs on the CPU.
 
 torchtitan 0.3.0 is written for GPUs; on this machine's CPU two of its model pieces do not do what the
 trainer needs (docs/cpu.md has the measurements):
@@ -26,7 +26,8 @@ Multi-rank runs on gloo (`trainer.parallel`, see rl.trainer.parallel) need three
    all-gathered with the same op (reduce-scatter in backward), the query rows this rank holds and the
    mask built for exactly those rows against the gathered keys (`cp_document_mask`). This one piece
    also runs on GPUs: with `trainer.parallel.cp > 1` every device uses `dense_attention` + `dense_cp`
-   (rl.trainer.model.build_model), so the CP path a cluster runs is the one tested here. Its cost
+   (rl.trainer.model.build_model), so the CP path a cluster runs is the one tested here. Each family's
+   parallelize function enters `patch_cp_for_dense_attention` on the torchtitan module whose CP step it uses. Its cost
    is the dense mask, [L/cp, L] booleans per micro-batch row (2 GiB at 128K tokens and cp 8).
 
 `apply(model_config)` rewrites a model config in place before the model is built; the modules keep
@@ -84,7 +85,7 @@ class DenseAttention(Module):
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: torch.Tensor, scale=None,
                 enable_gqa: bool = False, **kwargs) -> torch.Tensor:
         if not isinstance(attention_masks, torch.Tensor) or attention_masks.dtype != torch.bool:
-            raise TypeError("DenseAttention needs the boolean mask of rl.trainer.cpu.document_mask")
+            raise TypeError("DenseAttention needs the boolean mask of rl.models.cpu.document_mask")
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale,
                                              enable_gqa=enable_gqa)
@@ -187,19 +188,15 @@ def dense_cp(attention_modules, cp_mesh) -> None:
         mod.forward = cp_forward
 
 
-# torchtitan parallelize modules whose CP step (`apply_cp_to_forward`, imported by name) is redirected
-_CP_PARALLELIZE = ("torchtitan.models.qwen3.parallelize", "torchtitan.models.deepseek_v3.parallelize")
-
-
-def patch_cp_for_dense_attention():
-    """A context in which torchtitan's qwen3 and deepseek_v3 parallelize functions apply `dense_cp` to
-    DenseAttention layers (and torchtitan's own CP to anything else)."""
+def patch_cp_for_dense_attention(*modules: str):
+    """A context in which the torchtitan parallelize modules named (their CP step `apply_cp_to_forward`,
+    imported by name) apply `dense_cp` to DenseAttention layers (and torchtitan's own CP to anything else)."""
     import contextlib
     import importlib
 
     @contextlib.contextmanager
     def ctx():
-        mods = [importlib.import_module(n) for n in _CP_PARALLELIZE]
+        mods = [importlib.import_module(n) for n in modules]
         origs = [m.apply_cp_to_forward for m in mods]
 
         def redirect(orig):

