@@ -1,0 +1,206 @@
+"""NemotronH config.json -> the network's sizes (torch-free), and total / active parameter counts.
+
+`NemotronHArgs.from_hf(config_dict)` reads a checkpoint's config.json (text tower) as transformers 5.19's
+`NemotronHConfig` does, including its backward-compatible aliases (`hybrid_override_pattern` "M*E-" strings,
+`mamba_n_groups`, `mamba_d_conv`, ...). Anything the trainer's network would compute differently from
+transformers is refused by `check()` with a one-line ValueError naming the config key.
+
+`param_counts(config_dict)` gives total and active (per token) parameters, main network and MTP layers
+separately, so a config card can be checked against a model card's "550B total / 55B active".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+NAME = "nemotron_h"
+HF_CONFIG_CLASS = "NemotronHConfig"
+HF_MODEL_CLASS = "NemotronHForCausalLM"
+
+_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+_LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' remap
+_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+            "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
+            "mamba_dt_limit": "time_step_limit", "mamba_dt_init_floor": "time_step_floor",
+            "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
+ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
+
+
+def _types(v) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return tuple(_PATTERN[c] for c in v)
+    return tuple(_LEGACY_TYPES.get(t, t) for t in v)
+
+
+@dataclass(frozen=True)
+class NemotronHArgs:
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    layer_types: tuple[str, ...] = ("linear_attention", "moe", "full_attention", "mlp")
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ("full_attention", "moe")
+    # attention (no positional embedding in NemotronH attention: HF defines RoPE helpers but never applies them)
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    # dense MLP layers ("-")
+    intermediate_size: int = 21504
+    mlp_hidden_act: str = "relu2"
+    mlp_bias: bool = False
+    # Mamba-2
+    ssm_state_size: int = 128
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    use_conv_bias: bool = True
+    use_bias: bool = False            # Mamba in_proj / out_proj bias (HF: config.use_bias)
+    time_step_min: float = 0.001      # HF clamps dt to [time_step_min, inf) in its scan (see the mixer)
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
+    # LatentMoE
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # the rest
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def latent(self) -> int:
+        return self.moe_latent_size or self.hidden_size
+
+    @property
+    def mtp_types(self) -> tuple[str, ...]:
+        """The physical MTP layers: num_nextn_predict_layers steps of the MTP pattern each."""
+        return tuple(self.mtp_layer_types) * int(self.num_nextn_predict_layers)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "NemotronHArgs":
+        h = dict(hf)
+        if "text_config" in h and "hidden_size" not in h:
+            h = dict(h["text_config"])
+        for old, new in _ALIASES.items():
+            if old in h:
+                h[new] = h.pop(old)
+        if h.get("layers_block_type") is not None:
+            types = _types(h["layers_block_type"])
+        elif h.get("layer_types") is not None:
+            types = _types(h["layer_types"])
+        elif h.get("hybrid_override_pattern"):
+            types = _types(h["hybrid_override_pattern"])
+        else:
+            types = cls.layer_types
+        if h.get("mtp_layers_block_type") is not None:
+            mtp = _types(h["mtp_layers_block_type"])
+        elif h.get("mtp_hybrid_override_pattern"):
+            mtp = _types(h["mtp_hybrid_override_pattern"])
+        else:
+            mtp = cls.mtp_layer_types
+        names = {f for f in cls.__dataclass_fields__} - {"layer_types", "mtp_layer_types", "extra"}
+        kw = {k: h[k] for k in names if h.get(k) is not None}
+        if h.get("num_key_value_heads") is None and "num_attention_heads" in h:
+            kw["num_key_value_heads"] = h["num_attention_heads"]
+        a = cls(layer_types=types, mtp_layer_types=mtp, extra=h, **kw)
+        check(a)
+        return a
+
+
+def check(a: NemotronHArgs) -> None:
+    """One-line ValueError naming the first config.json key this implementation does not follow."""
+    h = a.extra
+
+    def bad(key, why):
+        raise ValueError(f"config.json {key}={h.get(key, getattr(a, key, None))!r} is not supported for "
+                         f"NemotronH ({why})")
+    if h.get("model_type", NAME) != NAME:
+        bad("model_type", f"expected {NAME!r}")
+    valid = {"linear_attention", "full_attention", "moe", "mlp"}
+    if not a.layer_types or set(a.layer_types) - valid:
+        bad("layers_block_type", f"types {sorted(valid)}")
+    if a.num_nextn_predict_layers and set(a.mtp_layer_types) - valid:
+        bad("mtp_layers_block_type", f"types {sorted(valid)}")
+    if h.get("mamba_hidden_act", "silu") != "silu":
+        bad("mamba_hidden_act", "silu only (the conv activation and the gate)")
+    if a.mlp_hidden_act not in ACTIVATIONS:
+        bad("mlp_hidden_act", f"one of {ACTIVATIONS}")
+    if a.tie_word_embeddings:
+        bad("tie_word_embeddings", "false only")
+    if h.get("sliding_window"):
+        bad("sliding_window", "transformers' NemotronH attention is full causal")
+    if a.mamba_num_heads % a.n_groups:
+        bad("n_groups", "must divide mamba_num_heads")
+    if a.n_routed_experts % a.n_group:
+        bad("n_group", "must divide n_routed_experts")
+    if a.num_attention_heads % a.num_key_value_heads:
+        bad("num_key_value_heads", "must divide num_attention_heads")
+    scoring = h.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        bad("scoring_func", "transformers' NemotronH router is sigmoid only")
+
+
+# -- parameter counts ----------------------------------------------------------------------------------
+def _layer_params(a: NemotronHArgs, kind: str) -> tuple[int, int]:
+    """(total, active per token) parameters of one block, its pre-norm included."""
+    d, norm = a.hidden_size, a.hidden_size
+    if kind == "linear_attention":
+        di, proj = a.mamba_intermediate, a.mamba_intermediate + a.conv_dim + a.mamba_num_heads
+        n = (d * proj + (proj if a.use_bias else 0) + a.conv_dim * a.conv_kernel
+             + (a.conv_dim if a.use_conv_bias else 0) + 3 * a.mamba_num_heads + di + di * d
+             + (d if a.use_bias else 0))
+        return n + norm, n + norm
+    if kind == "full_attention":
+        hd = a.head_dim
+        n = d * hd * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
+        return n + norm, n + norm
+    if kind == "mlp":
+        n = 2 * d * a.intermediate_size + ((a.intermediate_size + d) if a.mlp_bias else 0)
+        return n + norm, n + norm
+    lat, f = a.latent, a.moe_intermediate_size
+    expert = 2 * lat * f
+    shared = 2 * d * a.moe_shared_expert_intermediate_size
+    latent_proj = (2 * d * lat + ((lat + d) if a.mlp_bias else 0)) if a.moe_latent_size else 0
+    router = a.n_routed_experts * d + a.n_routed_experts
+    common = shared + latent_proj + router + norm
+    return common + a.n_routed_experts * expert, common + a.num_experts_per_tok * expert
+
+
+def param_counts(hf: Mapping[str, Any] | NemotronHArgs) -> dict[str, int]:
+    """Total and active parameters of a NemotronH config: `total`, `active` (main network: embeddings,
+    blocks, final norm, LM head), and `mtp_total` / `mtp_active` (the MTP layers, their fusion
+    projections and norms; the embeddings and LM head they share are not counted again)."""
+    a = hf if isinstance(hf, NemotronHArgs) else NemotronHArgs.from_hf(hf)
+    d = a.hidden_size
+    total = active = 2 * a.vocab_size * d + d
+    for t in a.layer_types:
+        tt, aa = _layer_params(a, t)
+        total, active = total + tt, active + aa
+    mt = ma = 0
+    pat = a.mtp_layer_types
+    for i, t in enumerate(a.mtp_types):
+        tt, aa = _layer_params(a, t)
+        extra = (2 * d + 2 * d * d if i % len(pat) == 0 else 0) + (d if i % len(pat) == len(pat) - 1 else 0)
+        mt, ma = mt + tt + extra, ma + aa + extra
+    return dict(total=total, active=active, mtp_total=mt, mtp_active=ma)
