@@ -186,7 +186,16 @@ class OrchestratorConfig:
     # prompts_per_step of them are within max_off_policy of n; `batch` samples batch n's groups together
     # and waits for all of them (one straggler holds the step).
     schedule: str = "continuous"
-    max_inflight: Optional[int] = None         # groups in flight; None = prompts_per_step * (max_off_policy + 1)
+    # ROLLOUTS in flight (each rollout holds its slot until it finishes, not until its group does), the same
+    # budget for both schedules. Until issue 25 this counted groups: an old value v (groups) is now
+    # v * group_size; a value below group_size is refused. None = prompts_per_step * group_size *
+    # (max_off_policy + 1).
+    max_inflight: Optional[int] = None
+    # What happens to tokens older than max_off_policy (docs/async.md): `drop` cancels / drops the whole
+    # group (biased against long episodes); `mask` keeps the episode and gives only its stale tokens loss
+    # mask 0; `admit` is mask plus admission control (a group starts only when its predicted duration lets
+    # it finish within the bound).
+    stale_policy: str = "mask"
     drain_timeout_s: float = 30.0              # at max_steps or a stop: in-flight work cancelled within this
 
 
@@ -310,6 +319,16 @@ def structured(overrides: dict | None = None) -> DictConfig:
         except Exception as e:  # noqa: BLE001 - OmegaConf's errors span lines; the key fits in one
             raise ConfigError(one_line(e)) from None
     return base
+
+
+def typed(cfg) -> Config:
+    """A composed config (dict or DictConfig; a Config is returned as is) as the schema's dataclasses:
+    every key present and typed, the schema's defaults filling what a partial dict leaves out."""
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_object(structured({k: v for k, v in cfg.items() if k not in ("hydra", "_overrides")}))
 
 
 def load(run_dir: str | os.PathLike) -> DictConfig:
@@ -452,8 +471,11 @@ def validate(cfg: DictConfig | dict) -> None:
          "must be positive (or null for no limit)")
     need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")
     need(o.schedule in ("continuous", "batch"), "orchestrator.schedule", "must be continuous or batch")
-    need(o.max_inflight is None or o.max_inflight >= 1, "orchestrator.max_inflight",
-         "must be at least 1 group (or null for prompts_per_step * (max_off_policy + 1))")
+    need(o.max_inflight is None or o.max_inflight >= o.group_size, "orchestrator.max_inflight",
+         f"counts rollouts (not groups, since issue 25): must be at least group_size={o.group_size} "
+         "(or null for prompts_per_step * group_size * (max_off_policy + 1))")
+    need(o.stale_policy in ("drop", "mask", "admit"), "orchestrator.stale_policy",
+         "must be drop, mask or admit")
     need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
     dg = cfg.env.digits
     need(dg.latency_median_s >= 0, "env.digits.latency_median_s", "must be >= 0")
@@ -504,6 +526,19 @@ def validate(cfg: DictConfig | dict) -> None:
     need(i.max_model_len <= m.max_seq_len, "inference.max_model_len",
          f"cannot exceed model.max_seq_len={m.max_seq_len}")
     need(i.kv_offload_cpu_gb >= 0 and i.kv_offload_disk_gb >= 0, "inference.kv_offload_cpu_gb", "must be >= 0")
+    need(i.kv_offload not in ("cpu", "cpu+disk") or i.kv_offload_cpu_gb > 0, "inference.kv_offload_cpu_gb",
+         f"must be positive with inference.kv_offload={i.kv_offload}")
+    need(i.kv_offload != "cpu+disk" or i.kv_offload_disk_gb > 0, "inference.kv_offload_disk_gb",
+         "must be positive with inference.kv_offload=cpu+disk")
+    need(i.nodes >= 1, "inference.nodes", "must be at least 1 (the orchestrator runs there)")
+    need(i.gpus_per_node >= 0, "inference.gpus_per_node", "must be >= 0 (0 = CPU servers)")
+    for k in ("tp", "dp", "ep", "replicas"):
+        need(i[k] >= 1, f"inference.{k}", "must be at least 1")
+    need(i.ep in (1, i.tp * i.dp), "inference.ep",
+         f"vLLM's expert parallel spans the whole replica: ep must be 1 or tp*dp={i.tp * i.dp}")
+    need(m.num_experts % i.ep == 0, "inference.ep", f"must divide model.num_experts={m.num_experts}")
+    need(m.n_kv_heads % i.tp == 0 or i.tp % m.n_kv_heads == 0, "inference.tp",
+         f"must divide or be a multiple of model.n_kv_heads={m.n_kv_heads}")
     need(all(isinstance(a, (str, int, float)) for a in i.extra_args), "inference.extra_args",
          "must be a list of strings")
     r = i.routing

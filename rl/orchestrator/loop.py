@@ -7,7 +7,12 @@ samples batch n's groups together and awaits every one (this module's `build_bat
 `weights/` and loads each new version into every server as soon as it is published (pause with requests
 kept, reload, resume), so long rollouts pick up new weights mid-flight; `VersionTracker` labels every
 completion token with the version that produced it. A group in which any sample falls outside the bound
-is dropped (counted in the batch metadata) and replaced by a fresh group.
+is dropped (counted in the batch metadata) and replaced by a fresh group under
+`orchestrator.stale_policy=drop`; under `mask`/`admit` it is kept and only its tokens beyond the bound get
+loss mask 0 (pool.mask_stale). Both schedules share one budget: `orchestrator.max_concurrency` requests,
+`orchestrator.env_concurrency` environment calls (a single-turn environment's timed grading included)
+and `orchestrator.max_inflight` rollouts; batch mode builds up to min(max_off_policy + 1,
+max_inflight / (prompts_per_step * group_size)) batches at once (pipelined), each awaited whole.
 
 In batch mode the prompts of batch n come from an RNG seeded by (seed, n, attempt), so a resumed
 orchestrator rebuilds the same prompts for the same steps: its data position is the step number itself.
@@ -33,8 +38,10 @@ from rl.orchestrator.client import SESSION as ROUTER_SESSION
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
-from rl.orchestrator.pool import ContinuousPool, IdleClock, min_version
+from rl.orchestrator import pool as _pool
+from rl.orchestrator.pool import ContinuousPool, IdleClock, default_max_inflight, min_version, stale_policy
 from rl.contract.batch import RolloutBatch, Sample, routed_per_token
+from rl.contract.secret import secret_or_none
 from rl.orchestrator.versions import VersionTracker
 from rl.contract import paths
 from rl.contract.records import ServerRecord
@@ -114,6 +121,16 @@ class Orchestrator:
         self.idle = IdleClock()
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
         self.reload_backoff_s = 1.0
+        self.version_time: float | None = None   # when the servers got the current version (monotonic)
+        self.request_sem: asyncio.Semaphore | None = None  # max_concurrency, shared by every batch / group
+        self._env_sem: asyncio.Semaphore | None = None
+
+    @property
+    def env_sem(self) -> asyncio.Semaphore:
+        """orchestrator.env_concurrency: environment calls (tool runs, timed grading) at once."""
+        if self._env_sem is None:
+            self._env_sem = asyncio.Semaphore(int(self.o.env_concurrency))
+        return self._env_sem
 
     # --- weights -------------------------------------------------------------------------------
     def _reports(self, index: int) -> Path:
@@ -135,6 +152,7 @@ class Orchestrator:
         for r in results:
             in_flight.update(r.get("in_flight", {}))
         self.tracker.on_reload(version, in_flight)
+        self.version_time = time.monotonic()
         if self.router_client is not None:  # the servers dropped their prefix caches
             await router_reset_index(self.router_client)
         dt = time.monotonic() - t0
@@ -200,6 +218,7 @@ class Orchestrator:
         finally:
             self.idle.leave()
         tracked = self.tracker.finish(rid, len(c.ids))
+        _pool.count_generated(len(c.ids))  # waste accounting of the pool's rollout (if any)
         # The engine's own per-token version spans are exact; the tracker is the fallback.
         versions = list(c.versions) if c.versions is not None else tracked
         return c, versions
@@ -212,18 +231,27 @@ class Orchestrator:
         prompt_ids = encode_prompt(self.tokenizer, self.env.prompt(task))
         client = self.clients[group % len(self.clients)]
 
+        ascore = getattr(self.env, "ascore", None)  # grading that takes time (a test run) is awaited
+
         async def one(i):
+            # one rollout: generation (within max_concurrency), then grading (within env_concurrency, a
+            # cost like a tool run, not a free sleep); its slot in the pool frees when it is graded
+            _pool.rollout_begin(i)
             async with sem:
                 seed = hash((self.cfg.seed, step, attempt, group, i)) & 0x7FFFFFFF
-                return await self._sample_one(client, prompt_ids, seed)
+                c, versions = await self._sample_one(client, prompt_ids, seed)
+            text = self.tokenizer.decode(c.ids, skip_special_tokens=False)
+            if ascore is not None:
+                async with self.env_sem:
+                    reward = await ascore(task, text)
+            else:
+                reward = self.env.score(task, text)
+            _pool.rollout_end(i)
+            return c, versions, reward
 
         outs = await asyncio.gather(*(one(i) for i in range(self.o.group_size)))
-        texts = [self.tokenizer.decode(c.ids, skip_special_tokens=False) for c, _ in outs]
-        ascore = getattr(self.env, "ascore", None)  # grading that takes time (a test run) is awaited
-        rewards = (await asyncio.gather(*(ascore(task, t) for t in texts)) if ascore is not None
-                   else [self.env.score(task, t) for t in texts])
         samples = []
-        for (c, versions), reward in zip(outs, rewards):
+        for c, versions, reward in outs:
             samples.append(Sample(prompt_ids=prompt_ids, completion_ids=list(c.ids),
                                   completion_logprobs=list(c.logprobs), completion_versions=versions,
                                   reward=float(reward), group=group,
@@ -249,10 +277,13 @@ class Orchestrator:
         min_version = step - self.o.max_off_policy
         if not await self._wait_version(max(min_version, 0)):
             return None
-        sem = asyncio.Semaphore(self.o.max_concurrency)
+        if self.request_sem is None:
+            self.request_sem = asyncio.Semaphore(self.o.max_concurrency)
+        sem = self.request_sem
+        masking = stale_policy(self.o) != "drop"
         t0, idle0 = time.monotonic(), self.idle.idle_s()
         kept: list[list[Sample]] = []
-        dropped = failed = 0
+        dropped = failed = masked = 0
         attempt = 0
         while len(kept) < self.o.prompts_per_step:
             if self.stop.is_set():
@@ -268,6 +299,9 @@ class Orchestrator:
                     failed += 1
                 elif within_off_policy_bound(g, step, self.o.max_off_policy):
                     kept.append(g)
+                elif masking:  # kept; only its tokens beyond the bound leave the loss
+                    masked += _pool.mask_stale(g, min_version)
+                    kept.append(g)
                 else:
                     dropped += 1
             if failed > self.o.prompts_per_step:
@@ -277,7 +311,8 @@ class Orchestrator:
         return self.finish_batch(step, kept, {
             "dropped_groups": dropped, "failed_groups": failed, "gen_s": time.monotonic() - t0,
             "inference_idle_fraction": (self.idle.idle_s() - idle0) / max(time.monotonic() - t0, 1e-9),
-            "dropped_groups_total": self.stats["dropped_groups"], "schedule": "batch"})
+            "dropped_groups_total": self.stats["dropped_groups"], "schedule": "batch", "masked_tokens": masked,
+            "stale_policy": stale_policy(self.o)})
 
     def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict) -> RolloutBatch:
         """Group-relative advantages and the batch metadata (lags, versions, throughput) of `kept`."""
@@ -292,7 +327,9 @@ class Orchestrator:
             s.advantage = float(a)
         gen_s = meta["gen_s"]
         n_gen = sum(len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask) for s in samples)
-        versions = [v for s in samples for v in s.completion_versions if v >= 0]
+        # the trained tokens' versions: masked tokens (observations, stale_policy=mask) are not trained
+        versions = [v for s in samples for v, m in zip(s.completion_versions, s.completion_mask or
+                                                         [1] * len(s.completion_versions)) if m and v >= 0]
         meta = {
             "step": step, "num_samples": len(samples), "num_groups": len(kept), **meta,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
@@ -320,29 +357,49 @@ class Orchestrator:
                   f"{m['version_min']}..{m['version_max']}, dropped {m['dropped_groups']}{pool}")
 
     # --- main loop -----------------------------------------------------------------------------
+    def batch_depth(self) -> int:
+        """Batches built at once in batch mode: each needs prompts_per_step * group_size rollouts of the
+        max_inflight budget, and batch n + d can only start once version n + d - max_off_policy is out."""
+        per = int(self.o.prompts_per_step) * int(self.o.group_size)
+        return max(1, min(int(self.o.max_off_policy) + 1, default_max_inflight(self.o) // per))
+
     async def _run_batches(self, first: int, max_steps: int) -> None:
-        """schedule=batch: batch n's groups sampled together, every one awaited."""
-        while not self.stop.is_set() and not is_done(self.run_dir):
-            step = self._next_missing(first, max_steps)
-            if step is None:
-                # Everything is published; the trainer may still quarantine a corrupt batch, which
-                # makes its step missing again, so keep watching until it is done.
-                await asyncio.sleep(0.5)
-                continue
-            build = asyncio.create_task(self.build_batch(step))
-            while not build.done():  # a stop or DONE cancels the batch being sampled (bounded drain)
+        """schedule=batch: batch n's groups sampled together, every one awaited; up to batch_depth()
+        batches in flight (pipelined), published in step order."""
+        builds: dict[int, asyncio.Task] = {}
+        depth = self.batch_depth()
+        try:
+            while not self.stop.is_set() and not is_done(self.run_dir):
+                missing = self._missing(first, max_steps)
+                if not missing:
+                    # Everything is published; the trainer may still quarantine a corrupt batch, which
+                    # makes its step missing again, so keep watching until it is done.
+                    await asyncio.sleep(0.5)
+                    continue
+                for s in missing[:depth]:
+                    if s not in builds:
+                        builds[s] = asyncio.create_task(self.build_batch(s))
+                step = missing[0]
+                build = builds[step]
                 await asyncio.wait([build], timeout=0.5)
                 if self.watcher is not None and self.watcher.done() and not build.done():
-                    build.cancel()
                     self.check_watcher()
-                if not build.done() and (self.stop.is_set() or is_done(self.run_dir)):
-                    build.cancel()
-                    await asyncio.wait([build], timeout=float(self.o.drain_timeout_s))
+                if not build.done():
+                    continue
+                builds.pop(step)
+                batch = build.result()
+                if batch is None:
                     return
-            batch = build.result()
-            if batch is None:
-                return
-            self.publish_batch(step, batch)
+                self.publish_batch(step, batch)
+        finally:  # a stop or DONE cancels the batches being sampled (bounded drain)
+            for b in builds.values():
+                b.cancel()
+            if builds:
+                await asyncio.wait(list(builds.values()), timeout=float(self.o.drain_timeout_s))
+
+    def _missing(self, first: int, max_steps: int) -> list[int]:
+        have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))
+        return [n for n in range(first, max_steps) if n not in have]
 
     def _next_missing(self, first: int, max_steps: int) -> int | None:
         have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))
@@ -358,8 +415,7 @@ class Orchestrator:
                                          cfg.inference.startup_timeout_s)
         if not servers:
             return 0
-        sf = paths.secret_file(self.run_dir)
-        secret = sf.read_text().strip() if sf.exists() else None
+        secret = secret_or_none(self.run_dir)  # an empty or short secret is refused, never used
         timeout = float(self.o.request_timeout_s)
         self.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
         self._workers = [int(r.dp) * int(r.tp) for r in plan.inference.replicas]  # engines x TP workers
@@ -377,6 +433,7 @@ class Orchestrator:
         max_steps = cfg.trainer.max_steps
         log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; building batches "
                   f"{first}..{max_steps - 1} (those not yet published)")
+        self.request_sem = asyncio.Semaphore(int(self.o.max_concurrency))
         watcher = self.watcher = asyncio.create_task(self._weight_watcher())
         try:
             if self.o.schedule == "continuous":

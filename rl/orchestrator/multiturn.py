@@ -257,14 +257,23 @@ async def sample_group(orch: Any, sem: asyncio.Semaphore, task: Any, group: int,
     limits = RolloutLimits.from_config(orch.cfg)
     if getattr(orch, "_bridge", None) is None:
         orch._bridge = ChatBridge(orch.tokenizer)
-        orch._env_sem = asyncio.Semaphore(int(orch.o.env_concurrency))
+    env_sem = getattr(orch, "env_sem", None)
+    if env_sem is None:  # an orchestrator stand-in without the shared semaphore
+        if getattr(orch, "_env_sem", None) is None:
+            orch._env_sem = asyncio.Semaphore(int(orch.o.env_concurrency))
+        env_sem = orch._env_sem
+    from rl.orchestrator import pool
 
     async def one(i: int) -> Rollout:
+        pool.rollout_begin(i)  # the pool accounts rollouts one by one: this one's slot frees at its end
+
         async def generate(ids, max_tokens, turn):
             async with sem:
                 seed = hash((orch.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
                 return await orch._sample_one(client, ids, seed, max_tokens=max_tokens)
-        return await run_episode(orch.env, task, generate, orch._bridge, limits, orch._env_sem)
+        r = await run_episode(orch.env, task, generate, orch._bridge, limits, env_sem)
+        pool.rollout_end(i)
+        return r
 
     rollouts = await asyncio.gather(*(one(i) for i in range(orch.o.group_size)))
     return [r.sample(group) for r in rollouts]

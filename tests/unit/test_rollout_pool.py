@@ -3,7 +3,10 @@
 The orchestrator is the real one (its env, the digits task with its seeded grading latency; its batch
 assembly and publishing into a real run directory); only the inference server is not there: a group's
 "generation" awaits the prompt's latency and labels its tokens with the policy version current at its
-start, as a server would. A stand-in trainer bumps the version a short while after each published batch.
+start for its first token and the version current at its end for its second (a generation that spans a
+reload), as a server would. A stand-in trainer bumps the version a short while after each published batch.
+Every orchestrator.stale_policy (drop, mask, admit) is run through the exactly-once and per-token bound
+checks.
 The end-to-end runs (real vLLM, real trainer, SIGKILL) are in tests/integration/test_local_run.py.
 """
 from __future__ import annotations
@@ -13,18 +16,21 @@ import json
 import random
 import time
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
 from builders import compose_cfg
 from rl import exchange
-from rl.contract.batch import Sample
+from rl.contract.batch import RolloutBatch, Sample
 from rl.orchestrator.loop import Orchestrator
+from rl.orchestrator import pool as poolmod
 from rl.orchestrator.pool import GroupLog, ContinuousPool, resume_order, trained_group_ids
 from rl.orchestrator.versions import VersionTracker
 from rl.runtime import StopFlag, mark_done
 
 P, K = 4, 1
+POLICIES = ("drop", "mask", "admit")
 
 
 def _orchestrator(run_dir, *overrides):
@@ -38,7 +44,8 @@ def _orchestrator(run_dir, *overrides):
         v = orch.tracker.version
         await asyncio.sleep(task.get("latency_s", 0.0))
         return [Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
-                       completion_versions=[v, v], reward=float(i), group=group, info={"finish_reason": "stop"})
+                       completion_versions=[v, orch.tracker.version], reward=float(i), group=group,
+                       info={"finish_reason": "stop"})
                 for i in range(2)]
     orch._sample_group_or_none = sample
     return orch
@@ -90,13 +97,18 @@ def _check_exactly_once(run_dir, max_steps):
     assert started == set(trained) | dropped       # every started group trained or counted dropped
     assert not set(trained) & dropped               # never both
     assert started == set(range(len(started)))      # no prompt skipped
-    for n, m in metas.items():                      # staleness bounded on what is trained
-        assert m["version_min"] >= n - K, (n, m)
+    for n, m in metas.items():                      # staleness bounded on what is trained, per token
+        assert m["version_min"] is None or m["version_min"] >= n - K, (n, m)
+        b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", n))
+        trained_versions = b.versions[b.loss_mask > 0]
+        assert (trained_versions >= n - K).all(), (n, trained_versions)
+        assert m["lag_max"] <= K
     return metas, started, dropped
 
 
 def test_batches_form_from_what_finishes_and_a_straggler_is_cancelled_not_waited_for(tmp_path):
-    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=2000")
+    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=2000",
+                         "orchestrator.stale_policy=drop")
     slow = [g for g in range(200) if orch.env.sample_tasks(1, random.Random(f"{orch.cfg.seed}-group-{g}"))[0]
             ["latency_s"] > 5]
     assert slow and slow[0] < 4 * P  # a straggler (tens of seconds) among the groups played
@@ -115,7 +127,7 @@ def test_batches_form_from_what_finishes_and_a_straggler_is_cancelled_not_waited
 def test_no_group_starts_that_could_only_go_stale(tmp_path):
     """With the trainer stalled at version 0, at most batches 0..k can be formed; the pool stops
     starting groups once those have room no more, and nothing is published beyond them."""
-    orch = _orchestrator(tmp_path)
+    orch = _orchestrator(tmp_path, "orchestrator.stale_policy=drop")
 
     async def go():
         pool = ContinuousPool(orch, 0, 10, 0)
@@ -130,15 +142,18 @@ def test_no_group_starts_that_could_only_go_stale(tmp_path):
     assert started <= (K + 1) * P + (pool_spare := (K + 1) * P - P), (started, pool_spare)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted_dropped(tmp_path, seed):
+def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted_dropped(tmp_path, seed, policy):
     """Crash the orchestrator at random moments (its memory lost; a torn last log line), discard the
-    batches after a random checkpoint as rl.prepare does, resume; repeat; then run to the end."""
+    batches after a random checkpoint as rl.prepare does, resume; repeat; then run to the end. Under
+    every stale policy."""
     rng = random.Random(seed)
+    pol = f"orchestrator.stale_policy={policy}"
     max_steps, restart = 8, 0
     for _ in range(3):
         first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]  # the checkpoint resumed from
-        orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20")
+        orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
         orch.tracker.version = first
         asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart, kill_after=rng.uniform(0.05, 0.6)))
         with open(tmp_path / "rollouts" / "groups.jsonl", "a") as f:
@@ -146,10 +161,14 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
         have = exchange.list_steps(tmp_path, "rollouts")
         if have:
             exchange.discard_after(tmp_path, "rollouts", rng.choice(have))
+            # a run that had finished before the crash is not done once batches are discarded (a fast
+            # incarnation can reach max_steps, and write DONE, within the kill window)
+            from rl.contract import paths
+            paths.done_file(tmp_path).unlink(missing_ok=True)
         restart += 1
     in_flight_at_crash, _ = resume_order(tmp_path)
     first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]
-    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20")
+    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
     orch.tracker.version = first
     pool = asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart))
     metas, started, dropped = _check_exactly_once(tmp_path, max_steps)
@@ -157,6 +176,8 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
     trained = trained_group_ids(tmp_path)
     assert all(g in trained or g in dropped for g in in_flight_at_crash)
     assert pool.totals["retried"] == len(in_flight_at_crash)
+    if policy != "drop":  # nothing goes stale whole: only the end-of-run drain drops groups
+        assert {e["reason"] for e in GroupLog.read(tmp_path) if e["event"] == "drop"} <= {"drain"}
 
 
 def test_resume_order_reads_the_log_and_the_surviving_batches(tmp_path):
@@ -227,3 +248,147 @@ def test_a_stop_leaves_the_groups_it_interrupts_to_be_played_again(tmp_path):
     assert not [e for e in GroupLog.read(tmp_path) if e["event"] == "drop"]
     retry, _ = resume_order(tmp_path)
     assert in_flight <= set(retry)
+
+
+# --- stale policies (issue 25) ----------------------------------------------------------------------
+def test_mask_keeps_the_straggler_and_masks_only_its_tokens_beyond_the_bound(tmp_path):
+    """stale_policy=mask: a group spanning versions is trained, not cancelled: its tokens older than
+    n - k get loss mask 0 (and no version), the rest keep the group's reward; nothing is dropped stale."""
+    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=30",
+                         "orchestrator.stale_policy=mask")
+    asyncio.run(_run(orch, tmp_path, max_steps=8))
+    metas, started, dropped = _check_exactly_once(tmp_path, 8)
+    assert {e["reason"] for e in GroupLog.read(tmp_path) if e["event"] == "drop"} <= {"drain"}
+    masked = sum(m["masked_tokens"] for m in metas.values())
+    assert masked > 0  # some straggler's first token was beyond the bound when its batch took it
+    last = metas[7]
+    assert last["wasted_tokens_masked_total"] == masked and last["wasted_tokens_cancelled_total"] == 0
+    assert last["wasted_token_fraction"] == pytest.approx(masked / last["generated_tokens_total"])
+    assert last["length_ratio"] > 0 and last["trained_episode_s_p90"] >= last["trained_episode_s_mean"] * 0.5
+
+
+def test_drop_accounts_waste_and_the_bias_against_long_episodes(tmp_path):
+    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=2000",
+                         "orchestrator.stale_policy=drop")
+
+    async def sample(sem, task, group, step, attempt):  # tokens counted as generated, before the wait
+        async def one(i):
+            poolmod.rollout_begin(i)
+            v = orch.tracker.version
+            poolmod.count_generated(2)
+            await asyncio.sleep(task.get("latency_s", 0.0))
+            poolmod.rollout_end(i)
+            return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
+                          completion_versions=[v, v], reward=float(i), group=group, info={"finish_reason": "stop"})
+        return list(await asyncio.gather(one(0), one(1)))
+    orch._sample_group_or_none = sample
+    asyncio.run(_run(orch, tmp_path, max_steps=8))
+    metas, started, dropped = _check_exactly_once(tmp_path, 8)
+    last = metas[7]
+    lost = last["wasted_tokens_cancelled_total"] + last["wasted_tokens_stale_total"]
+    assert last["wasted_tokens_cancelled_total"] > 0 and last["wasted_tokens_masked_total"] == 0
+    assert last["wasted_token_fraction"] > 0
+    assert last["generated_tokens_total"] == last["trained_tokens_total"] + lost + last["wasted_tokens_environment_total"]
+    assert last["started_episode_s_mean"] > last["trained_episode_s_mean"]  # the long ones went stale
+    drops = [e for e in GroupLog.read(tmp_path) if e["event"] == "drop" and e["reason"] == "stale"]
+    assert drops and all("tokens" in e and e["where"] in ("ready", "inflight") for e in drops)
+
+
+def test_max_inflight_counts_rollouts_that_finish_apart(tmp_path):
+    """max_inflight is in rollouts: a group whose other rollouts finished holds one slot, so new groups
+    start beside its straggler."""
+    orch = _orchestrator(tmp_path, "orchestrator.max_inflight=4", "orchestrator.stale_policy=mask")
+    slow_gid = 0
+
+    async def sample(sem, task, group, step, attempt):
+        async def one(i):
+            poolmod.rollout_begin(i)
+            await asyncio.sleep(2.0 if (group == slow_gid and i == 0) else 0.02)
+            poolmod.count_generated(2)
+            poolmod.rollout_end(i)
+            v = orch.tracker.version
+            return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
+                          completion_versions=[v, v], reward=float(i), group=group, info={"finish_reason": "stop"})
+        return list(await asyncio.gather(one(0), one(1)))
+    orch._sample_group_or_none = sample
+
+    async def go():
+        pool = ContinuousPool(orch, 0, 50, 0)
+        job = asyncio.create_task(pool.run(lambda: orch._next_missing(0, 50)))
+        await asyncio.sleep(0.5)
+        rollouts = pool.open_rollouts()
+        started = len({e["group"] for e in GroupLog.read(tmp_path) if e["event"] == "start"})
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        return started, rollouts
+    started, rollouts = asyncio.run(go())
+    assert rollouts <= 4
+    assert started >= 3  # groups 1, 2 ... started while group 0's straggler (one slot) ran
+
+
+def test_admission_waits_for_a_group_that_would_not_fit_and_starts_a_hopeless_one(tmp_path):
+    orch = _orchestrator(tmp_path, "orchestrator.stale_policy=admit", "orchestrator.max_off_policy=2")
+    pool = ContinuousPool(orch, 0, 10, 0)
+    task = {"digits": [1, 2, 3], "latency_s": 0.1}
+    assert pool._admits(task)  # no history: admitted
+    for _ in range(3):
+        pool.durations.add(poolmod.task_key(task), 1.5)
+    pool.step_s, pool._version_t = 1.0, time.monotonic()
+    assert pool._admits(task)                      # 1.5 s fits in the 2 steps (2 s) just begun
+    pool._version_t = time.monotonic() - 1.0
+    assert not pool._admits(task)                  # 1 s left: wait for the next version
+    for _ in range(30):
+        pool.durations.add(poolmod.task_key(task), 5.0)
+    assert pool._admits(task)                      # can never fit: started anyway (masked at the bound)
+    other = {"digits": [4, 5, 6]}
+    for _ in range(10):
+        pool.durations.add(poolmod.task_key({"x": _}), 0.2)
+    assert pool.durations.predict(poolmod.task_key(other)) is not None  # no history: the running median
+
+
+def test_mask_stale_masks_policy_tokens_only():
+    s = Sample([1], [5, 6, 7, 8], [-1.0] * 4, [3, -1, 4, 5], 1.0, 0, completion_mask=[1, 0, 1, 1])
+    assert poolmod.mask_stale([s], bound=5) == 2
+    assert s.completion_mask == [0, 0, 0, 1]
+    t = Sample([1], [5, 6], [-1.0] * 2, [2, 5], 1.0, 0)
+    assert poolmod.mask_stale([t], bound=5) == 1 and t.completion_mask == [0, 1]
+
+
+def test_masked_stale_tokens_never_reach_the_trainers_loss(tmp_path, monkeypatch):
+    """A batch the pool published under stale_policy=mask, read and trained by the real trainer (tiny
+    model, CPU): every token with loss mask 1 in the loss input is within the bound."""
+    from test_batch_guard import tiny_cfg
+
+    from rl.trainer import train as train_mod
+    orch = _orchestrator(tmp_path / "run", "env.digits.latency_outlier_prob=0.15",
+                         "env.digits.latency_outlier_factor=30", "orchestrator.stale_policy=mask")
+    asyncio.run(_run(orch, tmp_path / "run", max_steps=6))
+    metas = _metas(tmp_path / "run")
+    n = max(metas, key=lambda s: (metas[s]["masked_tokens"] > 0 and metas[s]["gen_tokens"] > 0, metas[s]["masked_tokens"]))
+    assert metas[n]["masked_tokens"] > 0 and metas[n]["gen_tokens"] > 0  # some tokens masked, some trained
+    b = RolloutBatch.load(exchange.step_dir(tmp_path / "run", "rollouts", n))
+    seen = []
+    real = train_mod.rows_for_rank
+
+    def spy(mbs, dist):
+        rows = list(real(mbs, dist))
+        seen.extend(rows)
+        return rows
+    monkeypatch.setattr(train_mod, "rows_for_rank", spy)
+    tr = train_mod.Trainer(tiny_cfg(tmp_path / "tr"))
+    m = tr.train_step(b, n)
+    assert seen and m["lag_max"] <= K
+    for row in seen:
+        lag, mask = (row.per_token[k] for k in ("lag", "mask"))
+        lag, mask = np.asarray(lag), np.asarray(mask)
+        assert (lag[mask > 0] <= K).all()
+    assert sum(float(np.asarray(r.per_token["mask"]).sum()) for r in seen) == int(b.loss_mask.sum())
+
+
+def test_stale_policy_and_max_inflight_in_rollouts_are_checked(tmp_path):
+    from rl.contract.config import ConfigError
+    assert compose_cfg(tmp_path, "orchestrator.stale_policy=admit")["orchestrator"]["stale_policy"] == "admit"
+    with pytest.raises(ConfigError, match="must be drop, mask or admit"):
+        compose_cfg(tmp_path, "orchestrator.stale_policy=keep")
+    with pytest.raises(ConfigError, match="counts rollouts"):  # an old value in groups below group_size
+        compose_cfg(tmp_path, "orchestrator.group_size=8", "orchestrator.max_inflight=4")
