@@ -12,18 +12,32 @@ A point is armed through the environment, read once per process:
 
 `point` is a name passed to `crash_point` (see `POINTS`), `role` limits it to one role's processes (the
 role a process announced with `set_role`), `nth` fires on the nth time the point is reached (1 = first),
-and `action` is `exit` (default: os._exit with EXIT_FAULT, no cleanup, like SIGKILL at that instruction)
-or `enospc` (raise OSError(ENOSPC), as a full disk would). Unarmed, `crash_point` is one dict lookup.
+and `action` is `exit` (default: os._exit with EXIT_FAULT, no cleanup, like SIGKILL at that instruction),
+`enospc` (raise OSError(ENOSPC), as a full disk would) or `stall` (sleep there for HETRL_FAULT_STALL_S
+seconds, default 120, then go on: a harness kills or cancels the process while it is known to be
+inside the point, e.g. scancel during prepare). Unarmed, `crash_point` is one dict lookup.
+
+With `HETRL_FAULT_LOG=<file>` every pass of the armed point (in the armed role) appends one JSON line to
+that file (point, role, pid, host, pass number, time, and `fired` with the action on the pass that
+fires), and the passes are counted there, across processes and incarnations, instead of per process: a
+point armed in a Slurm job's environment, which a requeued incarnation inherits, then fires once in the
+whole job, and the harness has the proof that it fired (and in which process) rather than a guess.
 No torch: every role and `rl.prepare` call it.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
+import socket
 import sys
+import time
 
 EXIT_FAULT = 97
 ENV = "HETRL_FAULT"
+LOG_ENV = "HETRL_FAULT_LOG"
+STALL_ENV = "HETRL_FAULT_STALL_S"
+ACTIONS = ("exit", "enospc", "stall")
 
 POINTS = {
     "commit.before_manifest": "exchange.commit: files written and fsynced, no manifest yet",
@@ -54,28 +68,72 @@ def _parse() -> dict:
     parts = spec.split(":")
     point, _, role = parts[0].partition("@")
     if point not in POINTS or len(parts) > 3:
-        raise ValueError(f"{ENV}={spec!r}: expected <point>[@<role>]:<nth>[:exit|enospc], point one of "
-                         f"{', '.join(POINTS)}")
+        raise ValueError(f"{ENV}={spec!r}: expected <point>[@<role>]:<nth>[:{'|'.join(ACTIONS)}], point one "
+                         f"of {', '.join(POINTS)}")
     action = parts[2] if len(parts) == 3 else "exit"
-    if action not in ("exit", "enospc"):
-        raise ValueError(f"{ENV}={spec!r}: action must be exit or enospc")
+    if action not in ACTIONS:
+        raise ValueError(f"{ENV}={spec!r}: action must be one of {', '.join(ACTIONS)}")
     return {"point": point, "role": role or None, "nth": int(parts[1]) if len(parts) > 1 else 1,
-            "action": action}
+            "action": action, "log": os.environ.get(LOG_ENV) or None}
+
+
+def _next_pass(path: str) -> int:
+    """The number (1-based) of this pass of the armed point over every process that logged one so far."""
+    try:
+        with open(path, "rb") as f:
+            n = sum(1 for ln in f if ln.strip()) + 1
+    except FileNotFoundError:
+        n = 1
+    return n
+
+
+def _write_pass(path: str, rec: dict) -> None:
+    """One fsynced line, raw O_APPEND: not rl.exchange's appender, which is itself a crash point."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_log(path) -> list[dict]:
+    """The passes recorded in a HETRL_FAULT_LOG file (a torn line is skipped)."""
+    out = []
+    try:
+        lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    except FileNotFoundError:
+        return out
+    for ln in lines:
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            continue
+    return out
 
 
 def crash_point(name: str, before_exit=None) -> None:
-    """Reached `name`: die here (or raise ENOSPC) if this is the armed point's nth time in this process.
-    `before_exit` runs first (e.g. to leave half a record behind)."""
+    """Reached `name`: die here (raise ENOSPC, stall) if this is the armed point's nth time in this process
+    (in the whole run with HETRL_FAULT_LOG). `before_exit` runs first (e.g. to leave half a record behind)."""
     global _armed
     if _armed is None:
         _armed = _parse()
     if not _armed or _armed["point"] != name or (_armed["role"] and _armed["role"] != _role):
         return
     _seen[name] = _seen.get(name, 0) + 1
-    if _seen[name] != _armed["nth"]:
+    n = _seen[name]
+    if _armed["log"]:  # counted across processes: the nth pass of the whole run, not of this process
+        n = _next_pass(_armed["log"])
+        fires = n == _armed["nth"]
+        _write_pass(_armed["log"], {"point": name, "role": _role, "pid": os.getpid(), "host": socket.gethostname(),
+                                    "pass": n, "time": time.time(), "fired": _armed["action"] if fires else None})
+    if n != _armed["nth"]:
         return
-    print(f"[fault] {name} reached ({_seen[name]}x, role {_role}): {_armed['action']}", file=sys.stderr,
+    print(f"[fault] {name} reached ({n}x, role {_role}): {_armed['action']}", file=sys.stderr,
           flush=True)
+    if _armed["action"] == "stall":
+        time.sleep(float(os.environ.get(STALL_ENV, "120")))
+        return
     if _armed["action"] == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (fault {name})")
     if before_exit is not None:

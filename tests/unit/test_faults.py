@@ -49,3 +49,34 @@ def test_a_misspelt_point_is_a_one_line_error(monkeypatch):
         faults.crash_point("commit.before_rename")
     monkeypatch.delenv(faults.ENV)
     faults.reset()
+
+
+def test_a_logged_point_counts_passes_across_processes_and_records_the_one_that_fired(tmp_path):
+    """HETRL_FAULT_LOG: the nth pass of the whole run fires, not of each process (a Slurm job's requeued
+    incarnation inherits the armed environment and must not fire again), and the log is the proof."""
+    code = "import sys; from rl.exchange import append_jsonl; append_jsonl(sys.argv[1], {'a': 1})"
+    log, flog = tmp_path / "log.jsonl", tmp_path / "faults.jsonl"
+    env = {"HETRL_FAULT": "jsonl.torn:2", faults.LOG_ENV: str(flog), "PATH": "/usr/bin"}
+    first = subprocess.run([sys.executable, "-c", code, str(log)], env=env, capture_output=True, text=True)
+    second = subprocess.run([sys.executable, "-c", code, str(log)], env=env, capture_output=True, text=True)
+    third = subprocess.run([sys.executable, "-c", code, str(log)], env=env, capture_output=True, text=True)
+    assert (first.returncode, second.returncode, third.returncode) == (0, faults.EXIT_FAULT, 0)
+    passes = faults.read_log(flog)
+    assert [p["pass"] for p in passes] == [1, 2, 3]
+    assert [p["fired"] for p in passes] == [None, "exit", None]
+    assert passes[1]["pid"] != passes[0]["pid"] and passes[1]["point"] == "jsonl.torn"
+
+
+def test_a_stall_point_sleeps_there_then_goes_on(monkeypatch, tmp_path):
+    monkeypatch.setenv(faults.ENV, "prune.mid:1:stall")
+    monkeypatch.setenv(faults.STALL_ENV, "0.2")
+    monkeypatch.setenv(faults.LOG_ENV, str(tmp_path / "f.jsonl"))
+    faults.reset()
+    import time
+    t0 = time.monotonic()
+    faults.crash_point("prune.mid")  # returns after the stall
+    assert time.monotonic() - t0 >= 0.2
+    assert faults.read_log(tmp_path / "f.jsonl")[0]["fired"] == "stall"
+    for k in (faults.ENV, faults.STALL_ENV, faults.LOG_ENV):
+        monkeypatch.delenv(k)
+    faults.reset()
