@@ -42,7 +42,7 @@ def check_servable(cfg: dict) -> None:
         raise ConfigError(
             f"model.family={family}: vLLM's CPU build cannot serve {why}; serve it on GPUs "
             f"(cluster=slurm inference.gpus_per_node=N) or, on this machine, use +experiment=kimi_tiny "
-            f"(the trainer alone runs here: pytest tests/unit/test_glm5.py)")
+            f"(the trainer alone runs here: pytest tests/unit/test_families.py)")
 
 
 def _launch(cfg: dict) -> tuple[int, str | None]:

@@ -3,8 +3,8 @@
 `estimate(cfg, plan)` returns, per role, the bytes of each term one GPU (one CPU rank or server when
 the plan runs on CPUs) holds at its peak; `check` refuses a plan whose total exceeds the usable memory
 (or, with `cluster.host_memory_gib`, whose host memory per node does), naming the role and its largest
-term; `table_rows` is what `launch plan` prints. Only the standard library: `launch` never imports
-torch. On the CPU the trainer's terms agree with measured peak memory within a few percent
+term; `table_rows` is what `launch plan` prints. It reads the typed config (rl.contract.config.Config)
+and the plan, and imports only the standard library and rl.contract: `launch` never imports torch. On the CPU the trainer's terms agree with measured peak memory within a few percent
 (tests/integration/test_memory_measured.py); docs/memory.md has the tolerance and the sizing.
 
 Parameters. Counted from the architecture keys of `model` (GQA, or multi-head latent attention when
@@ -67,6 +67,7 @@ import math
 from dataclasses import dataclass, field
 
 from rl.contract import families
+from rl.contract.config import Config, ModelConfig, typed
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -105,9 +106,12 @@ class Shape:
     qk_norm: bool = False              # per-head q/k RMSNorms (the family's row)
 
     @classmethod
-    def from_cfg(cls, m: dict) -> "Shape":
-        sizes = {f.name: int(m.get(f.name) or 0) for f in dataclasses.fields(cls) if f.name != "qk_norm"}
-        return cls(**sizes, qk_norm=families.get(str(m.get("family", "qwen3"))).qk_norm)
+    def from_cfg(cls, m: "ModelConfig | dict") -> "Shape":
+        """The shape of the `model` group (a dict is read on the schema: its defaults fill missing keys)."""
+        if isinstance(m, dict):
+            m = typed({"run_dir": "", "model": m}).model
+        sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(cls) if f.name != "qk_norm"}
+        return cls(**sizes, qk_norm=families.get(m.family).qk_norm)
 
     @property
     def mla(self) -> bool:
@@ -322,17 +326,17 @@ def trainer_acts(s: Shape, *, tokens: int, cb: int, cp: int, ep: int, ac: str, c
                        layer_bwd=int(layer_bwd), tokens=n, row=row)
 
 
-def _trainer(cfg: dict, plan: dict, p: Params, s: Shape) -> RoleMemory:
-    t, tp = cfg["trainer"], plan["trainer"]
+def _trainer(cfg: Config, plan: dict, p: Params, s: Shape) -> RoleMemory:
+    t, tp = cfg.trainer, plan["trainer"]
     world, ep, cp = int(tp["world_size"]), int(tp["ep"]), int(tp["cp"])
     gpus = int(tp["gpus_per_node"])
-    cb = 2 if t.get("dtype", "float32") == "bfloat16" else 4
-    ac = str(t.get("activation_checkpointing", "none"))
-    offload = bool(t.get("cpu_offload", False))
+    cb = 2 if t.dtype == "bfloat16" else 4
+    ac = t.activation_checkpointing
+    offload = t.cpu_offload
     per_rank = -(-p.dense // world) + -(-p.experts_total // world)
     state = [("parameters (fp32 masters)", per_rank * 4), ("gradients (fp32)", per_rank * 4),
              ("optimizer states (Adam m, v)", per_rank * 8)]
-    tokens = max(int(t.get("micro_batch_tokens", 0)), s.max_seq_len)
+    tokens = max(t.micro_batch_tokens, s.max_seq_len)
     acts = trainer_acts(s, tokens=tokens, cb=cb, cp=cp, ep=ep, ac=ac, cpu=gpus == 0)
     kept_name = {"none": "activations (no AC)", "full": "activations (full AC)",
                  "selective": "activations (selective AC)"}[ac]
@@ -347,7 +351,7 @@ def _trainer(cfg: dict, plan: dict, p: Params, s: Shape) -> RoleMemory:
         moe_unit = (p.attn_linear + p.shared + p.router + 2 * s.dim
                     + (s.num_experts // ep) * p.expert) if s.moe_layers else 0
         unit = max(p.embed, moe_unit, p.attn_linear + p.dense_ffn if s.n_dense_layers else 0)
-        ws = unit * (2 * cb + cb + 4) + (unit if t.get("fp8") else 0)
+        ws = unit * (2 * cb + cb + 4) + (unit if t.fp8 else 0)
         terms.append(("FSDP unsharded buffers", ws))
     if gpus:
         terms.append(("CUDA context, NCCL", GPU_RUNTIME))
@@ -370,11 +374,11 @@ def _trainer(cfg: dict, plan: dict, p: Params, s: Shape) -> RoleMemory:
 
 
 # -- inference -------------------------------------------------------------------------------------
-def _weight_bytes(cfg: dict, gpus: int) -> tuple[float, float]:
+def _weight_bytes(cfg: Config, gpus: int) -> tuple[float, float]:
     """(bytes per FP8-able linear param, bytes per other param) as the servers load them."""
-    dt = str(cfg["inference"].get("dtype", "auto"))
-    wb = 4 if dt == "float32" or (dt == "auto" and not gpus and not cfg["model"].get("hf_path")) else 2
-    fp8 = gpus > 0 and str(cfg["inference"].get("fp8_load", "auto")) in ("auto", "fp8")
+    dt = cfg.inference.dtype
+    wb = 4 if dt == "float32" or (dt == "auto" and not gpus and not cfg.model.hf_path) else 2
+    fp8 = gpus > 0 and cfg.inference.fp8_load in ("auto", "fp8")
     return (1 + 4 / FP8_BLOCK ** 2 if fp8 else wb), wb
 
 
@@ -389,16 +393,16 @@ def kv_bytes_per_token(s: Shape, tp: int, kvb: int) -> int:
     return per * s.n_layers
 
 
-def _inference(cfg: dict, plan: dict, p: Params, s: Shape) -> list[RoleMemory]:
-    inf, i, o = plan["inference"], cfg["inference"], cfg.get("orchestrator", {})
+def _inference(cfg: Config, plan: dict, p: Params, s: Shape) -> list[RoleMemory]:
+    inf, i, o = plan["inference"], cfg.inference, cfg.orchestrator
     gpus = int(inf["gpus_per_node"])
     qb, wb = _weight_bytes(cfg, gpus)
     pools: dict[str, list[dict]] = {}
     for r in inf["replicas"]:
         pools.setdefault(r["pool"], []).append(r)
     serving = len(pools.get("decode", [])) or len(pools.get("mixed", [])) or 1
-    concurrency = int(o.get("max_concurrency", 1))
-    max_len = int(i.get("max_model_len", s.max_seq_len))
+    concurrency = o.max_concurrency
+    max_len = i.max_model_len
     out = []
     for pool, reps in pools.items():
         r = reps[0]
@@ -415,34 +419,33 @@ def _inference(cfg: dict, plan: dict, p: Params, s: Shape) -> list[RoleMemory]:
                         "inference.max_model_len"),
                  "workspace": "try inference.tp > 1 (splits attention heads and the sampler's logits)"}
         host = []
-        if i.get("kv_offload"):
+        if i.kv_offload:
             per_node = max(1, gpus // (tp * dp)) if gpus else 1
             host.append((f"KV offload CPU tier, {per_node} server(s)",
-                         int(float(i.get("kv_offload_cpu_gb", 0)) * GiB * per_node)))
+                         int(i.kv_offload_cpu_gb * GiB * per_node)))
         if not gpus:
-            terms.append(("KV cache (kv_cache_gb)", int(max(1, round(float(i.get("kv_cache_gb", 1))))
-                                                                  * GiB)))
+            terms.append(("KV cache (kv_cache_gb)", int(max(1, round(i.kv_cache_gb)) * GiB)))
             out.append(_role(name, 0, len(reps), terms, cfg, host, hints, util=1.0))
             continue
         seqs = 1 if pool == "prefill" else math.ceil(math.ceil(concurrency / serving) / dp)
         kv = seqs * max_len * kv_bytes_per_token(s, tp, wb)
         terms.append((f"KV cache: {seqs} x {max_len} tokens", int(kv)))
-        batch = 16384 if float(cfg.get("cluster", {}).get("gpu_memory_gib", 140.0)) >= 160 else 8192
+        batch = 16384 if cfg.cluster.gpu_memory_gib >= 160 else 8192
         attn = (s.n_heads / tp) * ((2 * (s.qk_nope_head_dim + s.qk_rope_head_dim) + s.v_head_dim) if s.mla else 3 * s.head_dim)
         hidden = 6 * s.dim + attn + s.top_k * (3 * s.moe_hidden_dim + s.dim)
         ws = batch * hidden * wb + 2 * VLLM_MAX_SEQS * s.vocab_size / tp * 4
         terms.append((f"workspace: {batch}-token forward", int(ws)))
         terms.append(("CUDA graphs, NCCL" + (", DeepEP" if ep > 1 else ""),
                       VLLM_RUNTIME_EP if ep > 1 else VLLM_RUNTIME))
-        util = float(i.get("gpu_memory_utilization", 0.9))
+        util = i.gpu_memory_utilization
         out.append(_role(name, gpus, len(reps) * tp * dp, terms, cfg, host, hints, util=util))
     return out
 
 
-def _role(name: str, gpus: int, count: int, terms, cfg: dict, host, hints, util: float) -> RoleMemory:
-    cl = cfg.get("cluster", {})
-    cap_gib = float(cl.get("gpu_memory_gib", 140.0))
-    host_cap = int(float(cl.get("host_memory_gib") or 0) * GiB)
+def _role(name: str, gpus: int, count: int, terms, cfg: Config, host, hints, util: float) -> RoleMemory:
+    cl = cfg.cluster
+    cap_gib = cl.gpu_memory_gib
+    host_cap = int(cl.host_memory_gib * GiB)
     terms = [Term(n, int(b)) for n, b in terms]
     host = [Term(n, int(b)) for n, b in host]
     if not gpus:
@@ -455,16 +458,18 @@ def _role(name: str, gpus: int, count: int, terms, cfg: dict, host, hints, util:
 
 
 # -- the interface -----------------------------------------------------------------------------------
-def estimate(cfg: dict, plan: dict) -> "MemoryReport":
-    """Per-role, per-GPU memory of `plan` (launch.plan.make_plan(cfg)) for the composed config `cfg`."""
-    s = Shape.from_cfg(cfg["model"])
+def estimate(cfg: "Config | dict", plan: dict) -> "MemoryReport":
+    """Per-role, per-GPU memory of `plan` (launch.plan.make_plan(cfg)) for the composed config `cfg`
+    (read as the typed Config: rl.contract.config.typed)."""
+    cfg = typed(cfg)
+    s = Shape.from_cfg(cfg.model)
     p = count_params(s)
     roles = [_trainer(cfg, plan, p, s), *_inference(cfg, plan, p, s)]
-    o = cfg.get("orchestrator", {})
+    o = cfg.orchestrator
     count = lambda n: f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"  # noqa: E731
     notes = [f"model: {count(p.total)} parameters, {count(p.active)} active",
-             f"KV cache counts orchestrator.max_concurrency={o.get('max_concurrency')} requests at "
-             f"inference.max_model_len={cfg['inference'].get('max_model_len')} tokens (the worst case)"]
+             f"KV cache counts orchestrator.max_concurrency={o.max_concurrency} requests at "
+             f"inference.max_model_len={cfg.inference.max_model_len} tokens (the worst case)"]
     return MemoryReport(roles=roles, params_total=p.total, params_active=p.active, notes=notes)
 
 

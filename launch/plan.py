@@ -19,7 +19,9 @@ per-node vLLM argv, which it runs exactly as planned. A Slurm plan's node-local 
 offload dir) start with `${HETRL_NODE_DIR}`, the directory of the node and incarnation, which
 `rl.inference` sets itself (rl.contract.paths.node_dir). The result is checked against the typed plan of
 rl.contract.plan before anything is written, so what the roles read is what was computed here.
-Impossible plans raise `PlanError`, one line naming the key. No torch, no vLLM here.
+The plan is computed from the typed config (rl.contract.config.Config, every key present and typed);
+a rule on the config alone is rl.contract.config.validate's, run first. Impossible plans raise
+`PlanError`, one line naming the key. No torch, no vLLM here.
 """
 from __future__ import annotations
 
@@ -28,13 +30,11 @@ import sys
 from pathlib import Path
 
 from rl.contract import families, paths
-from rl.contract.config import PlanError
+from rl.contract.config import Config, PlanError, resolve_ports, typed, validate
 from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
 REPO = Path(__file__).resolve().parent.parent
 AUTH_MIDDLEWARE = "rl.inference.auth.RunSecret"  # vLLM imports it (--middleware); reads VLLM_API_KEY
-ALL2ALL = ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
-           "pplx", "nixl_ep")
 
 
 def _need(cond: bool, key: str, value, msg: str) -> None:
@@ -46,6 +46,8 @@ def _plain(cfg) -> dict:
     if isinstance(cfg, dict):
         return cfg
     from omegaconf import OmegaConf
+    if isinstance(cfg, Config):
+        return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -53,29 +55,22 @@ run_id = paths.run_id
 
 
 # -- trainer -----------------------------------------------------------------------------------------
-def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
-    t, m = cfg["trainer"], cfg["model"]
-    p = t["parallel"]
-    nodes, gpn = int(t["nodes"]), int(t["gpus_per_node"])
-    _need(nodes >= 1, "trainer.nodes", nodes, "must be at least 1")
-    _need(gpn >= 0, "trainer.gpus_per_node", gpn, "must be >= 0 (0 = CPU ranks)")
-    dims = p["dp_shard"] * p["ep"] * p["cp"]
-    _need(m["num_experts"] % p["ep"] == 0, "trainer.parallel.ep", p["ep"],
-          f"must divide model.num_experts={m['num_experts']}")
-    _need(p["cp"] == 1 or m["max_seq_len"] % (2 * p["cp"]) == 0, "trainer.parallel.cp", p["cp"],
-          f"2*cp must divide model.max_seq_len={m['max_seq_len']}")
+def _trainer(cfg: Config, run_dir: str, python: str) -> dict:
+    t = cfg.trainer
+    p = t.parallel
+    nodes, gpn = t.nodes, t.gpus_per_node
+    dims = p.dp_shard * p.ep * p.cp
     if gpn > 0:
         nproc = gpn
         world = nodes * gpn
-        _need(dims == world, "trainer.parallel", f"{p['dp_shard']}x{p['ep']}x{p['cp']}",
+        _need(dims == world, "trainer.parallel", f"{p.dp_shard}x{p.ep}x{p.cp}",
               f"dp_shard*ep*cp={dims} must equal the trainer GPUs trainer.nodes*trainer.gpus_per_node={world}")
     else:
         # CPU ranks (gloo): the parallel dims choose the world size; it must spread evenly over the nodes.
         _need(dims % nodes == 0, "trainer.nodes", nodes,
               f"must divide the CPU world size dp_shard*ep*cp={dims}")
         nproc, world = dims // nodes, dims
-    port = int(t.get("master_port", 29500))
-    _need(1024 <= port <= 65535, "trainer.master_port", port, "must be a TCP port in [1024, 65535]")
+    port = t.master_port
     role_cmd = ["-m", "rl.trainer", "--run-dir", run_dir]
     # torchrun's agent handles only TERM, INT, HUP and QUIT by default: Slurm's time-limit USR1 (scancel
     # --signal=USR1 reaches every task) killed it with status 138, which the batch script takes for a crash
@@ -91,32 +86,26 @@ def _trainer(cfg: dict, run_dir: str, python: str) -> dict:
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}",
                    f"--rdzv-id={run_id(run_dir)}", signals, *role_cmd]
     return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,
-            "dp_shard": p["dp_shard"], "ep": p["ep"], "cp": p["cp"], "master_port": port,
+            "dp_shard": p.dp_shard, "ep": p.ep, "cp": p.cp, "master_port": port,
             "device": "cuda" if gpn else "cpu", "backend": "nccl" if gpn else "gloo",
             "command": command}
 
 
 # -- inference ---------------------------------------------------------------------------------------
-def _kv_transfer(cfg: dict, pd: bool, disk_dir: str) -> tuple[dict | None, dict]:
+def _kv_transfer(cfg: Config, pd: bool, disk_dir: str) -> tuple[dict | None, dict]:
     """vLLM --kv-transfer-config for P/D (NIXL) and/or KV offload, plus the env LMCache reads."""
-    i = cfg["inference"]
-    off = i.get("kv_offload")
+    i = cfg.inference
+    off = i.kv_offload
     connectors, env = [], {}
     if pd:
         connectors.append({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
     if off == "cpu":
-        _need(i["kv_offload_cpu_gb"] > 0, "inference.kv_offload_cpu_gb", i["kv_offload_cpu_gb"],
-              "must be positive with inference.kv_offload=cpu")
         connectors.append({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"cpu_bytes_to_use": int(i["kv_offload_cpu_gb"] * 2**30)}})
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": int(i.kv_offload_cpu_gb * 2**30)}})
     elif off == "cpu+disk":
-        _need(i["kv_offload_cpu_gb"] > 0, "inference.kv_offload_cpu_gb", i["kv_offload_cpu_gb"],
-              "must be positive with inference.kv_offload=cpu+disk")
-        _need(i["kv_offload_disk_gb"] > 0, "inference.kv_offload_disk_gb", i["kv_offload_disk_gb"],
-              "must be positive with inference.kv_offload=cpu+disk")
         connectors.append({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
-        env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(i["kv_offload_cpu_gb"]),
-               "LMCACHE_LOCAL_DISK": f"file://{disk_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": str(i["kv_offload_disk_gb"])}
+        env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(i.kv_offload_cpu_gb),
+               "LMCACHE_LOCAL_DISK": f"file://{disk_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": str(i.kv_offload_disk_gb)}
     if not connectors:
         return None, env
     if len(connectors) == 1:
@@ -125,23 +114,13 @@ def _kv_transfer(cfg: dict, pd: bool, disk_dir: str) -> tuple[dict | None, dict]
             "kv_connector_extra_config": {"connectors": connectors}}, env
 
 
-def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) -> dict:
-    i, m = cfg["inference"], cfg["model"]
-    nodes, gpn = int(i["nodes"]), int(i["gpus_per_node"])
-    tp, dp, ep, replicas = int(i["tp"]), int(i["dp"]), int(i["ep"]), int(i["replicas"])
-    _need(nodes >= 1, "inference.nodes", nodes, "must be at least 1 (the orchestrator runs there)")
-    _need(gpn >= 0, "inference.gpus_per_node", gpn, "must be >= 0 (0 = CPU servers)")
-    for k, v in (("tp", tp), ("dp", dp), ("ep", ep), ("replicas", replicas)):
-        _need(v >= 1, f"inference.{k}", v, "must be at least 1")
+def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str) -> dict:
+    i = cfg.inference
+    nodes, gpn = i.nodes, i.gpus_per_node
+    tp, dp, ep, replicas = i.tp, i.dp, i.ep, i.replicas
     size = tp * dp
-    _need(ep in (1, size), "inference.ep", ep,
-          f"vLLM's expert parallel spans the whole replica: ep must be 1 or tp*dp={size}")
-    _need(m["num_experts"] % ep == 0, "inference.ep", ep, f"must divide model.num_experts={m['num_experts']}")
-    _need(m["n_kv_heads"] % tp == 0 or tp % m["n_kv_heads"] == 0, "inference.tp", tp,
-          f"must divide or be a multiple of model.n_kv_heads={m['n_kv_heads']}")
-    a2a = i.get("all2all_backend", "auto")
-    _need(a2a in ALL2ALL, "inference.all2all_backend", a2a, f"must be one of {', '.join(ALL2ALL)}")
-    pn, dn = int(i["prefill_nodes"]), int(i["decode_nodes"])
+    a2a = i.all2all_backend
+    pn, dn = i.prefill_nodes, i.decode_nodes
     pd = pn > 0 or dn > 0
     if pd:
         _need(pn > 0 and dn > 0, "inference.prefill_nodes" if pn <= 0 else "inference.decode_nodes",
@@ -175,18 +154,18 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
         _need(size == 1, "inference.tp", tp, "CPU servers (gpus_per_node=0) run tp=dp=1")
         layout = [("mixed", replicas, nodes)]
 
-    out, first_node, port = [], 0, int(i["port"])
+    out, first_node, port = [], 0, i.port
     # On Slurm the node-local paths are per node and incarnation (rl.contract.paths.node_dir), which only
     # the node knows: `${HETRL_NODE_DIR}`, which rl.inference sets before it expands the plan's argv and
     # env. The local backend runs one incarnation at a time on one host and keeps the run's directory.
-    slurm = cfg.get("cluster", {}).get("backend", "local") == "slurm"
+    slurm = cfg.cluster.backend == "slurm"
     node_dir = f"${{{paths.NODE_DIR_VAR}}}" if slurm else local_dir
     # Routed expert ids come back only from vLLM's GPU MoE kernels (0.32 refuses the flag on the CPU).
-    capture = bool(cfg["trainer"].get("router_replay")) and gpn > 0
+    capture = cfg.trainer.router_replay and gpn > 0
     env_common = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, weight versions
     if not gpn:
-        env_common["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(float(i["kv_cache_gb"])))))
-    if cfg.get("cluster", {}).get("backend", "local") == "local":
+        env_common["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(i.kv_cache_gb))))
+    if cfg.cluster.backend == "local":
         env_common["VLLM_HOST_IP"] = host
     for pool, count, pool_nodes in layout:
         node_span = max(1, size // gpn) if gpn else 1
@@ -197,9 +176,9 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
             kv, kv_env = _kv_transfer(cfg, pd, paths.node_kv_dir(node_dir))
             model_dir = paths.node_model_dir(node_dir, idx)
             args = ["--host", host, "--port", str(port + idx), "--served-model-name", SERVED_MODEL_NAME,
-                    "--dtype", i["dtype"], "--max-model-len", str(i["max_model_len"]),
+                    "--dtype", i.dtype, "--max-model-len", str(i.max_model_len),
                     "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp),
-                    "--seed", str(cfg.get("seed", 0)),
+                    "--seed", str(cfg.seed),
                     "--worker-extension-cls", "rl.inference.worker_ext.WeightSyncExtension",
                     "--generation-config", "vllm",
                     # the token-in/token-out endpoint with per-token weight versions
@@ -210,23 +189,23 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                     # ones); the launcher gives every run a secret, and launch imports no role: its name here
                     "--middleware", AUTH_MIDDLEWARE]
             if gpn:
-                args += ["--gpu-memory-utilization", str(i.get("gpu_memory_utilization", 0.9))]
+                args += ["--gpu-memory-utilization", str(i.gpu_memory_utilization)]
             if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
                 args.append("--enable-return-routed-experts")
             if ep > 1:
                 backend = a2a if a2a != "auto" else (
                     "deepep_low_latency" if pool == "decode" else "deepep_high_throughput") if gpn else "naive"
                 args += ["--enable-expert-parallel", "--all2all-backend", backend]
-            row = families.get(cfg["model"].get("family", "qwen3"))
+            row = families.get(cfg.model.family)
             if not gpn:  # the family's vLLM-cpu arguments (rl.contract.families, docs/cpu.md)
                 args += list(row.vllm_cpu_args)
-            if i.get("enforce_eager"):
+            if i.enforce_eager:
                 args.append("--enforce-eager")
                 if not gpn:
                     args += list(row.vllm_cpu_eager_args)
             if kv is not None:
                 args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
-            args += [str(a) for a in i.get("extra_args", [])]
+            args += [str(a) for a in i.extra_args]
             node_args = [[]]
             # One node: the OpenAI server module (`vllm serve` refuses vllm-cpu's package name).
             entry = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
@@ -237,7 +216,7 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 # API server would use only its own node's ranks; one API server, so the weight
                 # version and pause state live in one place.
                 local = gpn // tp
-                rpc = int(i.get("dp_rpc_port", 13345)) + idx
+                rpc = i.dp_rpc_port + idx
                 entry = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir]
                 args += ["--data-parallel-size-local", str(local), "--data-parallel-address",
                          "${HETRL_ROLE_ADDR}", "--data-parallel-rpc-port", str(rpc)]
@@ -247,7 +226,7 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
                 "index": idx, "name": f"inference_{idx}", "pool": pool, "node": node, "nodes": node_span,
                 "gpus_per_node": min(size, gpn) if gpn else 0, "tp": tp, "dp": dp, "ep": ep,
                 "host": host, "port": port + idx,
-                "dp_rpc_port": int(i.get("dp_rpc_port", 13345)) + idx if len(node_args) > 1 else None,
+                "dp_rpc_port": i.dp_rpc_port + idx if len(node_args) > 1 else None,
                 "model_dir": model_dir,
                 "vllm_command": [*entry, *args],
                 "node_args": node_args,
@@ -256,15 +235,15 @@ def _inference(cfg: dict, run_dir: str, python: str, local_dir: str, host: str) 
             })
         first_node += pool_nodes
     router = None
-    if i.get("router"):
-        router = {"host": host, "port": int(i["router_port"]), "node": 0,
+    if i.router:
+        router = {"host": host, "port": i.router_port, "node": 0,
                   "command": [python, "-m", "rl.inference.router", "--run-dir", run_dir]}
     return {"nodes": nodes, "gpus_per_node": gpn, "tp": tp, "dp": dp, "ep": ep, "replica_gpus": size,
-            "disaggregated": pd, "prefill_nodes": pn, "decode_nodes": dn, "kv_offload": i.get("kv_offload"),
+            "disaggregated": pd, "prefill_nodes": pn, "decode_nodes": dn, "kv_offload": i.kv_offload,
             "replicas": out, "router": router}
 
 
-def _check_ports(trainer: dict, inf: dict, cfg: dict) -> None:
+def _check_ports(trainer: dict, inf: dict, cfg: Config) -> None:
     """Ports of processes that share a node must differ; a taken port names the key that set it."""
     used: dict[int, str] = {}
     for r in inf["replicas"]:
@@ -274,28 +253,25 @@ def _check_ports(trainer: dict, inf: dict, cfg: dict) -> None:
         extra.append((inf["router"]["port"], "inference.router_port"))
     extra += [(r["dp_rpc_port"], "inference.dp_rpc_port") for r in inf["replicas"] if r["dp_rpc_port"]]
     for port, key in extra:
-        _need(port not in used, key, cfg["inference"].get(key.split(".")[1]),
+        _need(port not in used, key, getattr(cfg.inference, key.split(".")[1]),
               f"port {port} collides with {used.get(port)} (ports {min(used)}..{max(used)} are taken)")
         used[port] = key
-    _need(all(1 <= p <= 65535 for p in used), "inference.port", cfg["inference"]["port"],
+    _need(all(1 <= p <= 65535 for p in used), "inference.port", cfg.inference.port,
           "the plan's ports run past 65535")
 
 
 # -- sandbox nodes -----------------------------------------------------------------------------------
-def _sandboxes(cfg: dict, run_dir: str, python: str) -> dict | None:
+def _sandboxes(cfg: Config, run_dir: str, python: str) -> dict | None:
     """Het group 2: one sandbox service per CPU node, or None (sandboxes on the orchestrator's node)."""
-    cl = cfg.get("cluster", {})
-    n = int(cl.get("sandbox_nodes") or 0)
-    _need(n >= 0, "cluster.sandbox_nodes", n, "must be >= 0")
+    cl = cfg.cluster
+    n = cl.sandbox_nodes
     if n == 0:
         return None
-    _need(cfg.get("env", {}).get("name") == "swe", "cluster.sandbox_nodes", n,
-          f"sandbox nodes serve SWE sandboxes; env.name={cfg.get('env', {}).get('name')} has none")
     services = [{"index": i, "name": f"sandbox_{i}", "node": i,
                  "command": [python, "-m", "rl.envs.swe.service", "--run-dir", run_dir, "--index", str(i)]}
                 for i in range(n)]
-    return {"nodes": n, "partition": cl.get("sandbox_partition") or cl.get("partition"),
-            "account": cl.get("sandbox_account") or cl.get("account"), "services": services}
+    return {"nodes": n, "partition": cl.sandbox_partition or cl.partition,
+            "account": cl.sandbox_account or cl.account, "services": services}
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -305,23 +281,27 @@ def _env(role: str, group: int, run_dir: str, **extra) -> dict:
 
 
 def make_plan(cfg, check_memory: bool = True) -> dict:
-    """The allocation plan of `cfg` (a composed config, dict or DictConfig) as a JSON-able dict.
+    """The allocation plan of `cfg` (a composed config: dict, DictConfig or rl.contract.config.Config) as a
+    JSON-able dict, computed from the typed Config.
 
-    With `check_memory`, a plan whose estimated per-GPU memory exceeds the GPU is refused (PlanError
-    naming the role and the term); `launch plan` prints the table either way."""
-    cfg = _plain(cfg)
-    run_dir = str(Path(cfg.get("run_dir") or ".").absolute())
-    from rl.contract.config import resolve_ports
-    resolve_ports({**cfg, "run_dir": run_dir})  # ports left at 0 (auto), as the launcher resolves them
-    cl = cfg.get("cluster", {})
-    python = cl.get("python") or sys.executable
+    The config is validated first (rl.contract.config.validate: every rule on the config alone lives there);
+    what is refused here is what only the plan can see (GPUs that do not split into replicas, ports that
+    collide). With `check_memory`, a plan whose estimated per-GPU memory exceeds the GPU is refused
+    (PlanError naming the role and the term); `launch plan` prints the table either way."""
+    c = _plain(cfg)
+    run_dir = str(Path(c["run_dir"] or ".").absolute())
+    resolve_ports({**c, "run_dir": run_dir})  # ports left at 0 (auto), as the launcher resolves them
+    c = {**c, "run_dir": run_dir}
+    validate(c)
+    cfg = typed(c)
+    cl = cfg.cluster
+    python = cl.python or sys.executable
     rid = run_id(run_dir)
-    backend = cl.get("backend", "local")
-    local_dir = paths.node_local_dir(cl.get("node_local_dir", "/tmp/hetrl"), run_dir)
-    grace = int(cl.get("signal_grace_s", 120))
-    _need(grace >= 10, "cluster.signal_grace_s", grace, "leave at least 10 s to checkpoint")
+    backend = cl.backend
+    local_dir = paths.node_local_dir(cl.node_local_dir, run_dir)
+    grace = cl.signal_grace_s
     # Servers on Slurm must be reachable from the other het group; locally nothing else needs them.
-    host = cfg["inference"].get("host") or ("0.0.0.0" if backend == "slurm" else "127.0.0.1")
+    host = cfg.inference.host or ("0.0.0.0" if backend == "slurm" else "127.0.0.1")
     trainer = _trainer(cfg, run_dir, python)
     inf = _inference(cfg, run_dir, python, local_dir, host)
     _check_ports(trainer, inf, cfg)
@@ -340,7 +320,7 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
                   "command": [python, "-m", "rl.orchestrator", "--run-dir", run_dir],
                   "env": _env("orchestrator", 1, run_dir)})
     sbx = _sandboxes(cfg, run_dir, python)
-    for sv in (sbx or {}).get("services", []):
+    for sv in sbx["services"] if sbx else []:
         roles.append({"name": sv["name"], "het_group": 2, "node": sv["node"], "nodes": 1, "gpus_per_node": 0,
                       "command": sv["command"],
                       "env": _env("sandbox", 2, run_dir, HETRL_SANDBOX_INDEX=sv["index"])})
@@ -356,7 +336,7 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
                        "sbatch": {"partition": sbx["partition"], "account": sbx["account"], "gres": None,
                                   "constraint": None}})
     plan = {
-        "version": PLAN_VERSION, "experiment": cfg.get("experiment") or "run", "backend": backend,
+        "version": PLAN_VERSION, "experiment": cfg.experiment or "run", "backend": backend,
         "run_dir": run_dir, "run_id": rid,
         "python": python, "workdir": str(REPO), "node_local_dir": local_dir,
         "signal_grace_s": grace, "exit_preempted": paths.EXIT_PREEMPTED,

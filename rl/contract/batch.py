@@ -16,7 +16,7 @@ the file is the one its producer wrote, not that the producer wrote something tr
 there with its layout's dtype and length, offsets run from 0 to the number of tokens without going
 back, float arrays are finite, token ids lie in [0, vocab_size) and the loss mask is 0/1. Anything else
 is `InvalidBatch` with a one-line reason naming the file, the field and the value; the trainer sets
-such a batch aside like a corrupt one (rl.trainer.train.next_batch).
+such a batch aside like a corrupt one (rl.trainer.loop.next_batch).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_KINDS = ("gqa", "mla", "dsa")
+ATTENTION_KINDS = ("gqa", "mla", "dsa", "hybrid")  # hybrid: Mamba-2 + GQA layers (NemotronH)
 
 # The ModelConfig fields a checkpoint's config.json determines, by attention kind (rl.contract.hf reads
 # them); every other derived field is 0 for that kind.
@@ -24,6 +24,9 @@ COMMON_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "top_k", "rope_thet
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "n_shared_experts", "n_dense_layers", "dense_hidden_dim")
 DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+# hybrid (Mamba-2 / GQA / MoE): no positional embedding, so no rope_theta; the Mamba sizes have no
+# ModelConfig fields (the trainer builds the network from config.json, rl.trainer.model.network_config)
+HYBRID_FIELDS = tuple(f for f in COMMON_FIELDS if f != "rope_theta")
 # every ModelConfig field that comes from a checkpoint (the rest: name, family, hf_path, max_seq_len)
 DERIVED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
            "num_experts", "top_k", "rope_theta") + MLA_FIELDS + DSA_FIELDS
@@ -51,7 +54,7 @@ _DSV3_EXTRA = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 class Family:
     name: str                              # model.family
     package: str                           # rl/models/<package>/: builder, sharding, state-dict adapter
-    attention: str                         # gqa | mla | dsa (MLA + DeepSeek sparse attention's indexer)
+    attention: str                         # gqa | mla | dsa (MLA + DeepSeek sparse attention's indexer) | hybrid
     model_types: tuple[str, ...]           # config.json model_type values that are this family
     # model_types of another family's format this family may be asked for explicitly (model.family=...)
     also_model_types: tuple[str, ...] = ()
@@ -64,10 +67,16 @@ class Family:
     cpu_unservable: str | None = None      # why vLLM's CPU build cannot serve it (None: it can)
     vllm_cpu_args: tuple[str, ...] = ()    # vLLM arguments on the CPU
     vllm_cpu_eager_args: tuple[str, ...] = ()   # ... and with inference.enforce_eager
+    # modules the FP8 publisher keeps in the checkpoint dtype beyond rl.exchange.layout.default_quantize's
+    # own list, written as a checkpoint's quantization_config ignore list (`re:` = fullmatch on the module
+    # name); rl.contract.hf.ignored_modules adds them to the checkpoint's list
+    fp8_keep_modules: tuple[str, ...] = ()
 
     @property
     def checkpoint_fields(self) -> tuple[str, ...]:
         """The ModelConfig fields config.json determines for this family (the rest of DERIVED are 0)."""
+        if self.attention == "hybrid":
+            return HYBRID_FIELDS
         return COMMON_FIELDS + (MLA_FIELDS if self.attention in ("mla", "dsa") else ()) + (
             DSA_FIELDS if self.attention == "dsa" else ())
 
@@ -107,6 +116,29 @@ ROWS = (
            twin_extra=_DSV3_EXTRA, twin_drop=("num_nextn_predict_layers",),
            cpu_unservable="DeepSeek sparse attention (GLM-5's DSA)",
            vllm_cpu_args=_MLA_CPU_ARGS, vllm_cpu_eager_args=_MLA_CPU_EAGER_ARGS),
+    # Nemotron-3 (Nano / Super / Ultra): hybrid Mamba-2 / GQA / LatentMoE (+ frozen MTP layers). The twin is
+    # tests/unit/test_nemotron_h.py's parity config (every block kind, one MTP step); its MTP tensors are
+    # added by rl.models.nemotron_h.twin_tensors (transformers has no MTP module). vLLM 0.32's CPU build fails
+    # at model construction: NemotronH's routed experts are non-gated (relu2) and its fused-MoE layer raises
+    # "NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now"
+    # (vllm/model_executor/layers/fused_moe/config.py, measured).
+    Family("nemotron_h", "nemotron_h", "hybrid", ("nemotron_h",), hf_config_class="NemotronHConfig",
+           hf_model_class="NemotronHForCausalLM",
+           twin=dict(hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                        "linear_attention", "mlp", "moe"],
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                     ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4,
+                     chunk_size=8, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                     moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+                     mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=512),
+           cpu_unservable=("NemotronH's non-gated (relu2) MoE: vLLM 0.32 CPU fails at model construction with "
+                           "\"NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and "
+                           "ROCm for now\""),
+           # rl.models.nemotron_h.state_dict_adapter.FP8_KEEP_DTYPE as modules: the Mamba mixer's own
+           # parameters (A_log, D, dt_bias), its conv1d, the router gate (+ its bias correction), embeddings
+           fp8_keep_modules=(r"re:(.*\.)?layers\.\d+\.mixer", r"re:.*\.mixer\.conv1d", r"re:.*\.mixer\.gate",
+                             r"re:(.*\.)?embeddings", r"re:(.*\.)?lm_head")),
 )
 
 BY_NAME = {f.name: f for f in ROWS}

@@ -102,7 +102,8 @@ def quantization(cfg: Mapping[str, Any]) -> dict | None:
         return None
     method = q.get("quant_method")
     if method not in SUPPORTED_QUANT:
-        raise CheckpointError(f"config.json quantization_config.quant_method={method!r} is not supported "
+        algo = f" (quant_algo={q['quant_algo']!r})" if q.get("quant_algo") else ""  # e.g. modelopt NVFP4
+        raise CheckpointError(f"config.json quantization_config.quant_method={method!r}{algo} is not supported "
                               f"(the loader reads {', '.join(SUPPORTED_QUANT)}: block-scaled e4m3)")
     block = q.get("weight_block_size")
     if block is not None and list(block) != [128, 128]:
@@ -113,11 +114,16 @@ def quantization(cfg: Mapping[str, Any]) -> dict | None:
 
 
 def ignored_modules(cfg: Mapping[str, Any]) -> list[str]:
-    """Modules the checkpoint's quantization_config keeps unquantized (its ignore list), as written."""
+    """Modules the FP8 publisher keeps unquantized: the checkpoint's quantization_config ignore list, as
+    written, plus its family's `fp8_keep_modules` (rl.contract.families; e.g. NemotronH's Mamba conv1d,
+    router gate and embeddings, which rl.exchange.layout.default_quantize's names do not cover)."""
     q = text_config(cfg).get("quantization_config") or cfg.get("quantization_config") or {}
     out = []
     for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
         out += [str(x) for x in (q.get(key) or [])]
+    family = families.BY_MODEL_TYPE.get(cfg.get("model_type"))
+    if family is not None:
+        out += [m for m in families.BY_NAME[family].fp8_keep_modules if m not in out]
     return out
 
 
@@ -144,6 +150,9 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
             raise CheckpointError(f"config.json: {k} is missing (needed for family {family})")
         return tc[k]
 
+    attention = families.get(family).attention
+    if attention == "hybrid":
+        return _hybrid_fields(tc, need)
     out = dict(vocab_size=int(need("vocab_size")), dim=int(need("hidden_size")),
                n_layers=int(need("num_hidden_layers")), n_heads=int(need("num_attention_heads")),
                top_k=int(need("num_experts_per_tok")), rope_theta=rope_theta(tc),
@@ -151,7 +160,6 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
     zero = dict(q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
                 n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0,
                 index_head_dim=0, index_topk=0)
-    attention = families.get(family).attention
     if attention == "gqa":
         if tc.get("mlp_only_layers") or int(tc.get("decoder_sparse_step", 1)) != 1:
             raise CheckpointError("config.json: Qwen3-MoE with dense layers (mlp_only_layers / "
@@ -171,6 +179,27 @@ def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
         out.update(index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
                    index_topk=int(need("index_topk")))
     return out
+
+
+_HYBRID_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def _hybrid_fields(tc: Mapping[str, Any], need) -> dict:
+    """ModelConfig values of a hybrid (NemotronH) config.json: its GQA attention and routed-expert sizes;
+    the Mamba-2 sizes stay in config.json, which the trainer builds the network from. No RoPE (rope_theta
+    is left as the yaml has it); the MLA / DSA fields are 0."""
+    types = tc.get("layers_block_type") or tc.get("layer_types") or [
+        _HYBRID_PATTERN.get(c, c) for c in (tc.get("hybrid_override_pattern") or "")]
+    n_layers = len(types) or int(need("num_hidden_layers"))
+    n_heads = int(need("num_attention_heads"))
+    dim = int(need("hidden_size"))
+    return dict(vocab_size=int(need("vocab_size")), dim=dim, n_layers=n_layers, n_heads=n_heads,
+                n_kv_heads=int(tc.get("num_key_value_heads") or n_heads),
+                head_dim=int(tc.get("head_dim") or dim // n_heads), top_k=int(need("num_experts_per_tok")),
+                moe_hidden_dim=int(need("moe_intermediate_size")), num_experts=int(need("n_routed_experts")),
+                q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+                n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0, index_head_dim=0,
+                index_topk=0)
 
 
 def resolve_model(model: dict, defaults: Mapping[str, Any]) -> dict:

@@ -51,6 +51,7 @@ def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: i
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
     model.save_pretrained(str(out), safe_serialization=True)
+    _add_family_tensors(out, family, seed, dtype)
     # transformers does not write the keys vLLM relies on; config.json is the one both read
     keep = (*row.twin_extra, "dtype", "torch_dtype")
     (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()),
@@ -59,6 +60,23 @@ def write_twin(out_dir: str | Path, family: str, *, seed: int = 0, vocab_size: i
         {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": True, "temperature": 1.0, "top_p": 1.0,
          "top_k": 0}, indent=1))
     return out
+
+
+def _add_family_tensors(out: Path, family: str, seed: int, dtype: str) -> None:
+    """Tensors the family's checkpoints carry that transformers' model does not write (NemotronH's MTP
+    layers): the family module's `twin_tensors(config, seed, dtype)`, when it has one, added to the shard."""
+    from rl import models
+    extra = getattr(models.family_module(family), "twin_tensors", None)
+    if extra is None:
+        return
+    tensors = extra(json.loads((out / "config.json").read_text()), seed=seed + 2, dtype=dtype)
+    if not tensors:
+        return
+    from safetensors.torch import load_file, save_file
+    shard = out / "model.safetensors"
+    if not shard.is_file():
+        raise RuntimeError(f"{out}: transformers wrote a sharded checkpoint; a twin is one model.safetensors")
+    save_file({**load_file(str(shard)), **tensors}, str(shard), metadata={"format": "pt"})
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ REGISTRY = {
     "deepseek_v3": "rl.models.deepseek_v3",
     "kimi_k2_7": "rl.models.deepseek_v3",
     "glm_moe_dsa": "rl.models.glm_moe_dsa",
+    "nemotron_h": "rl.models.nemotron_h",
 }
 
 

@@ -86,7 +86,11 @@ def apply(model_config) -> None:
 
 
 def routers(model) -> list[ReplayRouter]:
-    """The MoE routers in layer order (index = the `layers` axis of routed_experts)."""
+    """The MoE routers in layer order (index = the `layers` axis of routed_experts). A network that is not
+    a torchtitan Decoder offers its own (`model.replay_routers()`, e.g. rl.models.nemotron_h): routers with
+    the same `replay_ids` / `recorded` switches."""
+    if callable(getattr(model, "replay_routers", None)):
+        return list(model.replay_routers())
     out = [m.router for m in model.modules() if isinstance(m, MoE)]
     if not all(isinstance(r, ReplayRouter) for r in out):
         raise TypeError("the model was not built with rl.models.replay.apply (no ReplayRouter)")

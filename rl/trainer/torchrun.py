@@ -4,7 +4,7 @@ trainer role's own exit status.
 torchrun exits 1 whenever a worker exits non-zero (and sends SIGTERM to the others), so the role's
 EXIT_PREEMPTED ("stopped because asked to, checkpointed") would read as a crash to the batch script and
 the local backend. Rank 0 records its status in `D/roles/trainer.exit.json` just before returning
-(rl.trainer.train.run); this wrapper runs torchrun's own `main` in-process (the same agent, the same
+(rl.trainer.loop.run); this wrapper runs torchrun's own `main` in-process (the same agent, the same
 options) and exits with that recorded status when this launch wrote it, else with torchrun's.
 SIGTERM/SIGUSR1 to this process reach the agent, which forwards SIGTERM to the ranks: they finish the
 step, checkpoint, record EXIT_PREEMPTED and exit.

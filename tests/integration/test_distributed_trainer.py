@@ -17,7 +17,7 @@ from rl import exchange
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, is_done
-from rl.trainer.train import run
+from rl.trainer.loop import run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed

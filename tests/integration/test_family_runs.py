@@ -62,7 +62,7 @@ def test_kimi_tiny_runs_the_embedded_loop_from_its_checkpoint(tmp_path, twin):
 
 
 def test_glm5_tiny_trainer_trains_from_its_checkpoint_and_publishes_servable_shards(tmp_path, twin):
-    from rl.trainer.train import run
+    from rl.trainer.loop import run
     ckpt, steps = twin("glm_moe_dsa"), 2
     cfg = OmegaConf.create(compose_cfg(tmp_path, "+experiment=glm5_tiny", f"model.hf_path={ckpt}",
                                        "wandb.mode=disabled", f"trainer.max_steps={steps}",

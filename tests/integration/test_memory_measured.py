@@ -107,7 +107,7 @@ def measure(ac: str) -> dict:
            "n_params": sum(p.numel() for p in tr.model.parameters()), "micro_batches": m["micro_batches"]}
     if ac == "none":  # what autograd keeps, tensor by tensor (a cross-check of the activation formula)
         from rl.models.common import position_logprobs
-        from rl.trainer.train import pack, to_row
+        from rl.trainer.packing import pack, to_row
         keep = {p.untyped_storage().data_ptr() for p in [*tr.model.parameters(), *tr.model.buffers()]}
         saved: dict[int, int] = {}
 

@@ -13,7 +13,8 @@ from rl.exchange import layout
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, StopFlag, is_done
-from rl.trainer.train import Trainer, run
+from rl.trainer.loop import run
+from rl.trainer.train import Trainer
 from rl.models.common import hf_state_dict
 
 
@@ -148,10 +149,10 @@ def test_damage_found_at_the_end_is_set_aside(tmp_path):
 
 
 def test_the_final_weights_and_checkpoint_are_written_again_when_damaged(tmp_path, monkeypatch):
-    from rl.trainer import train
+    from rl.trainer import bookkeeping
     publish_batches(tmp_path, range(2))
     cfg = tiny_cfg(tmp_path, max_steps=2)
-    real = train._final_sweep
+    real = bookkeeping._final_sweep
 
     def damage_then_sweep(run_dir, tr, d, final):
         for kind in ("weights", "checkpoints"):
@@ -165,7 +166,7 @@ def test_the_final_weights_and_checkpoint_are_written_again_when_damaged(tmp_pat
                 fh.write(bytes([b[0] ^ 0x10]))
         assert set(retention.corrupt_steps(run_dir, "weights", stored_tensors)) >= {final}
         real(run_dir, tr, d, final)
-    monkeypatch.setattr(train, "_final_sweep", damage_then_sweep)
+    monkeypatch.setattr(bookkeeping, "_final_sweep", damage_then_sweep)
     assert run(tmp_path, cfg, examples=examples, poll=0.01) == 0
     for kind in ("weights", "checkpoints"):
         assert retention.corrupt_steps(tmp_path, kind, stored_tensors if kind == "weights" else None) == {}, kind

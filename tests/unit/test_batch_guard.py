@@ -2,7 +2,7 @@
 
 Each probe is a batch with a valid manifest and checksums but content the trainer cannot train on,
 written through the real writer (or as raw safetensors bytes where the writer cannot produce it) and read
-through the trainer's real path (rl.trainer.train.next_batch): it is set aside with a one-line reason and
+through the trainer's real path (rl.trainer.loop.next_batch): it is set aside with a one-line reason and
 the good batch published after it is the one returned. The trainer itself skips an update whose loss or
 gradient is not finite and refuses to publish non-finite weights (a real tiny model on the CPU). A NaN
 reward from an environment's scoring code makes its group a failed one (the real orchestrator, with a
@@ -94,9 +94,9 @@ def _publish(run_dir, write, step: int = 0):
 
 
 def _read_like_the_trainer(run_dir, step: int = 0) -> tuple[RolloutBatch, list[str]]:
-    """rl.trainer.train.next_batch on `rollouts/step_<step>`; on its first poll after the step went
+    """rl.trainer.loop.next_batch on `rollouts/step_<step>`; on its first poll after the step went
     missing the orchestrator (played here) publishes a good batch. Returns (batch read, reasons)."""
-    from rl.trainer.train import next_batch
+    from rl.trainer.loop import next_batch
     flag = StopFlag(install=False)
     polls = []
 
@@ -213,7 +213,7 @@ def test_the_trainer_role_never_trains_a_nan_batch_and_goes_on_with_the_republis
     """run(): NaN advantages at step 0 are set aside (logged, counted in the metrics), the orchestrator's
     republished batch is trained, consumed.jsonl lists it alone and the published weights are finite."""
     from rl.metrics import read_metrics
-    from rl.trainer.train import run
+    from rl.trainer.loop import run
     bad = good_batch()
     bad.advantages[:] = np.nan
     _publish(tmp_path, bad.save)

@@ -17,7 +17,8 @@ from rl.contract.config import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 # Experiments that name a site checkpoint (model.hf_path) are planned from the config card of their
 # family kept in conf/checkpoints (what tests/unit/test_plan.py does too).
-CARDS = {"glm5": REPO / "conf" / "checkpoints" / "glm_moe_dsa", "kimi": REPO / "conf" / "checkpoints" / "kimi_k2_7"}
+CARDS = {"glm5": REPO / "conf" / "checkpoints" / "glm_moe_dsa", "kimi": REPO / "conf" / "checkpoints" / "kimi_k2_7",
+         "nemotron": REPO / "conf" / "checkpoints" / "nemotron_h"}
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 # Template branches the experiments alone do not reach: no requeue, a GRES spec, the sandbox component.
 VARIANTS = {"no_requeue": ["cluster.requeue=false", "cluster.exclusive=false"],

@@ -52,6 +52,14 @@ BAD = [
     (["inference.routing.kv_full=2"], "inference.routing.kv_full"),
     (["inference.gpu_memory_utilization=1.5"], "inference.gpu_memory_utilization"),
     (["model.kv_lora_rank=512"], "model.qk_nope_head_dim"),          # MLA needs its head sizes
+    # config-only rules once checked in launch/plan.py, now in validate() alone
+    (["inference.nodes=0"], "inference.nodes"),
+    (["inference.replicas=0"], "inference.replicas"),
+    (["inference.tp=2", "inference.ep=3"], "inference.ep"),           # 1 or tp*dp
+    (["inference.tp=2", "inference.ep=2", "model.num_experts=3", "model.top_k=1"], "inference.ep"),
+    (["model.n_kv_heads=2", "inference.tp=3"], "inference.tp"),      # must divide or be a multiple
+    (["inference.kv_offload=cpu"], "inference.kv_offload_cpu_gb"),
+    (["inference.kv_offload=cpu+disk", "inference.kv_offload_cpu_gb=8"], "inference.kv_offload_disk_gb"),
 ]
 
 

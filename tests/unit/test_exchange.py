@@ -231,11 +231,11 @@ def test_a_malformed_manifest_is_corrupt_not_a_crash(tmp_path, files, says):
 
 
 def test_the_trainer_sets_a_batch_with_a_malformed_manifest_aside(tmp_path):
-    """rl.trainer.train.next_batch: a batch whose manifest has no file list is moved to rollouts/corrupt/
+    """rl.trainer.loop.next_batch: a batch whose manifest has no file list is moved to rollouts/corrupt/
     (not trained on, no crash) and the trainer waits for it again; a good republished one is taken."""
     from rl.contract.batch import RolloutBatch, Sample
     from rl.runtime import StopFlag
-    from rl.trainer.train import next_batch
+    from rl.trainer.loop import next_batch
     batch = RolloutBatch.from_samples([Sample([1, 2], [3, 4], [-1.0, -1.0], [0, 0], 1.0, 0)])
     pub = exchange.publish(tmp_path, "rollouts", 0, batch.save, producer="orchestrator")
     m = _manifest(pub.path)

@@ -15,7 +15,8 @@ from rl import exchange, fp8
 from rl.exchange import layout
 from rl.exchange import weights as wire
 from rl.trainer import fp8 as fp8_training
-from rl.trainer.train import Trainer, run
+from rl.trainer.loop import run
+from rl.trainer.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg  # noqa: E402

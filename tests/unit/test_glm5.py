@@ -254,7 +254,7 @@ def _worker(rank, world, port, dims, path):
         else:
             # both rows on every rank, each split head-tail by the trainer's own CP sharding (mask rows
             # of the local queries against the gathered keys); position j scores token j+1
-            from rl.trainer.train import Row, _cp_shard
+            from rl.trainer.packing import Row, _cp_shard
             targets = torch.nn.functional.pad(tok[:, 1:], (0, 1))
             weight = torch.nn.functional.pad(torch.ones(tok.shape[0], tok.shape[1] - 1), (0, 1))
             row = _cp_shard(Row(tok, pos, targets, {"w": weight}), d)

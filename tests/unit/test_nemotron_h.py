@@ -292,7 +292,7 @@ def _worker(rank, world, port, dims, path):
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
     from rl.trainer import parallel
-    from rl.trainer.train import Row, _cp_shard  # the trainer's own CP row split
+    from rl.trainer.packing import Row, _cp_shard  # the trainer's own CP row split
     data = torch.load(path)
     dp, ep, cp = dims
     d = parallel.init(SimpleNamespace(dp_shard=dp, ep=ep, cp=cp), torch.device("cpu"))

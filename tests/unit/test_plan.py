@@ -74,7 +74,8 @@ def test_impossible_plans_are_one_line_errors_naming_the_key(overrides, key):
     assert "\n" not in msg and msg.startswith(key), msg
     # values a config check can refuse on its own are refused there (before any planning)
     assert isinstance(e.value, PlanError) or key.startswith(
-        ("trainer.parallel.ep", "trainer.parallel.cp", "inference.all2all_backend", "trainer.master_port")), msg
+        ("trainer.parallel.ep", "trainer.parallel.cp", "inference.all2all_backend", "trainer.master_port",
+         "inference.ep", "inference.nodes", "inference.kv_offload_cpu_gb", "inference.kv_offload_disk_gb")), msg
 
 
 def test_at_least_15_plan_errors():

@@ -12,7 +12,8 @@ from rl.contract.config import Config
 from rl import exchange
 from rl.contract.batch import RolloutBatch, Sample
 from rl.trainer import checkpoint as ckpt
-from rl.trainer.train import Trainer, pack
+from rl.trainer.packing import pack
+from rl.trainer.train import Trainer
 
 
 def _cfg(tmp_path, seed=0):

@@ -48,7 +48,7 @@ Differences from HF / limits:
 - the dense mask is O(L^2) per row: fine for the CPU and moderate GPU lengths, not for 128k contexts
   (that needs a sparse MLA kernel such as FlashMLA's, which torchtitan does not have);
 - context parallelism (`trainer.parallel.cp`): the trainer's head-tail row split and dense mask rows
-  [B, 1, L/cp, L] (rl.trainer.train._cp_shard). torchtitan gathers K/V inside the inner attention, but
+  [B, 1, L/cp, L] (rl.trainer.packing._cp_shard). torchtitan gathers K/V inside the inner attention, but
   the indexer needs every key of the row too, so `GlmAttention` does the gathering itself: MLA K/V and
   the indexer keys all-gathered over the cp mesh with torch's `flex_cp_allgather` (reduce-scatter in
   backward; the indexer keys travel with V), the local queries scored against all keys, the top-k taken
@@ -257,7 +257,7 @@ class GlmAttention(Attention):
 
 
 def _gathered_index(length: int, cp: int, device) -> torch.Tensor:
-    """Row position of each all-gathered key: the trainer's head-tail split (rl.trainer.train._cp_shard)."""
+    """Row position of each all-gathered key: the trainer's head-tail split (rl.trainer.packing._cp_shard)."""
     return common.gathered_index(length, cp).to(device)
 
 

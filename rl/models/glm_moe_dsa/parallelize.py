@@ -19,7 +19,7 @@ def parallelize_glm5(model, *, parallel_dims, **kwargs):
     plain Linears/LayerNorm inside the attention module, sharded with its block like wq_a/wkv_a.
 
     Context parallel: the trainer splits each row head-tail over the cp ranks and passes the dense mask
-    rows [B, 1, L/cp, L] of its local queries against the gathered keys (rl.trainer.train._cp_shard).
+    rows [B, 1, L/cp, L] of its local queries against the gathered keys (rl.trainer.packing._cp_shard).
     The gather cannot live in the inner attention as for the other families, since the indexer needs
     every key of the row too: each `GlmAttention` all-gathers its MLA K/V and its indexer keys itself
     (`enable_context_parallel`), and torchtitan's CP step on the inner attentions is skipped.

@@ -33,6 +33,22 @@ def model_spec(m: Mapping[str, Any], h: Mapping[str, Any], attn_backend: str = "
                      state_dict_adapter=NemotronHStateDictAdapter)
 
 
+def twin_tensors(h: Mapping[str, Any], seed: int = 0, dtype: str = "float32") -> dict:
+    """The tensors a tiny twin's checkpoint needs beyond what transformers writes (rl.model.twins): the MTP
+    layers' (`mtp.layers.*`, checkpoint names, experts split), random, norms around 1. transformers has no
+    MTP module (it ignores `mtp.*` on load), vLLM's NemotronH-MTP and the trainer read them."""
+    import torch
+    from rl.models.nemotron_h.model import model_config
+    from rl.models.nemotron_h.state_dict_adapter import NemotronHStateDictAdapter
+    with torch.device("meta"):
+        model = model_config(h).build()
+    shapes = {k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(tuple(v.shape), generator=g) * 0.05
+                + (1.0 if k.endswith("norm.weight") else 0.0)).to(getattr(torch, dtype))
+            for k, v in NemotronHStateDictAdapter().to_hf(shapes).items()}
+
+
 def set_sharding(model_config, ep: int) -> None:
     """No torchtitan sharding configs to fill (plain torch modules); expert parallel is not built."""
     if ep > 1:

@@ -86,7 +86,7 @@ def document_mask(positions: torch.Tensor, q_index=None, kv_index=None) -> torch
 class Attention(nn.Module):
     """transformers' NemotronHAttention (GQA, no RoPE, no bias). Under context parallel (`cp_group` set)
     K/V are all-gathered with torch's `flex_cp_allgather` (reduce-scatter in backward), the local queries
-    masked against the gathered keys by the mask rows the trainer passes (rl.trainer.train._cp_shard)."""
+    masked against the gathered keys by the mask rows the trainer passes (rl.trainer.packing._cp_shard)."""
 
     def __init__(self, a: NemotronHArgs):
         super().__init__()
@@ -143,10 +143,14 @@ class Router(nn.Module):
         self.replay_ids: torch.Tensor | None = None
         self.recorded: list | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, K] fp32, expert ids [T, K])."""
+    def forward(self, x: torch.Tensor, lead: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, K] fp32, expert ids [T, K]); `lead` (e.g. (B, L), T = B*L): the shape
+        the recorded ids take ([B, L, K], rl.models.replay's layout)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         if self.replay_ids is not None:
+            if self.replay_ids.numel() != x.shape[0] * self.top_k:
+                raise ValueError(f"replayed expert ids {tuple(self.replay_ids.shape)} do not fit {x.shape[0]} "
+                                 f"tokens x top_k {self.top_k}")
             idx = self.replay_ids.reshape(-1, self.top_k).to(x.device).long()
         else:
             with torch.no_grad():
@@ -160,7 +164,7 @@ class Router(nn.Module):
                                                 float("-inf"))
                 idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         if self.recorded is not None:
-            self.recorded.append(idx.detach())
+            self.recorded.append(idx.detach().reshape(*lead, self.top_k) if lead else idx.detach())
         w = scores.gather(1, idx)
         if self.norm:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -211,7 +215,7 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        w, idx = self.gate(flat)
+        w, idx = self.gate(flat, tuple(shape[:-1]))
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
         order = torch.argsort(idx.reshape(-1), stable=True)
         tok = order // self.top_k
@@ -292,6 +296,11 @@ class NemotronH(nn.Module):
         for p in self.mtp.parameters():
             p.requires_grad_(False)   # frozen: see the module docstring
         self.cp_group = None
+
+    def replay_routers(self) -> list:
+        """The routers of the main network's MoE layers in layer order (rl.models.replay: the `layers` axis
+        of routed_experts); the frozen MTP layers' routers are not in it (inference reports main layers)."""
+        return [b.mixer.gate for b in self.layers.values() if b.kind == "moe"]
 
     @torch.no_grad()
     def init_weights(self, buffer_device=None) -> None:

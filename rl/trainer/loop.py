@@ -1,0 +1,167 @@
+"""The trainer role: warm start, then one optimizer step per rollout batch, publishing every version.
+
+`run(run_dir)` is the whole role (docs/internals.md, "Trainer"); `python -m rl.trainer --run-dir D`
+calls it, and the tests call it in-process with their own stop flag and warm-start examples.
+
+Run-directory use, in order:
+- `roles/trainer.json` (record_role); `config.yaml` and `resume.json` are read;
+- start-up (rl.trainer.startup): `assets/step_000000`, then the warm start and version 0 on a first
+  start, or `checkpoints/step_c` on a resume;
+- per step n: waits for `rollouts/step_n`, verifies it with checksums, trains, appends to
+  `rollouts/consumed.jsonl`, publishes `weights/step_{n+1}`, logs a line to `metrics.jsonl`, prunes old
+  weights (never the newest checkpoint's), checkpoints every `trainer.checkpoint_every` steps, at the
+  end and when asked to stop; `DONE` after the last step.
+
+A rollout batch that fails verification (truncated, checksum mismatch, unreadable) or validation (a
+malformed header or meta.json, non-finite floats, token ids outside the vocabulary, inconsistent offsets
+or lengths: rl.contract.batch.RolloutBatch.validate) is never trained on. The trainer logs the one-line
+reason, moves the step aside to `rollouts/corrupt/step_N-<time>` (rl.exchange.set_aside: out of every
+reader's sight, kept for inspection) and waits for the step to be published again: the orchestrator
+produces every missing step, and exiting instead would not help, since a restart keeps rollout steps up
+to the checkpoint and would find the same file. The step that finally trains counts the versions set
+aside before it (`rollouts_set_aside` in its metrics); consumed.jsonl lists only the trained one.
+
+An update that would make the weights non-finite is never applied (rl.trainer.train.Trainer.train_step):
+the batch still counts as consumed, with `update_skipped` 1 in its metrics and `applied: false` in
+consumed.jsonl. The end of each step (publishing, pruning, checkpoints) and of the role (the final sweep,
+DONE) is rl.trainer.bookkeeping.
+
+Multi-rank (`trainer.parallel`, dp_shard x ep x cp = world size, launched by torchrun): see
+rl.trainer.parallel. Rank 0 alone touches the run directory (waits for and verifies rollouts, then
+broadcasts the path; commits the weights every rank wrote (rl.exchange.publisher); logs metrics); every rank trains and
+writes its DCP shard of each checkpoint. Rank 0's stop flag decides for all ranks at step boundaries.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rl import exchange, runtime
+from rl.contract.batch import BATCH_FILE, InvalidBatch, RolloutBatch
+from rl.runtime import StopFlag, load_config, log, resume_state
+from rl.trainer import bookkeeping, parallel, startup
+from rl.trainer.train import ROLE, Examples
+
+
+def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2, *, vocab_size: int | None = None,
+               set_aside: list[str] | None = None) -> tuple[RolloutBatch, dict] | None:
+    """Wait for `rollouts/step_<step>`, verified with checksums and validated (token ids below
+    `vocab_size`); set it aside and re-wait if corrupt or invalid, appending the reason to `set_aside`."""
+    while True:
+        with runtime.waiting_for(f"rollouts/step_{step:06d} from the orchestrator"):
+            path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
+        if path is None:
+            return None
+        try:
+            manifest = exchange.verify(path, checksums=True)
+            return RolloutBatch.load(path, vocab_size=vocab_size), manifest
+        except (exchange.CorruptStep, InvalidBatch, OSError) as e:
+            try:  # atomic: the step is now missing, the orchestrator republishes it
+                dest = exchange.set_aside(run_dir, "rollouts", step)
+            except FileNotFoundError:
+                dest = "(someone else moved it already)"
+            kind = "INVALID" if isinstance(e, InvalidBatch) else "CORRUPT"
+            log(ROLE, f"{kind} rollouts/step_{step:06d}, not consumed: {e}; moved to {dest}, "
+                      f"waiting for it to be published again")
+            if set_aside is not None:
+                set_aside.append(str(e))
+
+
+def _metrics_logger(run_dir, cfg):
+    from rl.metrics import MetricsLogger
+    return MetricsLogger(run_dir, cfg)
+
+
+def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: parallel.Dist,
+                          vocab_size: int | None = None, set_aside: list[str] | None = None
+                          ) -> tuple[RolloutBatch, dict] | None:
+    """Rank 0 waits for and verifies the batch; every rank then loads the same, verified file."""
+    got = next_batch(run_dir, step, stop, poll, vocab_size=vocab_size, set_aside=set_aside) if d.is_main else None
+    if not d.distributed:
+        return got
+    info = d.broadcast(None if got is None else (str(exchange.step_dir(run_dir, "rollouts", step)), got[1]))
+    if info is None:
+        return None
+    if d.is_main:
+        return got
+    path, manifest = info
+    return RolloutBatch.load(Path(path), vocab_size=vocab_size), manifest
+
+
+def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples | None = None,
+        after_step: Callable[[int, dict], None] | None = None, poll: float = 0.2,
+        device: str | None = None) -> int:
+    """The trainer role. Returns 0 when all steps are done, EXIT_PREEMPTED when stopped early.
+
+    Under torchrun every rank calls this; the return value is the same on every rank. `device`
+    defaults to the plan's (rl.trainer.startup.planned_device).
+    """
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir) if cfg is None else cfg
+    stop = StopFlag(install=False) if stop is None else stop
+    max_steps = int(cfg.trainer.max_steps)
+    device = device or startup.planned_device(run_dir)
+    d = parallel.init(cfg.trainer.parallel, torch.device(device))
+    try:
+        rc = _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps)
+    finally:
+        d.close()
+    if d.is_main:  # for rl.trainer.torchrun: torchrun itself reports any non-zero worker status as 1
+        from rl.contract.records import ExitRecord
+        ExitRecord(rc=rc, reason=stop.reason).write(run_dir)
+    return rc
+
+
+def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -> int:
+    main = d.is_main
+    tr, last_ckpt = startup.start(run_dir, cfg, d, device, examples)
+    metrics = _metrics_logger(run_dir, cfg) if main else None
+    consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
+    restart = resume_state(run_dir).restart
+    vocab = tr.vocab_size
+    for n in range(tr.progress.next_step, max_steps):
+        t_wait = time.monotonic()
+        set_aside: list[str] = []
+        got = _next_batch_all_ranks(run_dir, n, stop, poll, d, vocab, set_aside)
+        if got is None:
+            break
+        batch, manifest = got
+        exchange.check_fence(run_dir, f"training on rollouts/step_{n:06d}")  # a continued stale process stops here
+        t0 = time.monotonic()
+        m = tr.train_step(batch, n)
+        step_s = time.monotonic() - t0
+        tr.progress.consumed.append(n)
+        tr.progress.next_step = n + 1
+        if main:  # consumed even when the update was skipped: the batch is never trained again
+            consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"),
+                            **({"applied": False} if m["update_skipped"] else {}))
+        publish_s = bookkeeping.publish_step(run_dir, cfg, tr, n + 1, last_ckpt)
+        m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
+                 publish_background_s=tr.publish_background_s,
+                 wait_s=t0 - t_wait, policy_version=n + 1, rollouts_set_aside=len(set_aside),
+                 # the share of this step's wall time spent waiting for its rollout batch
+                 idle_fraction=(t0 - t_wait) / max(time.monotonic() - t_wait, 1e-9), time=time.time())
+        m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if main:
+            metrics.log(n, m)
+            log(ROLE, f"step {n}: loss {m['loss']:.4f} reward {m['reward_mean']:.3f} "
+                      f"kl {m.get('mismatch_kl', 0):.2e} lag {m['lag']:.2f} {step_s:.2f} s")
+        stopping = d.broadcast(stop.reason if main else None)  # rank 0's flag decides for every rank
+        if stopping is not None:
+            stop.set(stopping)
+        if bookkeeping.checkpoint_due(cfg, n + 1, stop):
+            tr.save(run_dir, n + 1)
+            last_ckpt = n + 1
+        if after_step is not None:
+            after_step(n, m)
+        if d.distributed:
+            stopping = d.broadcast(stop.reason if main else None)
+            if stopping is not None:
+                stop.set(stopping)
+        if stop.is_set():
+            break
+    return bookkeeping.finish(run_dir, cfg, tr, d, stop, last_ckpt)
