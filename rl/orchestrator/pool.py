@@ -236,10 +236,10 @@ def trained_group_ids(run_dir: Path) -> dict[int, int]:
     """{group id: batch step} over the published rollout batches (those `rl.prepare` kept)."""
     out: dict[int, int] = {}
     for s in exchange.list_steps(run_dir, paths.ROLLOUTS):
-        try:
-            meta = json.loads((exchange.step_dir(run_dir, paths.ROLLOUTS, s) / "meta.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            continue  # quarantined or being re-published: its groups are not trained
+        try:  # never through a link: a step symlinked from another run is not this run's batch
+            meta = json.loads(exchange.read_in_step(exchange.step_dir(run_dir, paths.ROLLOUTS, s), "meta.json"))
+        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, exchange.CorruptStep):
+            continue  # quarantined, being re-published or not a real step: its groups are not trained
         for g in meta.get("group_ids") or []:
             out[int(g)] = s
     return out
@@ -313,6 +313,10 @@ class ContinuousPool:
         self.masking = self.policy in ("mask", "admit")
         self.log = GroupLog(orch.run_dir, restart)
         self.retry, self.next_gid = resume_order(orch.run_dir)
+        # The newest step seen published, and the steps whose going missing again was already answered:
+        # a step at or below it that is missing was set aside by the trainer (a corrupt or invalid batch).
+        self.high = max(exchange.list_steps(orch.run_dir, paths.ROLLOUTS), default=-1)
+        self.requeued_for: set[int] = set()
         self.inflight: dict[int, Group] = {}
         self.ready: list[Group] = []
         self.wake = asyncio.Event()
@@ -333,6 +337,26 @@ class ContinuousPool:
                       f"trained or dropped are played again first ({self.retry[:8]}{'...' if len(self.retry) > 8 else ''})")
 
     # --- the pool ------------------------------------------------------------------------------
+    def _requeue_lost(self, n: int) -> None:
+        """Step n was published and is missing again: the trainer set it aside unconsumed. Its groups are
+        then neither trained nor dropped; they are played again first, as `resume_order` does after a
+        restart, so every started group is still trained once or counted dropped (a fault trial caught
+        a set-aside batch republished from new groups, its own groups lost). Lost = started, not dropped,
+        in no published batch and not in this pool (in flight, ready or already queued)."""
+        if n in self.requeued_for:
+            return
+        self.requeued_for.add(n)
+        events = GroupLog.read(self.orch.run_dir)
+        started = {int(e["group"]) for e in events if e.get("event") == "start"}
+        dropped = {int(e["group"]) for e in events if e.get("event") == "drop"}
+        held = set(self.inflight) | {g.gid for g in self.ready} | set(self.retry)
+        lost = sorted(started - dropped - set(trained_group_ids(self.orch.run_dir)) - held)
+        if lost:
+            self.retry = sorted(set(self.retry) | set(lost))
+            self.totals["retried"] += len(lost)
+            log(ROLE, f"rollouts/step_{n:06d} was set aside by the trainer: its {len(lost)} group(s) are played "
+                      f"again first ({lost[:8]}{'...' if len(lost) > 8 else ''})")
+
     def _task_of(self, gid: int):
         rng = random.Random(f"{self.orch.cfg.seed}-group-{gid}")
         return self.orch.env.sample_tasks(1, rng)[0]
@@ -617,6 +641,8 @@ class ContinuousPool:
                     self.ready.clear()
                     await asyncio.sleep(0.5)
                     continue
+                if n <= self.high:
+                    self._requeue_lost(n)
                 if self.error is not None:
                     raise self.error
                 orch.check_watcher()
@@ -640,6 +666,8 @@ class ContinuousPool:
                 meta = self._meta(n, groups)
                 meta["masked_tokens"] = masked
                 orch.publish_batch(n, orch.finish_batch(n, [g.samples for g in groups], meta))
+                self.high = max(self.high, n)
+                self.requeued_for.discard(n)
                 runtime.progress()
         finally:
             runtime.progress()

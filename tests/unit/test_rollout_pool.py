@@ -392,3 +392,42 @@ def test_stale_policy_and_max_inflight_in_rollouts_are_checked(tmp_path):
         compose_cfg(tmp_path, "orchestrator.stale_policy=keep")
     with pytest.raises(ConfigError, match="counts rollouts"):  # an old value in groups below group_size
         compose_cfg(tmp_path, "orchestrator.group_size=8", "orchestrator.max_inflight=4")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_batch_the_trainer_sets_aside_has_its_groups_played_again_not_lost(tmp_path, policy):
+    """The trainer sets aside rollouts/step_1 unconsumed (a corrupt or invalid batch) while the pool runs:
+    the step is published again, and the groups of the set-aside copy are played again first, never
+    replaced by fresh ones and forgotten (a fault trial found groups 8-15 in rollouts/corrupt/ and 16-23
+    in the republished step, the first neither trained nor dropped)."""
+    max_steps = 4
+    orch = _orchestrator(tmp_path, f"orchestrator.stale_policy={policy}")
+    set_aside = {}
+
+    async def trainer():
+        n = 0
+        while n < max_steps:
+            if n in exchange.list_steps(tmp_path, "rollouts"):
+                if n == 1 and not set_aside:
+                    meta = json.loads((exchange.step_dir(tmp_path, "rollouts", 1) / "meta.json").read_text())
+                    set_aside["groups"] = meta["group_ids"]
+                    exchange.set_aside(tmp_path, "rollouts", 1)
+                    continue
+                await asyncio.sleep(0.05)
+                n += 1
+                orch.tracker.version = n
+            await asyncio.sleep(0.005)
+        mark_done(tmp_path, step=max_steps)
+
+    async def case():
+        pool = ContinuousPool(orch, 0, max_steps, 0)
+        t = asyncio.create_task(trainer())
+        await asyncio.wait_for(pool.run(lambda: orch._next_missing(0, max_steps)), 60)
+        t.cancel()
+        return pool
+    pool = asyncio.run(case())
+    assert set_aside, "the stand-in trainer never set step 1 aside"
+    metas, started, dropped = _check_exactly_once(tmp_path, max_steps)
+    trained = trained_group_ids(tmp_path)
+    assert all(g in trained or g in dropped for g in set_aside["groups"]), (set_aside, trained, dropped)
+    assert pool.totals["retried"] >= len(set_aside["groups"])
