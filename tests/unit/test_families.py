@@ -188,8 +188,8 @@ def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
         cfg = transformers.__dict__[row.hf_config_class](vocab_size=512, **row.twin).to_dict()
         cfg.update(row.twin_extra)
         m = dict(hf.model_fields(cfg, row.name), family=row.name, max_seq_len=512)
-        shape = memory.Shape.from_cfg(m)
+        shape = memory.Shape.from_cfg(m, hf=cfg)     # hybrid: the layer pattern and Mamba sizes from cfg
         assert memory.count_params(shape).total > 0, row.name
-        # hybrid (NemotronH): launch.memory has no Mamba-2 terms yet, it counts every layer as GQA + MoE
+        assert (shape.hybrid is not None) == (row.attention == "hybrid"), row.name
         assert (shape.kv_lora_rank > 0) == (row.attention in ("mla", "dsa")), row.name
         assert (shape.index_n_heads > 0) == (row.attention == "dsa"), row.name

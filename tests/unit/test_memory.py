@@ -217,3 +217,65 @@ def test_real_cluster_experiments_fit(name):
         assert cfg["model"]["max_seq_len"] == cfg["inference"]["max_model_len"] == 131072
         assert cfg["orchestrator"]["prompts_per_step"] * cfg["orchestrator"]["group_size"] == 256
         assert "glm" in cfg["model"]["family"]
+
+
+# -- hybrid (NemotronH: Mamba-2 / GQA / LatentMoE + MTP), from the Ultra card ----------------------------
+NEMOTRON_CARD = Path(__file__).resolve().parents[2] / "conf" / "checkpoints" / "nemotron_h"
+
+
+def nemotron_shape() -> memory.Shape:
+    from rl.contract import hf
+    m = dict(hf.model_fields(hf.read_config(NEMOTRON_CARD), "nemotron_h"), family="nemotron_h",
+             max_seq_len=131072, hf_path=str(NEMOTRON_CARD))
+    return memory.Shape.from_cfg(m)
+
+
+def test_nemotron_ultra_counts_match_param_counts():
+    from rl.models.nemotron_h.args import param_counts
+    ref = param_counts(json.loads((NEMOTRON_CARD / "config.json").read_text()))
+    p = memory.count_params(nemotron_shape())
+    for got, want in ((p.total, ref["total"]), (p.active, ref["active"]), (p.frozen, ref["mtp_total"]),
+                      (p.frozen_active, ref["mtp_active"])):
+        assert abs(got - want) <= 0.02 * want, (got, want)
+    assert abs(p.total - 550e9) <= 0.02 * 550e9 and abs(p.active - 55e9) <= 0.02 * 55e9   # the model card
+    s = p.shape
+    assert (s.layers_of("mamba"), s.layers_of("attention"), s.moe_layers, s.dense_layers) == (50, 8, 50, 0)
+    assert p.expert == 2 * 2048 * s.moe_hidden_dim          # non-gated experts at the latent width (2048)
+
+
+def test_nemotron_kv_only_for_attention_layers_and_constant_mamba_state():
+    s = nemotron_shape()
+    assert memory.kv_bytes_per_token(s, tp=1, kvb=2) == 2 * 2 * 128 * 2 * 8     # 8 attention layers of 108
+    y = s.hybrid
+    ssm = y.mamba_heads * y.mamba_head_dim * y.ssm_state * 4
+    conv = (y.conv_kernel - 1) * y.conv_dim * 2
+    assert memory.state_bytes_per_seq(s, tp=1, wb=2) == 50 * (ssm + conv)
+    assert memory.state_bytes_per_seq(memory.Shape.from_cfg(KIMI_K2), tp=1, wb=2) == 0
+    # training: a Mamba layer keeps the chunked scan's states, heads x head_dim x state per chunk
+    a = memory.hybrid_layer_acts(s, "mamba", 2, 1, False, 8192)
+    assert a.saved > 2 * y.mamba_heads * y.mamba_head_dim * y.ssm_state * 4 / y.chunk_size
+    acts = memory.trainer_acts(s, tokens=65536, cb=2, cp=8, ep=1, ac="full", cpu=False)
+    assert acts.kept == pytest.approx((108 * s.dim * 2 + 8 + 3 * s.dim * 2 + 4) * 8192, rel=1e-6)
+
+
+NEMOTRON_PLAN = ["+experiment=nemotron3_swe", "run_dir=/tmp/hetrl-memory-test", "cluster=slurm",
+                 f"model.hf_path={NEMOTRON_CARD}"]
+
+
+def test_nemotron3_swe_fits_and_freezes_mtp():
+    (cfg,) = compose_points(NEMOTRON_PLAN, multirun=False)
+    plan = make_plan(cfg)                        # refuses what does not fit
+    rep = memory.estimate(cfg, plan)
+    assert abs(rep.params_total - 550e9) <= 0.02 * 550e9 and abs(rep.params_active - 55e9) <= 0.02 * 55e9
+    for r in rep.roles:
+        assert r.unit == "GPU" and 0 < r.total <= r.capacity, (r.role, r.total / GiB)
+    assert plan["trainer"]["ep"] == 1 and plan["trainer"]["cp"] <= 8   # NemotronH: no EP, cp | n_groups
+    decode = rep.role("inference decode")
+    assert decode.term("Mamba state") > 0 and decode.term("KV") > 0
+    # MTP: parameters only (frozen), no gradients or optimizer state
+    (off,) = compose_points(NEMOTRON_PLAN + ["trainer.cpu_offload=false"], multirun=False)
+    t = memory.estimate(off, make_plan(off, check_memory=False)).role("trainer")
+    p = memory.count_params(nemotron_shape())
+    world = 128
+    assert t.term("parameters: frozen MTP") == -(-p.frozen // world) * 4
+    assert t.term("gradients") == (-(-p.dense // world) + -(-p.experts_total // world)) * 4

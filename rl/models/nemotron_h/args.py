@@ -128,6 +128,12 @@ class NemotronHArgs:
         return a
 
 
+def from_hf(hf: Mapping[str, Any]) -> NemotronHArgs:
+    """`NemotronHArgs.from_hf`, by the name torch-free readers of a hybrid family's sizes call
+    (launch.memory reads `rl.models.<package>.args.from_hf` for attention kind "hybrid")."""
+    return NemotronHArgs.from_hf(hf)
+
+
 def check(a: NemotronHArgs) -> None:
     """One-line ValueError naming the first config.json key this implementation does not follow."""
     h = a.extra
