@@ -452,6 +452,9 @@ def validate(cfg: DictConfig | dict) -> None:
     for k in ("dp_shard", "ep", "cp"):
         need(p[k] >= 1, f"trainer.parallel.{k}", "must be at least 1")
     need(m.num_experts % p.ep == 0, "trainer.parallel.ep", f"must divide model.num_experts={m.num_experts}")
+    need(p.ep == 1 or m.family not in families.FAMILIES or families.get(m.family).trainer_expert_parallel,
+         "trainer.parallel.ep", f"must be 1 for model.family={m.family}: its trainer network has no expert "
+         "parallelism yet (experts are FSDP-sharded with their block)")
     need(m.max_seq_len % (2 * p.cp) == 0 or p.cp == 1, "trainer.parallel.cp",
          f"2*cp must divide model.max_seq_len={m.max_seq_len} (load-balanced context parallel)")
     o = cfg.orchestrator

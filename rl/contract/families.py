@@ -67,6 +67,7 @@ class Family:
     cpu_unservable: str | None = None      # why vLLM's CPU build cannot serve it (None: it can)
     vllm_cpu_args: tuple[str, ...] = ()    # vLLM arguments on the CPU
     vllm_cpu_eager_args: tuple[str, ...] = ()   # ... and with inference.enforce_eager
+    trainer_expert_parallel: bool = True   # the trainer's network shards experts (trainer.parallel.ep > 1)
     # modules the FP8 publisher keeps in the checkpoint dtype beyond rl.exchange.layout.default_quantize's
     # own list, written as a checkpoint's quantization_config ignore list (`re:` = fullmatch on the module
     # name); rl.contract.hf.ignored_modules adds them to the checkpoint's list
@@ -132,6 +133,7 @@ ROWS = (
                      moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2, topk_group=1,
                      routed_scaling_factor=2.5, num_nextn_predict_layers=1,
                      mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=512),
+           trainer_expert_parallel=False,      # rl/models/nemotron_h: experts FSDP-sharded with their block
            cpu_unservable=("NemotronH's non-gated (relu2) MoE: vLLM 0.32 CPU fails at model construction with "
                            "\"NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and "
                            "ROCm for now\""),

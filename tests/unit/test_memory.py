@@ -279,3 +279,15 @@ def test_nemotron3_swe_fits_and_freezes_mtp():
     world = 128
     assert t.term("parameters: frozen MTP") == -(-p.frozen // world) * 4
     assert t.term("gradients") == (-(-p.dense // world) + -(-p.experts_total // world)) * 4
+
+
+def test_a_family_without_trainer_expert_parallelism_refuses_ep_in_validation():
+    """nemotron_h's trainer shards experts with their block (no EP yet): an ep>1 plan used to pass
+    `launch plan` and fail only when the trainer started."""
+    import pytest
+    from launch.compose import compose_points
+    from rl.contract.config import ConfigError
+    card = Path(__file__).resolve().parents[2] / "conf" / "checkpoints" / "nemotron_h"
+    with pytest.raises(ConfigError, match=r"trainer.parallel.ep.*must be 1 for model.family=nemotron_h"):
+        compose_points(["+experiment=nemotron3_swe", "cluster=slurm", f"model.hf_path={card}",
+                        "trainer.parallel.ep=8"], False)
