@@ -422,6 +422,8 @@ class ContinuousPool:
                 return
             if self.open_rollouts() + self.group_size > self.max_inflight:
                 return
+            while self.retry and (self.retry[0] in self.inflight or any(g.gid == self.retry[0] for g in self.ready)):
+                self.retry.pop(0)  # already being played: a group id is never in flight twice
             gid = self.retry[0] if self.retry else self.next_gid
             if self._head is None or self._head[0] != gid:
                 self._head = (gid, self._task_of(gid))
@@ -639,6 +641,12 @@ class ContinuousPool:
                         self.log.dropped(g.gid, "drain", self.max_steps, where="ready", tokens=g.tokens,
                                          seconds=g.finished - g.started)
                     self.ready.clear()
+                    # groups of an earlier incarnation (or of a set-aside batch) queued to be played again
+                    # that no batch is left to take: counted dropped, or they would be started and never
+                    # trained nor dropped (the CI fault campaign left 8 such groups)
+                    for gid in self.retry:
+                        self.log.dropped(gid, "drain", self.max_steps, where="retry", tokens=0, seconds=0.0)
+                    self.retry.clear()
                     await asyncio.sleep(0.5)
                     continue
                 if n <= self.high:

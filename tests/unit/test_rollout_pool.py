@@ -431,3 +431,18 @@ def test_a_batch_the_trainer_sets_aside_has_its_groups_played_again_not_lost(tmp
     trained = trained_group_ids(tmp_path)
     assert all(g in trained or g in dropped for g in set_aside["groups"]), (set_aside, trained, dropped)
     assert pool.totals["retried"] >= len(set_aside["groups"])
+
+
+def test_groups_queued_again_that_no_batch_takes_are_counted_dropped_at_the_end(tmp_path):
+    """An incarnation resumes with more groups to play again than its remaining batches take (the CI
+    fault campaign: a set-aside batch's groups, then a kill): the leftovers are recorded as dropped when
+    everything is published, never left started and neither trained nor dropped."""
+    log = GroupLog(tmp_path, 0)
+    for gid in range(20):                 # started by a crashed incarnation, none trained
+        log.started(gid, 0)
+    orch = _orchestrator(tmp_path)
+    pool = asyncio.run(_run(orch, tmp_path, max_steps=2, restart=1))
+    assert pool.totals["retried"] == 20
+    metas, started, dropped = _check_exactly_once(tmp_path, 2)
+    assert started == set(range(20)) and len(dropped) == 12
+    assert {e["where"] for e in GroupLog.read(tmp_path) if e["event"] == "drop"} == {"retry"}
