@@ -118,7 +118,10 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
                  # the behaviour this test is about: one-minute stragglers cancelled once stale. Under the
                  # default `mask` policy no spare group is started, so with 0.2 s trainer steps every batch
                  # waited for its slowest group (measured 33-130 s per step here): docs/async.md
-                 "orchestrator.stale_policy=drop")
+                 "orchestrator.stale_policy=drop",
+                 # grading now holds an env_concurrency slot (default 8): eight one-minute stragglers
+                 # would stall every other group's grading; the test is about the pool, not that limit
+                 "orchestrator.env_concurrency=64")
     rng = random.Random(os.getpid())
     kill_after = rng.randint(2, 5)  # a random step, and a random moment within it, as the issue asks
     p = _launch(run_dir, *overrides)
