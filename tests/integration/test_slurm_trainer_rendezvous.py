@@ -76,6 +76,7 @@ def test_two_node_trainer_rendezvous_checkpoints_requeues_and_resumes_the_same_w
                    "trainer.nodes=2", "trainer.gpus_per_node=0", "trainer.parallel.dp_shard=4",
                    f"trainer.master_port={port}", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=100",
                    "trainer.warm_start.steps=0", "trainer.micro_batch_tokens=96", "model.max_seq_len=128",
+                   "inference.max_model_len=128",
                    "wandb.mode=disabled", "cluster.signal_grace_s=30", "cluster.time=00:10:00"])
     plan = make_plan(cfg)
     t = plan["trainer"]
