@@ -25,3 +25,21 @@ def make_run_dir(run_dir, *overrides: str) -> tuple[dict, dict]:
     plan = make_plan(cfg)
     freeze_run_dir(cfg, run_dir, plan, backend=cfg["cluster"]["backend"])
     return cfg, plan
+
+
+def why_runtime_unavailable(name: str) -> str:
+    """Why sandbox runtime `name` cannot run here ("" when it can): its own check's one-line reason."""
+    from rl.envs.swe.runtimes import RuntimeUnavailable, runtime_class
+    try:
+        runtime_class(name).check()
+    except RuntimeUnavailable as e:
+        return str(e)
+    return ""
+
+
+def runtime_params(names):
+    """pytest params over sandbox runtimes, each skipped with its reason where it cannot run here."""
+    import pytest
+    return [pytest.param(n, marks=pytest.mark.skipif(bool(why_runtime_unavailable(n)),
+                                                     reason=why_runtime_unavailable(n) or "-"))
+            for n in names]

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from builders import runtime_params
 from pathlib import Path
 
 import pytest
 
 from rl.envs.swe import repos
-from rl.envs.swe.runtimes import RuntimeUnavailable, open_runtime, runtime_class
+from rl.envs.swe.runtimes import open_runtime
 from rl.envs.swe.sandbox import Limits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,16 +30,7 @@ LIMITS = Limits(cpu_s=10, memory_bytes=1 << 30, nproc=32)
 USER = "hetrltest"
 
 
-def _why_not(name):
-    try:
-        runtime_class(name).check()
-    except RuntimeUnavailable as e:
-        return str(e)
-    return ""
-
-
-PARAMS = [pytest.param(n, marks=pytest.mark.skipif(bool(_why_not(n)), reason=_why_not(n) or "-"))
-          for n in ("inprocess", "bubblewrap")]
+PARAMS = runtime_params(("inprocess", "bubblewrap"))
 
 
 @pytest.fixture(params=PARAMS)

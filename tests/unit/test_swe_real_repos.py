@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import subprocess
+from builders import runtime_params
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,6 @@ import pytest
 
 from rl.envs.swe import grader
 from rl.envs.swe.grading import parse_pytest
-from rl.envs.swe.runtimes import RuntimeUnavailable, runtime_class
 from rl.envs.swe.sandbox import Limits
 from rl.envs.swe.tasks import Task
 
@@ -32,16 +32,7 @@ _ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_AUTHOR
         "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+0000"}
 
 
-def _why_not(name):
-    try:
-        runtime_class(name).check()
-    except RuntimeUnavailable as e:
-        return str(e)
-    return ""
-
-
-RUNTIMES = [pytest.param(n, marks=pytest.mark.skipif(bool(_why_not(n)), reason=_why_not(n) or "-"))
-            for n in ("inprocess", "bubblewrap")]
+RUNTIMES = runtime_params(("inprocess", "bubblewrap"))
 
 
 def _row(name):
