@@ -146,7 +146,7 @@ def cmd_resume(ns) -> int:
         over.pop("_overrides", None)
         cfg = over
     from omegaconf import OmegaConf
-    from rl.contract.config import validate
+    from rl.contract.validation import validate
     validate(OmegaConf.create(cfg))
     return _launch(cfg)[0]
 

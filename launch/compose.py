@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rl.contract.config import ConfigError, check_run_dir, register, resolve_ports, to_container, validate
+from rl.contract.config import ConfigError, register, resolve_ports, to_container
+from rl.contract.validation import check_run_dir, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

@@ -20,7 +20,7 @@ offload dir) start with `${HETRL_NODE_DIR}`, the directory of the node and incar
 `rl.inference` sets itself (rl.contract.paths.node_dir). The result is checked against the typed plan of
 rl.contract.plan before anything is written, so what the roles read is what was computed here.
 The plan is computed from the typed config (rl.contract.config.Config, every key present and typed);
-a rule on the config alone is rl.contract.config.validate's, run first. Impossible plans raise
+a rule on the config alone is rl.contract.validation.validate's, run first. Impossible plans raise
 `PlanError`, one line naming the key. No torch, no vLLM here.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from rl.contract import families, paths
-from rl.contract.config import Config, PlanError, resolve_ports, typed, validate
+from rl.contract.config import Config, PlanError, resolve_ports, typed
+from rl.contract.validation import validate
 from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -284,7 +285,7 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
     """The allocation plan of `cfg` (a composed config: dict, DictConfig or rl.contract.config.Config) as a
     JSON-able dict, computed from the typed Config.
 
-    The config is validated first (rl.contract.config.validate: every rule on the config alone lives there);
+    The config is validated first (rl.contract.validation.validate: every rule on the config alone lives there);
     what is refused here is what only the plan can see (GPUs that do not split into replicas, ports that
     collide). With `check_memory`, a plan whose estimated per-GPU memory exceeds the GPU is refused
     (PlanError naming the role and the term); `launch plan` prints the table either way."""

@@ -73,7 +73,8 @@ def test_bad_config_is_one_line_error_naming_key(overrides, key):
 
 
 def test_a_newline_in_a_value_never_reaches_the_batch_script():
-    from rl.contract.config import structured, validate
+    from rl.contract.config import structured
+    from rl.contract.validation import validate
     cfg = structured({"run_dir": "/tmp/r", "cluster": {"setup": ["module load x\nrm -rf /"]}})
     with pytest.raises(ConfigError, match=r"^cluster.setup\[0\]: must not contain a newline"):
         validate(cfg)

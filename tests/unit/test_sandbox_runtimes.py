@@ -257,7 +257,8 @@ def test_start_rate_is_limited():
 
 
 def test_runtime_config_keys_validated():
-    from rl.contract.config import ConfigError, structured, validate
+    from rl.contract.config import ConfigError, structured
+    from rl.contract.validation import validate
     from rl.envs.swe.runtimes import from_config
     cases = [({"runtime": "docker"}, "env.swe.runtime='docker': must be"),
              ({"runtime": "apptainer"}, "env.swe.image_cache=None: must be set"),

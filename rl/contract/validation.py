@@ -1,0 +1,266 @@
+"""Validation of the typed config: every rule on the config alone, each written once.
+
+`validate()` checks what the dataclasses of rl.contract.config cannot express (ranges, combinations,
+names that must exist, Slurm's own formats) and raises `ConfigError` with one line naming the key. The
+launcher runs it before planning (launch.plan), on `launch resume`, and on every composed point; the
+roles trust the frozen config it passed. Kept apart from the schema so that the schema stays a short
+read and the rules grow here.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rl.contract import families, sandbox_runtimes
+from rl.contract.config import FAMILIES, ConfigError, structured
+
+_CHOICES = {
+    "model.family": FAMILIES,
+    "cluster.backend": ("local", "slurm"),
+    "trainer.dtype": ("float32", "bfloat16"),
+    "trainer.mismatch": ("mask", "truncate", "none"),
+    "trainer.activation_checkpointing": ("none", "selective", "full"),
+    "inference.dtype": ("float32", "bfloat16", "auto"),
+    "inference.fp8_load": ("auto", "dequantize", "fp8"),
+    "inference.kv_offload": (None, "cpu", "cpu+disk"),
+    "inference.routing.policy": ("kv", "round_robin"),
+    "inference.all2all_backend": ("auto", "naive", "allgather_reducescatter", "deepep_high_throughput",
+                                  "deepep_low_latency", "pplx", "nixl_ep"),
+    "orchestrator.advantage": ("grpo", "drgrpo"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+# Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch --time).
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+# Account, partition, QOS and job names: no whitespace, quotes or shell metacharacters (they land in
+# #SBATCH lines); constraints also take Slurm's operators.
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_SLURM_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:,()!]+$")
+_GRES = re.compile(r"^[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*(,[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*)*$")
+
+
+def _get(cfg, dotted: str):
+    return OmegaConf.select(cfg, dotted)
+
+
+def _no_newline(key: str, value) -> None:
+    if isinstance(value, str) and ("\n" in value or "\r" in value or "\0" in value):
+        raise ConfigError(f"{key}: must not contain a newline or NUL (it would become a line of the batch script)")
+
+
+def validate(cfg: DictConfig | dict) -> None:
+    """Raise ConfigError naming the first key whose value cannot work."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    # Hydra's `+key=value` / `++key=value` add keys even to a struct config: every key must still be the
+    # schema's, whatever form of override put it there.
+    structured({k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("hydra", "_overrides")})
+
+    def need(cond: bool, key: str, msg: str):
+        if not cond:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: {msg}")
+
+    for key, allowed in _CHOICES.items():
+        need(_get(cfg, key) in allowed, key, f"must be one of {', '.join(map(str, allowed))}")
+    need(bool(str(cfg.run_dir)), "run_dir", "must be a path")
+    need(cfg.seed >= 0, "seed", "must be >= 0")
+    m = cfg.model
+    for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
+              "num_experts", "top_k", "max_seq_len"):
+        need(m[k] > 0, f"model.{k}", "must be positive")
+    for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_shared_experts", "n_dense_layers", "dense_hidden_dim", "index_n_heads", "index_head_dim",
+              "index_topk"):
+        need(m[k] >= 0, f"model.{k}", "must be >= 0")
+    need(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}")
+    need(m.top_k <= m.num_experts, "model.top_k", f"cannot exceed model.num_experts={m.num_experts}")
+    need(m.n_dense_layers < m.n_layers, "model.n_dense_layers", f"must leave MoE layers of model.n_layers={m.n_layers}")
+    need(m.n_dense_layers == 0 or m.dense_hidden_dim > 0, "model.dense_hidden_dim",
+         "must be positive with model.n_dense_layers > 0")
+    if m.kv_lora_rank > 0:
+        for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            need(m[k] > 0, f"model.{k}", "must be positive with multi-head latent attention (model.kv_lora_rank > 0)")
+        need(m.head_dim == m.qk_nope_head_dim + m.qk_rope_head_dim, "model.head_dim",
+             f"must be qk_nope_head_dim + qk_rope_head_dim = {m.qk_nope_head_dim + m.qk_rope_head_dim} with MLA")
+    need((m.index_topk > 0) == (m.index_n_heads > 0) == (m.index_head_dim > 0), "model.index_topk",
+         "the sparse-attention indexer needs index_topk, index_n_heads and index_head_dim (all or none)")
+    need(m.hf_path is None or bool(str(m.hf_path)), "model.hf_path", "must be a path or null")
+    t = cfg.trainer
+    need(t.max_steps > 0, "trainer.max_steps", "must be positive")
+    need(t.lr > 0, "trainer.lr", "must be positive")
+    need(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+    need(t.grad_clip > 0, "trainer.grad_clip", "must be positive (the max gradient norm)")
+    need(t.micro_batch_tokens > 0, "trainer.micro_batch_tokens", "must be positive")
+    need(t.checkpoint_every > 0, "trainer.checkpoint_every", "must be positive")
+    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must keep at least one checkpoint")
+    need(t.publish_timeout_s > 0, "trainer.publish_timeout_s", "must be positive (seconds rank 0 waits "
+         "for the other ranks' shards)")
+    need(t.weights_full_every >= 0, "trainer.weights_full_every", "must be >= 0 (0: every version full)")
+    need(0 < t.delta_max_fraction <= 1, "trainer.delta_max_fraction", "must be in (0, 1]")
+    need(t.keep_weights >= cfg.orchestrator.max_off_policy + 1, "trainer.keep_weights",
+         f"must be at least orchestrator.max_off_policy + 1 = {cfg.orchestrator.max_off_policy + 1}")
+    need(0 < t.ratio_min <= 1 <= t.ratio_max, "trainer.ratio_max", "need 0 < ratio_min <= 1 <= ratio_max")
+    need(len(t.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas),
+         "trainer.betas", "two values in [0, 1)")
+    need(t.warm_start.steps >= 0, "trainer.warm_start.steps", "must be >= 0")
+    need(t.warm_start.lr > 0, "trainer.warm_start.lr", "must be positive")
+    need(t.warm_start.batch_size >= 1, "trainer.warm_start.batch_size", "must be positive")
+    need(t.nodes >= 1, "trainer.nodes", "must be at least 1")
+    need(t.gpus_per_node >= 0, "trainer.gpus_per_node", "must be >= 0 (0 = CPU ranks)")
+    need(t.master_port == 0 or 1024 <= t.master_port <= 65535, "trainer.master_port",
+         "must be 0 (auto) or a TCP port in [1024, 65535]")
+    p = t.parallel
+    for k in ("dp_shard", "ep", "cp"):
+        need(p[k] >= 1, f"trainer.parallel.{k}", "must be at least 1")
+    need(m.num_experts % p.ep == 0, "trainer.parallel.ep", f"must divide model.num_experts={m.num_experts}")
+    need(p.ep == 1 or m.family not in families.FAMILIES or families.get(m.family).trainer_expert_parallel,
+         "trainer.parallel.ep", f"must be 1 for model.family={m.family}: its trainer network has no expert "
+         "parallelism yet (experts are FSDP-sharded with their block)")
+    need(m.max_seq_len % (2 * p.cp) == 0 or p.cp == 1, "trainer.parallel.cp",
+         f"2*cp must divide model.max_seq_len={m.max_seq_len} (load-balanced context parallel)")
+    o = cfg.orchestrator
+    need(o.max_off_policy >= 0, "orchestrator.max_off_policy", "must be >= 0")
+    need(o.group_size >= 2, "orchestrator.group_size", "group-relative advantages need at least 2 samples")
+    need(o.prompts_per_step >= 1, "orchestrator.prompts_per_step", "must be positive")
+    need(o.max_tokens >= 1, "orchestrator.max_tokens", "must be positive")
+    need(o.max_tokens < cfg.inference.max_model_len, "orchestrator.max_tokens",
+         f"must be below inference.max_model_len={cfg.inference.max_model_len}")
+    need(o.max_concurrency >= 1, "orchestrator.max_concurrency", "must be at least 1 (0 never sends a request)")
+    need(o.request_timeout_s > 0, "orchestrator.request_timeout_s", "must be positive")
+    need(0 < o.top_p <= 1, "orchestrator.top_p", "must be in (0, 1]")
+    need(o.max_rollout_tokens is None or 0 < o.max_rollout_tokens <= cfg.inference.max_model_len,
+         "orchestrator.max_rollout_tokens",
+         f"must be in 1..inference.max_model_len={cfg.inference.max_model_len}")
+    need(o.rollout_timeout_s is None or o.rollout_timeout_s > 0, "orchestrator.rollout_timeout_s",
+         "must be positive (or null for no limit)")
+    need(o.env_concurrency >= 1, "orchestrator.env_concurrency", "must be at least 1")
+    need(o.schedule in ("continuous", "batch"), "orchestrator.schedule", "must be continuous or batch")
+    need(o.max_inflight is None or o.max_inflight >= o.group_size, "orchestrator.max_inflight",
+         f"counts rollouts (not groups, since issue 25): must be at least group_size={o.group_size} "
+         "(or null for prompts_per_step * group_size * (max_off_policy + 1))")
+    need(o.stale_policy in ("drop", "mask", "admit"), "orchestrator.stale_policy",
+         "must be drop, mask or admit")
+    need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
+    dg = cfg.env.digits
+    need(dg.latency_median_s >= 0, "env.digits.latency_median_s", "must be >= 0")
+    need(dg.latency_sigma >= 0, "env.digits.latency_sigma", "must be >= 0")
+    need(0 <= dg.latency_outlier_prob <= 1, "env.digits.latency_outlier_prob", "must be in [0, 1]")
+    need(dg.latency_outlier_factor >= 1, "env.digits.latency_outlier_factor", "must be >= 1")
+    need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
+    e = cfg.env
+    need(e.name in ("digits", "swe") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
+         "env.name", "must be digits, swe or verifiers:<id>")
+    need(e.max_turns >= 1, "env.max_turns", "must be at least 1")
+    need(not e.args or e.name.startswith("verifiers:"), "env.args",
+         f"is for verifiers:<id> environments only (env.name={e.name}: use env.{e.name}.*)")
+    need(e.digits.n_digits >= 1, "env.digits.n_digits", "must be at least 1")
+    need(0 <= e.digits.warm_start_accuracy <= 1, "env.digits.warm_start_accuracy", "must be in [0, 1]")
+    need(e.swe.wall_s > 0, "env.swe.wall_s", "must be positive")
+    need(e.swe.tool_timeout_s > 0, "env.swe.tool_timeout_s", "must be positive")
+    need(e.swe.output_chars > 0, "env.swe.output_chars", "must be positive")
+    for k, v in e.swe.limits.items():
+        need(v > 0, f"env.swe.limits.{k}", "must be positive")
+    if e.name == "swe" and e.swe.tasks and e.swe.tasks not in ("builtin", "builtin_swebench"):
+        # On Slurm the orchestrator reads it on its node: a site filesystem this host does not mount at
+        # all (/datasets/... on a laptop) is left to it; a missing path on a mounted one is a typo here.
+        t = Path(e.swe.tasks)
+        visible = cfg.cluster.backend != "slurm" or not t.is_absolute() or Path(*t.parts[:2]).exists()
+        need(not visible or t.exists(), "env.swe.tasks",
+             "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
+    need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
+         "must be auto, swe_bench, swe_smith, swe_rebench or r2e_gym")
+    need(e.swe.runtime in sandbox_runtimes.NAMES, "env.swe.runtime", f"must be {sandbox_runtimes.names_text()}")
+    need(e.swe.max_sandbox_starts_per_s > 0, "env.swe.max_sandbox_starts_per_s", "must be positive")
+    need(not sandbox_runtimes.get(e.swe.runtime).needs_image_cache or bool(e.swe.image_cache), "env.swe.image_cache",
+         f"must be set for env.swe.runtime={e.swe.runtime} (a directory on the shared filesystem for the SIFs)")
+    if e.swe.image_cache:
+        cache = os.path.realpath(str(e.swe.image_cache))
+        need(os.path.isabs(str(e.swe.image_cache)), "env.swe.image_cache", "must be an absolute path")
+        need(not any(cache == d or cache.startswith(d + "/") for d in ("/tmp", "/var/tmp", "/dev/shm")),
+             "env.swe.image_cache", "node-local scratch (/tmp, /var/tmp, /dev/shm) "
+             "is refused: SIFs are built once and shared, put them on the shared filesystem")
+    i = cfg.inference
+    need(i.port == 0 or 1024 <= i.port <= 65535 - 64, "inference.port", "must be 0 (auto) or a TCP port in [1024, 65471]")
+    need(i.router_port == 0 or 1024 <= i.router_port <= 65535, "inference.router_port",
+         "must be 0 (auto) or a TCP port in [1024, 65535]")
+    need(1024 <= i.dp_rpc_port <= 65535 - 64, "inference.dp_rpc_port", "must be a TCP port in [1024, 65471]")
+    need(i.kv_cache_gb > 0, "inference.kv_cache_gb", "must be positive")
+    need(0 < i.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
+    need(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be positive")
+    need(i.max_model_len <= m.max_seq_len, "inference.max_model_len",
+         f"cannot exceed model.max_seq_len={m.max_seq_len}")
+    need(i.kv_offload_cpu_gb >= 0 and i.kv_offload_disk_gb >= 0, "inference.kv_offload_cpu_gb", "must be >= 0")
+    need(i.kv_offload not in ("cpu", "cpu+disk") or i.kv_offload_cpu_gb > 0, "inference.kv_offload_cpu_gb",
+         f"must be positive with inference.kv_offload={i.kv_offload}")
+    need(i.kv_offload != "cpu+disk" or i.kv_offload_disk_gb > 0, "inference.kv_offload_disk_gb",
+         "must be positive with inference.kv_offload=cpu+disk")
+    need(i.nodes >= 1, "inference.nodes", "must be at least 1 (the orchestrator runs there)")
+    need(i.gpus_per_node >= 0, "inference.gpus_per_node", "must be >= 0 (0 = CPU servers)")
+    for k in ("tp", "dp", "ep", "replicas"):
+        need(i[k] >= 1, f"inference.{k}", "must be at least 1")
+    need(i.ep in (1, i.tp * i.dp), "inference.ep",
+         f"vLLM's expert parallel spans the whole replica: ep must be 1 or tp*dp={i.tp * i.dp}")
+    need(m.num_experts % i.ep == 0, "inference.ep", f"must divide model.num_experts={m.num_experts}")
+    need(m.n_kv_heads % i.tp == 0 or i.tp % m.n_kv_heads == 0, "inference.tp",
+         f"must divide or be a multiple of model.n_kv_heads={m.n_kv_heads}")
+    need(all(isinstance(a, (str, int, float)) for a in i.extra_args), "inference.extra_args",
+         "must be a list of strings")
+    r = i.routing
+    for k in ("block_tokens", "text_block_chars", "max_queue", "index_blocks", "max_sessions", "fail_after"):
+        need(r[k] >= 1, f"inference.routing.{k}", "must be at least 1")
+    for k in ("chars_per_token", "poll_interval_s", "metrics_stale_s", "request_timeout_s"):
+        need(r[k] > 0, f"inference.routing.{k}", "must be positive")
+    need(0 < r.kv_full <= 1, "inference.routing.kv_full", "must be in (0, 1]")
+    c = cfg.cluster
+    need(c.signal_grace_s >= 10, "cluster.signal_grace_s", "leave at least 10 s to checkpoint")
+    need(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: never requeue)")
+    need(c.stall_timeout_s >= 0, "cluster.stall_timeout_s", "must be >= 0 (0: no watchdog)")
+    need(bool(_SLURM_TIME.match(str(c.time))), "cluster.time",
+         "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    for k in ("account", "partition", "qos", "job_name"):
+        need(c[k] is None or bool(_SLURM_NAME.match(str(c[k]))), f"cluster.{k}",
+             "must be a Slurm name: letters, digits, _ . + - (no spaces or quotes)")
+    need(c.constraint is None or bool(_SLURM_CONSTRAINT.match(str(c.constraint))), "cluster.constraint",
+         "is not a Slurm constraint expression (features joined by & | , with [] and *N counts)")
+    need(c.gres is None or bool(_GRES.match(str(c.gres))), "cluster.gres",
+         "must be a Slurm GRES spec like gpu:8 or gpu:h200:8")
+    need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be positive")
+    need(c.host_memory_gib >= 0, "cluster.host_memory_gib", "must be >= 0 (0 = not checked)")
+    need(c.sandbox_nodes >= 0, "cluster.sandbox_nodes", "must be >= 0 (0: sandboxes on the orchestrator's "
+         "node)")
+    need(c.sandbox_nodes == 0 or e.name == "swe", "cluster.sandbox_nodes",
+         f"sandbox nodes serve SWE sandboxes; env.name={e.name} has none (set cluster.sandbox_nodes=0)")
+    for k in ("sandbox_partition", "sandbox_account"):
+        need(c[k] is None or bool(_SLURM_NAME.match(str(c[k]))), f"cluster.{k}",
+             "must be a Slurm name: letters, digits, _ . + - (no spaces or quotes)")
+    need(str(c.node_local_dir).startswith("/"), "cluster.node_local_dir", "must be an absolute path")
+    need(c.python is None or str(c.python).startswith("/") or "/" not in str(c.python), "cluster.python",
+         "must be an absolute path or a command name on PATH")
+    for key in ("run_dir", "experiment", "model.name", "model.hf_path", "cluster.node_local_dir",
+                "cluster.python", "env.swe.tasks", "env.swe.repos_dir", "env.swe.image_cache", "inference.host"):
+        _no_newline(key, _get(cfg, key))
+    for key in ("cluster.setup", "cluster.extra_sbatch", "inference.extra_args"):
+        for n, line in enumerate(_get(cfg, key) or []):
+            _no_newline(f"{key}[{n}]", line)
+    if c.backend == "local":
+        need(p.dp_shard * p.ep * p.cp <= 2 or t.gpus_per_node > 0, "trainer.parallel",
+             "the local backend runs at most 2 CPU ranks")
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """A run directory that can be created and written, before anything is submitted or started."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run_dir={str(p)!r}: exists and is not a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"run_dir={str(p)!r}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir={str(p)!r}: {probe} is not writable")
+
+
