@@ -126,7 +126,7 @@ class World:
         self.by_group: dict = {}  # group id (the pool's; None in batch mode) -> tokens generated
 
     def count(self, n: int) -> None:
-        from rl.orchestrator import pool
+        from rl.orchestrator import accounting as pool
         g = pool.GROUP.get()
         gid = g.gid if g is not None else None
         self.generated += n
@@ -147,7 +147,7 @@ class SimServer:
         self.w, self.turn_tokens = world, turn_tokens
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, request_id=None, **kw):
-        from rl.orchestrator import pool
+        from rl.orchestrator import accounting as pool
         from rl.orchestrator.client import Completion
         toy, w = self.w.toy, self.w
         multi = self.turn_tokens > 0
@@ -239,6 +239,7 @@ async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr
     import torch
 
     from rl import exchange
+    from rl.contract import offpolicy
     from rl.contract.batch import RolloutBatch
     from rl.metrics import MetricsLogger
     from rl.runtime import mark_done
@@ -273,7 +274,8 @@ async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr
                     j = None
         mask = torch.tensor(b.loss_mask.astype(np.float32))
         lag = np.where(b.loss_mask > 0, n - b.versions, 0)
-        if (lag > k).any():  # the loss input itself: a trained token older than the bound
+        trained = b.loss_mask > 0
+        if (b.versions[trained] < offpolicy.oldest_version(n, k)).any():  # the loss input itself: beyond the bound
             raise AssertionError(f"step {n}: a loss token of lag {lag.max()} > max_off_policy={k}")
         max_lag = max(max_lag, int(lag.max()) if len(lag) else 0)
         counts = np.diff(b.offsets)
@@ -314,7 +316,6 @@ def sim_config(run_dir, overrides):
 async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
     from rl import exchange
     from rl.orchestrator.loop import Orchestrator
-    from rl.orchestrator.pool import ContinuousPool
     from rl.orchestrator.versions import VersionTracker
     from rl.runtime import StopFlag
     n_digits = int(cfg.env.digits.n_digits)
@@ -325,17 +326,16 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
     world.opt = torch.optim.Adam([world.W], lr=a.lr, foreach=False)
     orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
     if model == "agentic":
-        orch.env, orch.multi_turn = AgenticEnv(n_digits, a), True
-    orch.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0)]
-    orch.tokenizer, orch.tracker, orch._workers = tok, VersionTracker(0), [1]
-    orch.request_sem = asyncio.Semaphore(int(cfg.orchestrator.max_concurrency))
+        orch.sampler.env, orch.sampler.multi_turn = AgenticEnv(n_digits, a), True
+    orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0)]
+    orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
     steps = int(cfg.trainer.max_steps)
     exchange.publish(run_dir, "weights", 0, lambda d: (d / "w").write_text("toy"), producer="trainer")
     orch.watcher = asyncio.create_task(orch._weight_watcher())
     trainer = asyncio.create_task(sim_trainer(run_dir, cfg, world, steps, a.train_s, a.lr))
     try:
         if cfg.orchestrator.schedule == "continuous":
-            await ContinuousPool(orch, 0, steps, 0).run(lambda: orch._next_missing(0, steps))
+            await orch.continuous_pool(0, steps, 0).run(lambda: orch.next_missing(0, steps))
         else:
             await orch._run_batches(0, steps)
         max_lag = await trainer
@@ -343,14 +343,14 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
         orch.watcher.cancel()
         trainer.cancel()
         await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
-    return {"server_generated": world.generated, "by_group": world.by_group, "env": orch.env,
+    return {"server_generated": world.generated, "by_group": world.by_group, "env": orch.sampler.env,
             "max_lag_trainer": max_lag}
 
 
 # ============================================================================ what a run measured
 def episode_plans(run_dir: Path, cfg, env, model: str, a) -> dict[int, list[tuple[float, int]]]:
     """{group id: [(planned seconds, planned tokens) per rollout]} for every group the pool started."""
-    from rl.orchestrator.pool import GroupLog
+    from rl.orchestrator.grouplog import GroupLog
     G, n_digits, tok_s = int(cfg.orchestrator.group_size), int(cfg.env.digits.n_digits), a.tok_ms / 1000
     out = {}
     for e in GroupLog.read(run_dir):
@@ -372,7 +372,7 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
     from rl import exchange
     from rl.contract.batch import RolloutBatch
     from rl.metrics import read_metrics
-    from rl.orchestrator.pool import GroupLog
+    from rl.orchestrator.grouplog import GroupLog
     ms = read_metrics(run_dir)
     span = ms[-1]["time"] - ms[0]["time"]
     lags: dict[int, int] = {}

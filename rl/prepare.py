@@ -45,7 +45,7 @@ from pathlib import Path
 from rl import exchange
 from rl.faults import crash_point, set_role
 from rl.contract import config as _config
-from rl.contract import paths
+from rl.contract import offpolicy, paths
 from rl.contract.records import RecordError, ResumeState, read_optional
 
 KINDS = paths.KINDS
@@ -118,7 +118,8 @@ def history(run_dir: Path, prev: ResumeState | None) -> list[str]:
     if (w := exchange.list_steps(run_dir, paths.WEIGHTS)) and w[-1] >= 1:
         found.append(f"weights up to weights/{exchange.step_name(w[-1])}")
     k = int(_config.load(run_dir).orchestrator.max_off_policy)
-    if (r := exchange.list_steps(run_dir, paths.ROLLOUTS)) and r[-1] > k:
+    # batches 0..k may be sampled from version 0 before any checkpoint; a later one needs newer weights
+    if (r := exchange.list_steps(run_dir, paths.ROLLOUTS)) and offpolicy.needed_version(r[-1], k) >= 1:
         found.append(f"rollouts up to rollouts/{exchange.step_name(r[-1])}")
     if prev is not None and prev.checkpoint_step is not None:
         found.append(f"{paths.RESUME} says restart {prev.restart} resumed from checkpoint step "

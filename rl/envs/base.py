@@ -1,7 +1,10 @@
 """The environment API, single-turn and multi-turn, and the helpers the orchestrator drives them with.
 
-Single-turn (`digits`): `sample_tasks(n, rng)`, `prompt(task) -> messages`, `score(task, text) -> float`;
-the orchestrator samples one completion per rollout.
+Single-turn (`digits`): `sample_tasks(n, rng)`, `prompt(task) -> messages`, `score(task, text) -> float`
+(or `ascore`, awaited, for grading that takes time); the orchestrator samples one completion per
+rollout. The prompt's token ids are `prompt_ids(env, tokenizer, task)`: the chat template of
+`env.prompt(task)` with the assistant turn opened, unless the environment encodes its prompts itself
+(`env.prompt_ids(tokenizer, task)`, e.g. a raw completion prompt without a chat template).
 
 Multi-turn (`swe`, `verifiers:*`): `sample_tasks(n, rng)` and `start(task) -> episode`. An episode is a
 conversation the orchestrator drives turn by turn (rl/orchestrator/multiturn.py):
@@ -32,6 +35,22 @@ import re
 from typing import Any
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat-template token ids of `messages` with the assistant turn opened."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def prompt_ids(env: Any, tokenizer, task: Any) -> list[int]:
+    """A single-turn environment's prompt as token ids (its own encoding if it has one)."""
+    own = getattr(env, "prompt_ids", None)
+    if callable(own):
+        return [int(t) for t in own(tokenizer, task)]
+    return chat_prompt_ids(tokenizer, env.prompt(task))
 
 
 def is_multi_turn(env: Any) -> bool:

@@ -13,6 +13,8 @@ import math
 import random
 from typing import Any
 
+from rl.envs.base import chat_prompt_ids
+
 PROMPT = "repeat {}"
 
 
@@ -60,15 +62,7 @@ class DigitsEnv:
         out = []
         for task in self.sample_tasks(n, rng):
             shown = [d if rng.random() < self.warm_start_accuracy else rng.randrange(10) for d in task["digits"]]
-            prompt_ids = encode_prompt(tokenizer, self.prompt(task))
+            prompt_ids = chat_prompt_ids(tokenizer, self.prompt(task))
             completion_ids = tokenizer.encode(" ".join(map(str, shown)), add_special_tokens=False)
             out.append((prompt_ids, completion_ids + [tokenizer.eos_token_id]))
         return out
-
-
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat-template token ids of `messages` with the assistant turn opened."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
+from rl.contract import offpolicy
 from rl.faults import crash_point
 from rl.exchange import (MANIFEST, CorruptStep, _remove, delta_base, latest_complete, list_steps, step_dir,
                          verify)
@@ -115,7 +116,9 @@ def weights_in_use(run_dir: str | os.PathLike, max_off_policy: int) -> set[int]:
     """Weight versions a consumer may still load (module docstring): the newest verified version V and
     the `max_off_policy` before it, and every version a server is recorded to serve."""
     newest = latest_complete(run_dir, "weights")
-    use = set(range(max(0, newest - int(max_off_policy)), newest + 1)) if newest is not None else set()
+    # the batches still to come may hold tokens as old as the newest version allows (rl.contract.offpolicy)
+    use = (set(range(max(0, offpolicy.oldest_version(newest, max_off_policy)), newest + 1))
+           if newest is not None else set())
     return use | served_versions(run_dir)
 
 

@@ -7,7 +7,7 @@ rewards are all equal carries no signal: its advantages are zero.
 
 Rewards must be finite: one NaN or inf would make every advantage of its group NaN (the mean is the
 baseline). The orchestrator drops such a group as a failed one before it gets here
-(rl.orchestrator.loop.check_trainable); a non-finite reward reaching this function is refused.
+(rl.orchestrator.sampling.check_trainable); a non-finite reward reaching this function is refused.
 """
 from __future__ import annotations
 

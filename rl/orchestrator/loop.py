@@ -9,7 +9,8 @@ kept, reload, resume), so long rollouts pick up new weights mid-flight; `Version
 completion token with the version that produced it. A group in which any sample falls outside the bound
 is dropped (counted in the batch metadata) and replaced by a fresh group under
 `orchestrator.stale_policy=drop`; under `mask`/`admit` it is kept and only its tokens beyond the bound get
-loss mask 0 (pool.mask_stale). Both schedules share one budget: `orchestrator.max_concurrency` requests,
+loss mask 0 (accounting.mask_stale). The rule itself is rl.contract.offpolicy's; sampling one group is
+the `Sampler`'s (rl.orchestrator.sampling), which both schedules share. Both schedules share one budget: `orchestrator.max_concurrency` requests,
 `orchestrator.env_concurrency` environment calls (a single-turn environment's timed grading included)
 and `orchestrator.max_inflight` rollouts; batch mode builds up to min(max_off_policy + 1,
 max_inflight / (prompts_per_step * group_size)) batches at once (pipelined), each awaited whole.
@@ -21,7 +22,6 @@ The continuous pool numbers groups instead and keeps a log of them (exactly once
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from pathlib import Path
@@ -31,19 +31,17 @@ import numpy as np
 
 from rl import exchange, runtime
 from rl.envs import make_env
-from rl.envs.base import is_multi_turn
-from rl.envs.digits import encode_prompt
-from rl.orchestrator.client import InferenceClient, InferenceError
-from rl.orchestrator.client import SESSION as ROUTER_SESSION
+from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
-from rl.orchestrator import pool as _pool
-from rl.orchestrator.pool import ContinuousPool, IdleClock, default_max_inflight, min_version, stale_policy
-from rl.contract.batch import RolloutBatch, Sample, routed_per_token
+from rl.orchestrator.accounting import mask_stale, min_version
+from rl.orchestrator.pool import ContinuousPool, default_max_inflight, stale_policy
+from rl.orchestrator.sampling import Sampler
+from rl.contract.batch import RolloutBatch, Sample
 from rl.contract.secret import secret_or_none
 from rl.orchestrator.versions import VersionTracker
-from rl.contract import paths
+from rl.contract import offpolicy, paths
 from rl.contract.records import ServerRecord
 from rl.runtime import StopFlag, is_done, load_plan, log, resume_state
 
@@ -57,32 +55,10 @@ def _load_tokenizer(run_dir: Path):
 
 
 def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int) -> bool:
-    """May this group go into batch `step`? Every policy token must come from a version >= step - k.
+    """May this group go into batch `step`? Every policy token must be within the bound (rl.contract.offpolicy).
 
     The whole group goes or stays: its advantages are relative to each other."""
-    return min_version(group, step) >= step - max_off_policy
-
-
-class UntrainableGroup(ValueError):
-    """A sampled group whose numbers the trainer cannot use (a non-finite reward or logprob)."""
-
-
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def check_trainable(samples: list[Sample]) -> None:
-    """Raise UntrainableGroup unless every reward and every trained token's logprob is finite as the
-    float32 the batch stores. One NaN reward (an environment's scoring code) would make the whole group's
-    advantages NaN, and the trainer sets a batch with non-finite numbers aside whole: the group is dropped
-    and counted as failed instead, like an environment that raised."""
-    for i, s in enumerate(samples):
-        if not (math.isfinite(s.reward) and abs(s.reward) <= _F32_MAX):
-            raise UntrainableGroup(f"sample {i}: reward {s.reward!r} is not finite (float32)")
-        mask = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_logprobs)
-        for j, (lp, m) in enumerate(zip(s.completion_logprobs, mask)):
-            if m and not (math.isfinite(lp) and abs(lp) <= _F32_MAX):
-                raise UntrainableGroup(f"sample {i}: logprob {lp!r} of completion token {j} is not finite "
-                                       f"(float32)")
+    return offpolicy.within_bound(min_version(group, step), step, max_off_policy)
 
 
 async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
@@ -102,35 +78,19 @@ async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeou
 
 
 class Orchestrator:
+    """Loads each new policy version into the servers, forms and publishes batches. Sampling itself is
+    the `Sampler`'s (rl.orchestrator.sampling), shared with the continuous pool."""
+
     def __init__(self, run_dir: Path, cfg: Any, stop: StopFlag | None = None):
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.o = cfg.orchestrator
         self.stop = stop or StopFlag(install=False)
-        self.env = make_env(cfg)
-        self.multi_turn = is_multi_turn(self.env)  # episodes driven turn by turn (multiturn.py)
-        self.clients: list[InferenceClient] = []
-        self.router_client: InferenceClient | None = None  # generation through rl.inference.router
-        self.tracker: VersionTracker | None = None
-        self._gen_gate = asyncio.Event()  # cleared while a reload is in progress
-        self._gen_gate.set()
-        self._inflight = 0
-        self._req_counter = 0
+        self.sampler = Sampler(cfg, make_env(cfg))
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
         self._workers: list[int] = []
-        self.idle = IdleClock()
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
         self.reload_backoff_s = 1.0
-        self.version_time: float | None = None   # when the servers got the current version (monotonic)
-        self.request_sem: asyncio.Semaphore | None = None  # max_concurrency, shared by every batch / group
-        self._env_sem: asyncio.Semaphore | None = None
-
-    @property
-    def env_sem(self) -> asyncio.Semaphore:
-        """orchestrator.env_concurrency: environment calls (tool runs, timed grading) at once."""
-        if self._env_sem is None:
-            self._env_sem = asyncio.Semaphore(int(self.o.env_concurrency))
-        return self._env_sem
 
     # --- weights -------------------------------------------------------------------------------
     def _reports(self, index: int) -> Path:
@@ -139,22 +99,22 @@ class Orchestrator:
 
     async def _update_to(self, version: int) -> None:
         path = exchange.step_dir(self.run_dir, paths.WEIGHTS, version)
+        sp = self.sampler
         t0 = time.monotonic()
-        self._gen_gate.clear()
+        sp.gate.clear()
         try:
             results = await asyncio.gather(*(
                 c.update_weights(str(path), version, report_dir=self._reports(i),
                                  workers=self._workers[i] if i < len(self._workers) else None)
-                for i, c in enumerate(self.clients)))
+                for i, c in enumerate(sp.clients)))
         finally:
-            self._gen_gate.set()
+            sp.gate.set()
         in_flight: dict[str, int] = {}
         for r in results:
             in_flight.update(r.get("in_flight", {}))
-        self.tracker.on_reload(version, in_flight)
-        self.version_time = time.monotonic()
-        if self.router_client is not None:  # the servers dropped their prefix caches
-            await router_reset_index(self.router_client)
+        sp.tracker.on_reload(version, in_flight)
+        if sp.router_client is not None:  # the servers dropped their prefix caches
+            await router_reset_index(sp.router_client)
         dt = time.monotonic() - t0
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += dt
@@ -167,7 +127,7 @@ class Orchestrator:
         failures = 0
         while not self.stop.is_set():
             latest = exchange.latest_complete(self.run_dir, paths.WEIGHTS)
-            if latest is not None and latest > self.tracker.version:
+            if latest is not None and latest > self.sampler.tracker.version:
                 try:
                     await self._update_to(latest)
                     failures = 0
@@ -191,97 +151,22 @@ class Orchestrator:
 
     async def _wait_version(self, need: int) -> bool:
         with runtime.waiting_for(f"weights/step_{need:06d} from the trainer, loaded into the servers"):
-            while self.tracker.version < need:
+            while self.sampler.tracker.version < need:
                 if self.stop.is_set():
                     return False
                 self.check_watcher()
                 await asyncio.sleep(0.05)
         return True
 
-    # --- sampling ------------------------------------------------------------------------------
-    async def _sample_one(self, client: InferenceClient, prompt_ids: list[int], seed: int,
-                          max_tokens: int | None = None):
-        await self._gen_gate.wait()
-        if self.router_client is not None:  # generation goes through the router (inference.router)
-            client = self.router_client
-        self._req_counter += 1
-        rid = f"hetrl-{self._req_counter}"
-        self.tracker.start(rid)
-        self.idle.enter()
-        try:
-            c = await client.generate(prompt_ids, max_tokens=max_tokens or self.o.max_tokens,
-                                      temperature=self.o.temperature,
-                                      top_p=self.o.top_p, seed=seed, request_id=rid)
-        except BaseException:
-            self.tracker.forget(rid)
-            raise
-        finally:
-            self.idle.leave()
-        tracked = self.tracker.finish(rid, len(c.ids))
-        _pool.count_generated(len(c.ids))  # waste accounting of the pool's rollout (if any)
-        # The engine's own per-token version spans are exact; the tracker is the fallback.
-        versions = list(c.versions) if c.versions is not None else tracked
-        return c, versions
-
-    async def _sample_group(self, sem: asyncio.Semaphore, task: dict, group: int, step: int, attempt: int):
-        if self.router_client is not None:  # one router session per group: its rollouts share a prompt
-            ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
-        if self.multi_turn:  # tool-using episodes: model turns and observations, rl/orchestrator/multiturn.py
-            return await multiturn.sample_group(self, sem, task, group, step, attempt)
-        prompt_ids = encode_prompt(self.tokenizer, self.env.prompt(task))
-        client = self.clients[group % len(self.clients)]
-
-        ascore = getattr(self.env, "ascore", None)  # grading that takes time (a test run) is awaited
-
-        async def one(i):
-            # one rollout: generation (within max_concurrency), then grading (within env_concurrency, a
-            # cost like a tool run, not a free sleep); its slot in the pool frees when it is graded
-            _pool.rollout_begin(i)
-            async with sem:
-                seed = hash((self.cfg.seed, step, attempt, group, i)) & 0x7FFFFFFF
-                c, versions = await self._sample_one(client, prompt_ids, seed)
-            text = self.tokenizer.decode(c.ids, skip_special_tokens=False)
-            if ascore is not None:
-                async with self.env_sem:
-                    reward = await ascore(task, text)
-            else:
-                reward = self.env.score(task, text)
-            _pool.rollout_end(i)
-            return c, versions, reward
-
-        outs = await asyncio.gather(*(one(i) for i in range(self.o.group_size)))
-        samples = []
-        for c, versions, reward in outs:
-            samples.append(Sample(prompt_ids=prompt_ids, completion_ids=list(c.ids),
-                                  completion_logprobs=list(c.logprobs), completion_versions=versions,
-                                  reward=float(reward), group=group,
-                                  routed_experts=routed_per_token(c.routed_experts, len(prompt_ids) + len(c.ids)),
-                                  info={"finish_reason": c.finish_reason}))
-        return samples
-
-    async def _sample_group_or_none(self, sem, task, group: int, step: int, attempt: int):
-        """A group, or None when the environment failed (a sandbox error, a crashed tool, a non-finite
-        reward: check_trainable): the group is dropped and counted rather than taking the whole run down.
-        Inference errors still propagate: without a server there is nothing to do."""
-        try:
-            samples = await self._sample_group(sem, task, group, step, attempt)
-            check_trainable(samples)
-            return samples
-        except (InferenceError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # noqa: BLE001 - environment code is user code; report, drop, go on
-            log(ROLE, f"step {step} group {group}: environment failed, group dropped: {type(e).__name__}: {e}")
-            return None
-
     async def build_batch(self, step: int) -> RolloutBatch | None:
-        min_version = step - self.o.max_off_policy
-        if not await self._wait_version(max(min_version, 0)):
+        """schedule=batch: batch `step`'s groups sampled together, every one awaited; groups outside the
+        off-policy bound are dropped and replaced (drop) or kept with their stale tokens masked."""
+        oldest = offpolicy.oldest_version(step, self.o.max_off_policy)
+        if not await self._wait_version(offpolicy.needed_version(step, self.o.max_off_policy)):
             return None
-        if self.request_sem is None:
-            self.request_sem = asyncio.Semaphore(self.o.max_concurrency)
-        sem = self.request_sem
+        sp = self.sampler
         masking = stale_policy(self.o) != "drop"
-        t0, idle0 = time.monotonic(), self.idle.idle_s()
+        t0, idle0 = time.monotonic(), sp.idle.idle_s()
         kept: list[list[Sample]] = []
         dropped = failed = masked = 0
         attempt = 0
@@ -290,9 +175,9 @@ class Orchestrator:
                 return None
             need = self.o.prompts_per_step - len(kept)
             rng = random.Random(f"{self.cfg.seed}-{step}-{attempt}")
-            tasks = self.env.sample_tasks(need, rng)
+            tasks = sp.env.sample_tasks(need, rng)
             base = len(kept) + dropped + failed
-            groups = await asyncio.gather(*(self._sample_group_or_none(sem, t, base + j, step, attempt)
+            groups = await asyncio.gather(*(sp.sample_group_or_none(t, base + j, step, attempt)
                                             for j, t in enumerate(tasks)))
             for g in groups:
                 if g is None:
@@ -300,7 +185,7 @@ class Orchestrator:
                 elif within_off_policy_bound(g, step, self.o.max_off_policy):
                     kept.append(g)
                 elif masking:  # kept; only its tokens beyond the bound leave the loss
-                    masked += _pool.mask_stale(g, min_version)
+                    masked += mask_stale(g, oldest)
                     kept.append(g)
                 else:
                     dropped += 1
@@ -310,7 +195,7 @@ class Orchestrator:
         self.stats["dropped_groups"] += dropped
         return self.finish_batch(step, kept, {
             "dropped_groups": dropped, "failed_groups": failed, "gen_s": time.monotonic() - t0,
-            "inference_idle_fraction": (self.idle.idle_s() - idle0) / max(time.monotonic() - t0, 1e-9),
+            "inference_idle_fraction": (sp.idle.idle_s() - idle0) / max(time.monotonic() - t0, 1e-9),
             "dropped_groups_total": self.stats["dropped_groups"], "schedule": "batch", "masked_tokens": masked,
             "stale_policy": stale_policy(self.o)})
 
@@ -342,7 +227,7 @@ class Orchestrator:
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
         }
-        if self.multi_turn:
+        if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))
         return RolloutBatch.from_samples(samples, meta)
 
@@ -370,7 +255,7 @@ class Orchestrator:
         depth = self.batch_depth()
         try:
             while not self.stop.is_set() and not is_done(self.run_dir):
-                missing = self._missing(first, max_steps)
+                missing = self.missing(first, max_steps)
                 if not missing:
                     # Everything is published; the trainer may still quarantine a corrupt batch, which
                     # makes its step missing again, so keep watching until it is done.
@@ -397,19 +282,23 @@ class Orchestrator:
             if builds:
                 await asyncio.wait(list(builds.values()), timeout=float(self.o.drain_timeout_s))
 
-    def _missing(self, first: int, max_steps: int) -> list[int]:
+    def missing(self, first: int, max_steps: int) -> list[int]:
         have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))
         return [n for n in range(first, max_steps) if n not in have]
 
-    def _next_missing(self, first: int, max_steps: int) -> int | None:
-        have = set(exchange.list_steps(self.run_dir, paths.ROLLOUTS))
-        for n in range(first, max_steps):
-            if n not in have:
-                return n
-        return None
+    def next_missing(self, first: int, max_steps: int) -> int | None:
+        missing = self.missing(first, max_steps)
+        return missing[0] if missing else None
+
+    def continuous_pool(self, first: int, max_steps: int, restart: int) -> ContinuousPool:
+        """schedule=continuous: the pool plays groups on this orchestrator's sampler and hands each batch
+        back to be finished (advantages, meta) and published here."""
+        return ContinuousPool(self.sampler, self.run_dir, first, max_steps, restart, stop=self.stop,
+                              publish=lambda n, groups, meta: self.publish_batch(n, self.finish_batch(n, groups, meta)),
+                              check=self.check_watcher)
 
     async def run(self) -> int:
-        cfg = self.cfg
+        cfg, sp = self.cfg, self.sampler
         plan = load_plan(self.run_dir)
         servers = await wait_for_servers(self.run_dir, plan.inference.replicas, self.stop,
                                          cfg.inference.startup_timeout_s)
@@ -417,28 +306,27 @@ class Orchestrator:
             return 0
         secret = secret_or_none(self.run_dir)  # an empty or short secret is refused, never used
         timeout = float(self.o.request_timeout_s)
-        self.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
+        sp.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
         self._workers = [int(r.dp) * int(r.tp) for r in plan.inference.replicas]  # engines x TP workers
         if plan.inference.router is not None:
             url = await wait_for_router(self.run_dir, self.stop, cfg.inference.startup_timeout_s)
             if url is None:
                 return 0
-            self.router_client = router_client_class()(url, secret=secret, timeout=timeout)
+            sp.router_client = router_client_class()(url, secret=secret, timeout=timeout)
             log(ROLE, f"generating through the router at {url}")
-        self.tokenizer = _load_tokenizer(self.run_dir)
-        self.tracker = VersionTracker(min(s.version for s in servers))
-        for c in self.clients:
+        sp.tokenizer = _load_tokenizer(self.run_dir)
+        sp.tracker = VersionTracker(min(s.version for s in servers))
+        for c in sp.clients:
             await c.health()
         first = resume_state(self.run_dir).checkpoint_step or 0
         max_steps = cfg.trainer.max_steps
-        log(ROLE, f"{len(servers)} server(s) on version {self.tracker.version}; building batches "
+        log(ROLE, f"{len(servers)} server(s) on version {sp.tracker.version}; building batches "
                   f"{first}..{max_steps - 1} (those not yet published)")
-        self.request_sem = asyncio.Semaphore(int(self.o.max_concurrency))
         watcher = self.watcher = asyncio.create_task(self._weight_watcher())
         try:
             if self.o.schedule == "continuous":
-                pool = ContinuousPool(self, first, max_steps, resume_state(self.run_dir).restart)
-                await pool.run(lambda: self._next_missing(first, max_steps))
+                pool = self.continuous_pool(first, max_steps, resume_state(self.run_dir).restart)
+                await pool.run(lambda: self.next_missing(first, max_steps))
             else:
                 await self._run_batches(first, max_steps)
         finally:
@@ -447,6 +335,6 @@ class Orchestrator:
                 await watcher
             except (asyncio.CancelledError, Exception):
                 pass
-            for c in self.clients + ([self.router_client] if self.router_client else []):
+            for c in sp.clients + ([sp.router_client] if sp.router_client else []):
                 await c.aclose()
         return 0

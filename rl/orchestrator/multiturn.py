@@ -35,8 +35,9 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from rl.envs.base import call, default_turn_info, observation_messages
+from rl.envs.base import call, chat_prompt_ids, default_turn_info, observation_messages
 from rl.contract.batch import Sample
+from rl.orchestrator import accounting
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
 
@@ -83,8 +84,7 @@ class ChatBridge:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        from rl.envs.digits import encode_prompt
-        return encode_prompt(self.tok, messages)
+        return chat_prompt_ids(self.tok, messages)
 
     def observation_text(self, messages: list[dict], ended_with_eos: bool) -> str:
         full = self._render(self._BASE + list(messages), add_generation_prompt=True)
@@ -249,33 +249,25 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             await call(close)
 
 
-async def sample_group(orch: Any, sem: asyncio.Semaphore, task: Any, group: int, step: int,
-                       attempt: int) -> list[Sample]:
-    """`orchestrator.group_size` episodes of one task (the orchestrator's multi-turn branch). All turns
-    of an episode go to the same server, so its prefix cache holds the conversation."""
-    client = orch.clients[group % len(orch.clients)]
-    limits = RolloutLimits.from_config(orch.cfg)
-    if getattr(orch, "_bridge", None) is None:
-        orch._bridge = ChatBridge(orch.tokenizer)
-    env_sem = getattr(orch, "env_sem", None)
-    if env_sem is None:  # an orchestrator stand-in without the shared semaphore
-        if getattr(orch, "_env_sem", None) is None:
-            orch._env_sem = asyncio.Semaphore(int(orch.o.env_concurrency))
-        env_sem = orch._env_sem
-    from rl.orchestrator import pool
+async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: int) -> list[Sample]:
+    """`orchestrator.group_size` episodes of one task, played by `sampler` (rl.orchestrator.sampling):
+    its clients, request and environment semaphores and `sample_one`. All turns of an episode go to the
+    same server, so its prefix cache holds the conversation."""
+    client = sampler.client_for(group)
+    limits = RolloutLimits.from_config(sampler.cfg)
 
     async def one(i: int) -> Rollout:
-        pool.rollout_begin(i)  # the pool accounts rollouts one by one: this one's slot frees at its end
+        accounting.rollout_begin(i)  # the pool accounts rollouts one by one: this one's slot frees at its end
 
         async def generate(ids, max_tokens, turn):
-            async with sem:
-                seed = hash((orch.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
-                return await orch._sample_one(client, ids, seed, max_tokens=max_tokens)
-        r = await run_episode(orch.env, task, generate, orch._bridge, limits, env_sem)
-        pool.rollout_end(i)
+            async with sampler.request_sem:
+                seed = hash((sampler.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
+                return await sampler.sample_one(client, ids, seed, max_tokens=max_tokens)
+        r = await run_episode(sampler.env, task, generate, sampler.bridge, limits, sampler.env_sem)
+        accounting.rollout_end(i)
         return r
 
-    rollouts = await asyncio.gather(*(one(i) for i in range(orch.o.group_size)))
+    rollouts = await asyncio.gather(*(one(i) for i in range(sampler.o.group_size)))
     return [r.sample(group) for r in rollouts]
 
 

@@ -13,6 +13,7 @@ with, whatever the version label says).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,7 @@ class VersionTracker:
         self.version = version
         self._reqs: dict[str, _Req] = {}
         self.ambiguous = 0
+        self.loaded_at: float | None = None   # when the servers got the current version (monotonic)
 
     def start(self, request_id: str) -> None:
         self._reqs[request_id] = _Req(self.version)
@@ -38,6 +40,7 @@ class VersionTracker:
             else:
                 self.ambiguous += 1
         self.version = new_version
+        self.loaded_at = time.monotonic()
 
     def finish(self, request_id: str, n_tokens: int) -> list[int]:
         """Per-token versions of a finished request's `n_tokens` completion tokens."""

@@ -323,9 +323,9 @@ def test_a_nan_reward_makes_its_group_a_failed_group(tmp_path):
     cfg.orchestrator.group_size = 4
     cfg.orchestrator.max_tokens = 16
     o = Orchestrator(tmp_path, cfg)
-    o.env = NaNScoring(cfg.env.digits)
+    o.sampler.env = NaNScoring(cfg.env.digits)
     tok = build_tokenizer(tmp_path / "tok")
-    o.clients, o.tokenizer, o.tracker = [Generator(tok)], tok, VersionTracker(0)
+    o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [Generator(tok)], tok, VersionTracker(0)
     batch = asyncio.run(o.build_batch(0))
     assert batch.meta["failed_groups"] == 1 and batch.meta["num_groups"] == 3 and batch.num_samples == 12
     assert np.isfinite(batch.advantages).all() and np.isfinite(batch.rewards).all()

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rl.contract.config import Config
-from rl.envs.digits import encode_prompt
+from rl.envs.base import chat_prompt_ids
 from rl.orchestrator.client import Completion
 from rl.model.tiny import build_tokenizer
 from rl.contract.batch import RolloutBatch
@@ -98,7 +98,7 @@ def test_bridge_renders_the_templates_markup(tok):
             == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
     assert b.observation_text(msgs, ended_with_eos=False).startswith("<|im_end|>\n<|im_start|>user")
     first = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    assert b.prompt_ids(first) == encode_prompt(tok, first)
+    assert b.prompt_ids(first) == chat_prompt_ids(tok, first)
 
 
 def test_trained_ids_are_the_generated_ids_in_their_context(tok):
@@ -217,8 +217,8 @@ def test_orchestrator_builds_a_multiturn_batch(tok):
         o = Orchestrator("/nonexistent", cfg)
     finally:
         loop.make_env = orig
-    assert o.multi_turn
-    o.clients, o.tokenizer, o.tracker = [FakeClient(tok)], tok, VersionTracker(0)
+    assert o.sampler.multi_turn
+    o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [FakeClient(tok)], tok, VersionTracker(0)
     batch = asyncio.run(o.build_batch(0))
     assert batch.num_samples == 6 and env.closed == 6
     m = batch.meta
@@ -257,6 +257,6 @@ def test_a_failing_environment_drops_its_group_not_the_run(tok):
         o = Orchestrator("/nonexistent", cfg)
     finally:
         loop.make_env = orig
-    o.clients, o.tokenizer, o.tracker = [FakeClient(tok)], tok, VersionTracker(0)
+    o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [FakeClient(tok)], tok, VersionTracker(0)
     batch = asyncio.run(o.build_batch(0))
     assert batch.num_samples == 4 and batch.meta["failed_groups"] == 1

@@ -24,8 +24,9 @@ from builders import compose_cfg
 from rl import exchange
 from rl.contract.batch import RolloutBatch, Sample
 from rl.orchestrator.loop import Orchestrator
+from rl.orchestrator import accounting
 from rl.orchestrator import pool as poolmod
-from rl.orchestrator.pool import GroupLog, ContinuousPool, resume_order, trained_group_ids
+from rl.orchestrator.grouplog import GroupLog, resume_order, trained_group_ids
 from rl.orchestrator.versions import VersionTracker
 from rl.runtime import StopFlag, mark_done
 
@@ -38,34 +39,34 @@ def _orchestrator(run_dir, *overrides):
                                        f"orchestrator.max_off_policy={K}", "env.digits.latency_median_s=0.02",
                                        "env.digits.latency_sigma=0.5", *overrides))
     orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
-    orch.tracker = VersionTracker(0)
+    orch.sampler.tracker = VersionTracker(0)
 
-    async def sample(sem, task, group, step, attempt):
-        v = orch.tracker.version
+    async def sample(task, group, step, attempt):
+        v = orch.sampler.tracker.version
         await asyncio.sleep(task.get("latency_s", 0.0))
         return [Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
-                       completion_versions=[v, orch.tracker.version], reward=float(i), group=group,
+                       completion_versions=[v, orch.sampler.tracker.version], reward=float(i), group=group,
                        info={"finish_reason": "stop"})
                 for i in range(2)]
-    orch._sample_group_or_none = sample
+    orch.sampler.sample_group_or_none = sample
     return orch
 
 
 async def _trainer(orch, run_dir, max_steps, delay=0.05):
     """Version n+1 appears `delay` after batch n is published (training + reload)."""
-    n = orch.tracker.version
+    n = orch.sampler.tracker.version
     while n < max_steps:
         if exchange.latest_complete(run_dir, "rollouts") is not None and n in exchange.list_steps(run_dir, "rollouts"):
             await asyncio.sleep(delay)
             n += 1
-            orch.tracker.version = n
+            orch.sampler.tracker.version = n
         await asyncio.sleep(0.005)
     mark_done(run_dir, step=max_steps)
 
 
 async def _run(orch, run_dir, max_steps, first=0, restart=0, kill_after=None):
-    pool = ContinuousPool(orch, first, max_steps, restart)
-    nxt = lambda: orch._next_missing(first, max_steps)  # noqa: E731
+    pool = orch.continuous_pool(first, max_steps, restart)
+    nxt = lambda: orch.next_missing(first, max_steps)  # noqa: E731
     trainer = asyncio.create_task(_trainer(orch, run_dir, max_steps))
     job = asyncio.create_task(pool.run(nxt))
     done, _ = await asyncio.wait([job], timeout=kill_after or 60)
@@ -109,7 +110,7 @@ def _check_exactly_once(run_dir, max_steps):
 def test_batches_form_from_what_finishes_and_a_straggler_is_cancelled_not_waited_for(tmp_path):
     orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=2000",
                          "orchestrator.stale_policy=drop")
-    slow = [g for g in range(200) if orch.env.sample_tasks(1, random.Random(f"{orch.cfg.seed}-group-{g}"))[0]
+    slow = [g for g in range(200) if orch.sampler.env.sample_tasks(1, random.Random(f"{orch.cfg.seed}-group-{g}"))[0]
             ["latency_s"] > 5]
     assert slow and slow[0] < 4 * P  # a straggler (tens of seconds) among the groups played
     t0 = time.monotonic()
@@ -130,8 +131,8 @@ def test_no_group_starts_that_could_only_go_stale(tmp_path):
     orch = _orchestrator(tmp_path, "orchestrator.stale_policy=drop")
 
     async def go():
-        pool = ContinuousPool(orch, 0, 10, 0)
-        job = asyncio.create_task(pool.run(lambda: orch._next_missing(0, 10)))
+        pool = orch.continuous_pool(0, 10, 0)
+        job = asyncio.create_task(pool.run(lambda: orch.next_missing(0, 10)))
         await asyncio.sleep(1.0)
         started = len({e["group"] for e in GroupLog.read(tmp_path) if e["event"] == "start"})
         job.cancel()
@@ -154,7 +155,7 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
     for _ in range(3):
         first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]  # the checkpoint resumed from
         orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
-        orch.tracker.version = first
+        orch.sampler.tracker.version = first
         asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart, kill_after=rng.uniform(0.05, 0.6)))
         with open(tmp_path / "rollouts" / "groups.jsonl", "a") as f:
             f.write('{"event": "start", "gro')  # the write a SIGKILL interrupted
@@ -169,7 +170,7 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
     in_flight_at_crash, _ = resume_order(tmp_path)
     first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]
     orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
-    orch.tracker.version = first
+    orch.sampler.tracker.version = first
     pool = asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart))
     metas, started, dropped = _check_exactly_once(tmp_path, max_steps)
     # the groups the crashes interrupted were played again (first), not skipped
@@ -213,7 +214,7 @@ class _FlakyServer:
 def test_a_failed_reload_is_retried_then_fails_the_role_instead_of_hanging(tmp_path, failures, fails):
     from rl.orchestrator import loop
     orch = _orchestrator(tmp_path)
-    orch.clients, orch.reload_backoff_s = [_FlakyServer(failures)], 0.01
+    orch.sampler.clients, orch.reload_backoff_s = [_FlakyServer(failures)], 0.01
     exchange.publish(tmp_path, "weights", 1, lambda d: (d / "x").write_text("w"), producer="test")
 
     async def go():
@@ -227,7 +228,7 @@ def test_a_failed_reload_is_retried_then_fails_the_role_instead_of_hanging(tmp_p
                                                rf"{loop.RELOAD_RETRIES + 1} times; last error: InferenceError"):
             asyncio.run(go())
     else:
-        assert asyncio.run(go()) and orch.tracker.version == 1 and orch.clients[0].calls == failures + 1
+        assert asyncio.run(go()) and orch.sampler.tracker.version == 1 and orch.sampler.clients[0].calls == failures + 1
 
 
 def test_a_stop_leaves_the_groups_it_interrupts_to_be_played_again(tmp_path):
@@ -236,8 +237,8 @@ def test_a_stop_leaves_the_groups_it_interrupts_to_be_played_again(tmp_path):
     orch = _orchestrator(tmp_path, "env.digits.latency_median_s=5")
 
     async def go():
-        pool = ContinuousPool(orch, 0, 10, 0)
-        job = asyncio.create_task(pool.run(lambda: orch._next_missing(0, 10)))
+        pool = orch.continuous_pool(0, 10, 0)
+        job = asyncio.create_task(pool.run(lambda: orch.next_missing(0, 10)))
         await asyncio.sleep(0.5)
         in_flight = set(pool.inflight)
         orch.stop.set("SIGTERM")
@@ -271,17 +272,17 @@ def test_drop_accounts_waste_and_the_bias_against_long_episodes(tmp_path):
     orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.15", "env.digits.latency_outlier_factor=2000",
                          "orchestrator.stale_policy=drop")
 
-    async def sample(sem, task, group, step, attempt):  # tokens counted as generated, before the wait
+    async def sample(task, group, step, attempt):  # tokens counted as generated, before the wait
         async def one(i):
-            poolmod.rollout_begin(i)
-            v = orch.tracker.version
-            poolmod.count_generated(2)
+            accounting.rollout_begin(i)
+            v = orch.sampler.tracker.version
+            accounting.count_generated(2)
             await asyncio.sleep(task.get("latency_s", 0.0))
-            poolmod.rollout_end(i)
+            accounting.rollout_end(i)
             return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
                           completion_versions=[v, v], reward=float(i), group=group, info={"finish_reason": "stop"})
         return list(await asyncio.gather(one(0), one(1)))
-    orch._sample_group_or_none = sample
+    orch.sampler.sample_group_or_none = sample
     asyncio.run(_run(orch, tmp_path, max_steps=8))
     metas, started, dropped = _check_exactly_once(tmp_path, 8)
     last = metas[7]
@@ -300,21 +301,21 @@ def test_max_inflight_counts_rollouts_that_finish_apart(tmp_path):
     orch = _orchestrator(tmp_path, "orchestrator.max_inflight=4", "orchestrator.stale_policy=mask")
     slow_gid = 0
 
-    async def sample(sem, task, group, step, attempt):
+    async def sample(task, group, step, attempt):
         async def one(i):
-            poolmod.rollout_begin(i)
+            accounting.rollout_begin(i)
             await asyncio.sleep(2.0 if (group == slow_gid and i == 0) else 0.02)
-            poolmod.count_generated(2)
-            poolmod.rollout_end(i)
-            v = orch.tracker.version
+            accounting.count_generated(2)
+            accounting.rollout_end(i)
+            v = orch.sampler.tracker.version
             return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
                           completion_versions=[v, v], reward=float(i), group=group, info={"finish_reason": "stop"})
         return list(await asyncio.gather(one(0), one(1)))
-    orch._sample_group_or_none = sample
+    orch.sampler.sample_group_or_none = sample
 
     async def go():
-        pool = ContinuousPool(orch, 0, 50, 0)
-        job = asyncio.create_task(pool.run(lambda: orch._next_missing(0, 50)))
+        pool = orch.continuous_pool(0, 50, 0)
+        job = asyncio.create_task(pool.run(lambda: orch.next_missing(0, 50)))
         await asyncio.sleep(0.5)
         rollouts = pool.open_rollouts()
         started = len({e["group"] for e in GroupLog.read(tmp_path) if e["event"] == "start"})
@@ -328,7 +329,7 @@ def test_max_inflight_counts_rollouts_that_finish_apart(tmp_path):
 
 def test_admission_waits_for_a_group_that_would_not_fit_and_starts_a_hopeless_one(tmp_path):
     orch = _orchestrator(tmp_path, "orchestrator.stale_policy=admit", "orchestrator.max_off_policy=2")
-    pool = ContinuousPool(orch, 0, 10, 0)
+    pool = orch.continuous_pool(0, 10, 0)
     task = {"digits": [1, 2, 3], "latency_s": 0.1}
     assert pool._admits(task)  # no history: admitted
     for _ in range(3):
@@ -348,10 +349,10 @@ def test_admission_waits_for_a_group_that_would_not_fit_and_starts_a_hopeless_on
 
 def test_mask_stale_masks_policy_tokens_only():
     s = Sample([1], [5, 6, 7, 8], [-1.0] * 4, [3, -1, 4, 5], 1.0, 0, completion_mask=[1, 0, 1, 1])
-    assert poolmod.mask_stale([s], bound=5) == 2
+    assert accounting.mask_stale([s], oldest=5) == 2
     assert s.completion_mask == [0, 0, 0, 1]
     t = Sample([1], [5, 6], [-1.0] * 2, [2, 5], 1.0, 0)
-    assert poolmod.mask_stale([t], bound=5) == 1 and t.completion_mask == [0, 1]
+    assert accounting.mask_stale([t], oldest=5) == 1 and t.completion_mask == [0, 1]
 
 
 def test_masked_stale_tokens_never_reach_the_trainers_loss(tmp_path, monkeypatch):
@@ -415,14 +416,14 @@ def test_a_batch_the_trainer_sets_aside_has_its_groups_played_again_not_lost(tmp
                     continue
                 await asyncio.sleep(0.05)
                 n += 1
-                orch.tracker.version = n
+                orch.sampler.tracker.version = n
             await asyncio.sleep(0.005)
         mark_done(tmp_path, step=max_steps)
 
     async def case():
-        pool = ContinuousPool(orch, 0, max_steps, 0)
+        pool = orch.continuous_pool(0, max_steps, 0)
         t = asyncio.create_task(trainer())
-        await asyncio.wait_for(pool.run(lambda: orch._next_missing(0, max_steps)), 60)
+        await asyncio.wait_for(pool.run(lambda: orch.next_missing(0, max_steps)), 60)
         t.cancel()
         return pool
     pool = asyncio.run(case())

@@ -1,0 +1,152 @@
+"""The sampler: what every scheduler of rollouts needs to play one group, and nothing else.
+
+A group is `orchestrator.group_size` rollouts of one task: single-turn (one completion, then the
+environment's grade) or multi-turn (rl/orchestrator/multiturn.py: model turns and tool observations).
+Playing one needs the servers' clients (or the router's), the generation gate the weight watcher closes
+while the servers reload, the shared request and environment semaphores
+(`orchestrator.max_concurrency`, `orchestrator.env_concurrency`), the version tracker that labels every
+token with the policy version that produced it, the tokenizer and the environment. The batch schedule
+(rl.orchestrator.loop) and the continuous pool (rl.orchestrator.pool) both hold a `Sampler` and call
+`sample_group_or_none`; they never reach into the orchestrator, and the orchestrator keeps what is
+its own: loading weights, forming and publishing batches.
+
+A group whose environment fails (a sandbox error, a crashed tool, a non-finite reward) comes back as
+None, to be dropped and counted; an inference error propagates, since without servers nothing can go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import numpy as np
+
+from rl.contract.batch import Sample, routed_per_token
+from rl.envs.base import is_multi_turn, prompt_ids
+from rl.orchestrator import accounting, multiturn
+from rl.orchestrator.accounting import IdleClock
+from rl.orchestrator.client import SESSION as ROUTER_SESSION
+from rl.orchestrator.client import InferenceClient, InferenceError
+from rl.orchestrator.versions import VersionTracker
+from rl.runtime import log
+
+ROLE = "orchestrator"
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class UntrainableGroup(ValueError):
+    """A sampled group whose numbers the trainer cannot use (a non-finite reward or logprob)."""
+
+
+def check_trainable(samples: list[Sample]) -> None:
+    """Raise UntrainableGroup unless every reward and every trained token's logprob is finite as the
+    float32 the batch stores. One NaN reward (an environment's scoring code) would make the whole group's
+    advantages NaN, and the trainer sets a batch with non-finite numbers aside whole: the group is dropped
+    and counted as failed instead, like an environment that raised."""
+    for i, s in enumerate(samples):
+        if not (math.isfinite(s.reward) and abs(s.reward) <= _F32_MAX):
+            raise UntrainableGroup(f"sample {i}: reward {s.reward!r} is not finite (float32)")
+        mask = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_logprobs)
+        for j, (lp, m) in enumerate(zip(s.completion_logprobs, mask)):
+            if m and not (math.isfinite(lp) and abs(lp) <= _F32_MAX):
+                raise UntrainableGroup(f"sample {i}: logprob {lp!r} of completion token {j} is not finite "
+                                       f"(float32)")
+
+
+class Sampler:
+    """Plays groups on the servers. `clients`, `router_client`, `tokenizer` and `tracker` are set once
+    the servers are up (the orchestrator's start-up; tests set them directly)."""
+
+    def __init__(self, cfg: Any, env: Any):
+        self.cfg, self.o, self.env = cfg, cfg.orchestrator, env
+        self.multi_turn = is_multi_turn(env)   # episodes driven turn by turn (multiturn.py)
+        self.clients: list[InferenceClient] = []
+        self.router_client: InferenceClient | None = None   # generation through rl.inference.router
+        self.tokenizer: Any = None
+        self.tracker: VersionTracker | None = None
+        self.gate = asyncio.Event()   # cleared while the servers reload weights
+        self.gate.set()
+        self.idle = IdleClock()
+        self.request_sem = asyncio.Semaphore(int(self.o.max_concurrency))
+        self.env_sem = asyncio.Semaphore(int(self.o.env_concurrency))
+        self._bridge: multiturn.ChatBridge | None = None
+        self._requests = 0
+
+    @property
+    def bridge(self) -> multiturn.ChatBridge:
+        if self._bridge is None:
+            self._bridge = multiturn.ChatBridge(self.tokenizer)
+        return self._bridge
+
+    def client_for(self, group: int) -> InferenceClient:
+        """Every rollout of a group on one server, so its prefix cache holds the shared prompt."""
+        return self.clients[group % len(self.clients)]
+
+    async def sample_one(self, client: InferenceClient, ids: list[int], seed: int,
+                         max_tokens: int | None = None):
+        """One completion of `ids` and the policy version of each of its tokens."""
+        await self.gate.wait()
+        if self.router_client is not None:  # generation goes through the router (inference.router)
+            client = self.router_client
+        self._requests += 1
+        rid = f"hetrl-{self._requests}"
+        self.tracker.start(rid)
+        self.idle.enter()
+        try:
+            c = await client.generate(ids, max_tokens=max_tokens or self.o.max_tokens,
+                                      temperature=self.o.temperature, top_p=self.o.top_p, seed=seed,
+                                      request_id=rid)
+        except BaseException:
+            self.tracker.forget(rid)
+            raise
+        finally:
+            self.idle.leave()
+        tracked = self.tracker.finish(rid, len(c.ids))
+        accounting.count_generated(len(c.ids))  # waste accounting of the pool's rollout (if any)
+        # The engine's own per-token version spans are exact; the tracker is the fallback.
+        versions = list(c.versions) if c.versions is not None else tracked
+        return c, versions
+
+    async def sample_group(self, task: Any, group: int, step: int, attempt: int) -> list[Sample]:
+        if self.router_client is not None:  # one router session per group: its rollouts share a prompt
+            ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
+        if self.multi_turn:  # tool-using episodes: model turns and observations, rl/orchestrator/multiturn.py
+            return await multiturn.sample_group(self, task, group, step, attempt)
+        ids = prompt_ids(self.env, self.tokenizer, task)
+        client = self.client_for(group)
+        ascore = getattr(self.env, "ascore", None)  # grading that takes time (a test run) is awaited
+
+        async def one(i):
+            # one rollout: generation (within max_concurrency), then grading (within env_concurrency, a
+            # cost like a tool run, not a free sleep); its slot in the pool frees when it is graded
+            accounting.rollout_begin(i)
+            async with self.request_sem:
+                seed = hash((self.cfg.seed, step, attempt, group, i)) & 0x7FFFFFFF
+                c, versions = await self.sample_one(client, ids, seed)
+            text = self.tokenizer.decode(c.ids, skip_special_tokens=False)
+            if ascore is not None:
+                async with self.env_sem:
+                    reward = await ascore(task, text)
+            else:
+                reward = self.env.score(task, text)
+            accounting.rollout_end(i)
+            return c, versions, reward
+
+        outs = await asyncio.gather(*(one(i) for i in range(self.o.group_size)))
+        return [Sample(prompt_ids=ids, completion_ids=list(c.ids), completion_logprobs=list(c.logprobs),
+                       completion_versions=versions, reward=float(reward), group=group,
+                       routed_experts=routed_per_token(c.routed_experts, len(ids) + len(c.ids)),
+                       info={"finish_reason": c.finish_reason})
+                for c, versions, reward in outs]
+
+    async def sample_group_or_none(self, task: Any, group: int, step: int, attempt: int):
+        """A group, or None when the environment failed (see the module docstring)."""
+        try:
+            samples = await self.sample_group(task, group, step, attempt)
+            check_trainable(samples)
+            return samples
+        except (InferenceError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - environment code is user code; report, drop, go on
+            log(ROLE, f"step {step} group {group}: environment failed, group dropped: {type(e).__name__}: {e}")
+            return None
