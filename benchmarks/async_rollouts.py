@@ -124,6 +124,7 @@ class World:
         self.history = [(0.0, 0)]  # (monotonic time, version) as the servers switched
         self.generated = 0
         self.by_group: dict = {}  # group id (the pool's; None in batch mode) -> tokens generated
+        self.gen_s, self.gen_tokens, self.tool_s, self.tool_planned = 0.0, 0, 0.0, 0.0  # for launch.simulate
 
     def count(self, n: int) -> None:
         from rl.orchestrator import accounting as pool
@@ -161,6 +162,7 @@ class SimServer:
             pool.count_generated(part)  # the orchestrator never sees a cancelled request's tokens
             raise
         w.count(n_tok)
+        w.gen_s, w.gen_tokens = w.gen_s + time.monotonic() - t0, w.gen_tokens + n_tok
         rng = np.random.default_rng(seed)
         tg = toy.targets(prompt_ids)
         ids, lps, vers = [], [], []
@@ -226,7 +228,11 @@ class _Episode:
         ans = text.split()[:self.env.n]
         tg = [str(d) for d in self.task["digits"]]
         self.scores.append(sum(x == y for x, y in zip(ans, tg)) / len(tg))
+        t0 = time.monotonic()
         await asyncio.sleep(self.plan[len(self.scores) - 1])  # the tool call: an env slot held
+        w = getattr(self.env, "world", None)  # launch.simulate's input: tool seconds actual / planned
+        if w is not None:
+            w.tool_s, w.tool_planned = w.tool_s + time.monotonic() - t0, w.tool_planned + self.plan[len(self.scores) - 1]
         done = len(self.scores) >= len(self.plan)
         return (None if done else "ok"), done
 
@@ -327,6 +333,7 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
     orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
     if model == "agentic":
         orch.sampler.env, orch.sampler.multi_turn = AgenticEnv(n_digits, a), True
+        orch.sampler.env.world = world
     orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0)]
     orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
     steps = int(cfg.trainer.max_steps)
@@ -344,7 +351,7 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
         trainer.cancel()
         await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
     return {"server_generated": world.generated, "by_group": world.by_group, "env": orch.sampler.env,
-            "max_lag_trainer": max_lag}
+            "max_lag_trainer": max_lag, "world": world}
 
 
 # ============================================================================ what a run measured
@@ -435,6 +442,42 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
     else:
         res["length_ratio"] = 1.0  # every group sampled is trained (batch mode awaits them all)
     return res
+
+
+# ============================================================================ the simulator's prediction
+def predict(run_dir: Path, cfg, out: dict, model: str, a) -> dict:
+    """launch.simulate's steps/h for this mode, fed the component times this run measured: the trainer's
+    busy seconds per step (metrics.jsonl), the server's seconds per generated token and the tool calls'
+    actual / planned seconds (the event loop's lag on a loaded machine), the multi-turn driver's seconds
+    per turn outside generation and tools; episodes are the latency model's own, group by group."""
+    from launch.simulate import SimConfig, Turn, simulate
+    from rl.metrics import read_metrics
+    ms = read_metrics(run_dir)
+    busy = [m1["time"] - m0["time"] - m1["wait_s"] for m0, m1 in zip(ms, ms[1:])]
+    train_s = statistics.median(busy) if busy else a.train_s
+    w, env = out["world"], out["env"]
+    token_s = w.gen_s / w.gen_tokens if w.gen_tokens else a.tok_ms / 1000
+    stretch = w.tool_s / w.tool_planned if w.tool_planned else 1.0
+    turns = sum(m.get("orchestrator/turns_total", 0) for m in ms)
+    outside = sum(m.get("orchestrator/episode_s_mean", 0) * m.get("orchestrator/episodes", 0)
+                  - m.get("orchestrator/turn_gen_s", 0) - m.get("orchestrator/turn_env_s", 0) for m in ms)
+    per_turn = max(outside / turns, 0.0) if turns else 0.0
+    G, P = int(cfg.orchestrator.group_size), int(cfg.orchestrator.prompts_per_step)
+    n_digits = int(cfg.env.digits.n_digits)
+
+    def source(key: str):
+        part = key.split("-")
+        if part[0] == "group":   # the pool's task of group g; batch mode's task j of (step, attempt)
+            task = env.sample_tasks(1, random.Random(f"{cfg.seed}-group-{part[1]}"))[0]
+        else:
+            task = env.sample_tasks(P, random.Random(f"{cfg.seed}-{part[1]}-{part[2]}"))[int(part[3])]
+        if model == "agentic":
+            return [[Turn(min(a.turn_tokens, int(cfg.orchestrator.max_tokens)), x * stretch + per_turn)
+                     for x in env.plan(task, i)] for i in range(G)]
+        return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * stretch + per_turn)] for _ in range(G)]
+    r = simulate(SimConfig.from_config(cfg, train_s=train_s, token_s=token_s), source)
+    return {"steps_per_hour": r.steps_per_hour, "trainer_idle": r.trainer_idle, "train_s": train_s,
+            "token_s": token_s, "wasted_fraction": r.wasted_fraction}
 
 
 # ============================================================================ embedded runs
@@ -541,6 +584,9 @@ def main(argv=None) -> int:
                         run_dir.mkdir(parents=True, exist_ok=True)
                         out = asyncio.run(sim_run(run_dir, cfg, model, a, tok))
                         res = measure(run_dir, cfg, out, model, a, time.monotonic() - t0)
+                        pred = predict(run_dir, cfg, out, model, a)
+                        res["predicted_steps_per_hour"] = pred["steps_per_hour"]
+                        res["sim_ratio"] = pred["steps_per_hour"] / max(res["steps_per_hour"], 1e-9)
                     else:
                         res = run_embedded(mode, ov, run_dir, a)
                     results.setdefault((model, mode), []).append(res)
@@ -556,6 +602,9 @@ def main(argv=None) -> int:
                              if "started_s_mean" in res else "")
                           + f"  reward/step {res['reward_per_step']:.3f}  ({res['wall_s']:.0f} s)", flush=True)
                     print(f"{'':25s} reward curve {' '.join(f'{x:.2f}' for x in res['rewards'])}", flush=True)
+                    if "predicted_steps_per_hour" in res:
+                        print(f"{'':25s} launch.simulate: {res['predicted_steps_per_hour']:.0f} steps/h predicted, "
+                              f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f})", flush=True)
     med = {key: {f: statistics.median(x[f] for x in rs) for f in rs[0] if isinstance(rs[0][f], (int, float))}
            for key, rs in results.items()}
     keys = ("steps_per_hour", "trainer_idle", "wasted_token_fraction", "length_ratio", "dropped_fraction",
@@ -585,6 +634,8 @@ def main(argv=None) -> int:
             line += [f"{pre}{f}_{pol}={m[f]:.4f}" for f in keys[:6] for pol, m in (("drop", dr), (default, d))]
             line.append(f"{pre}reward_vs_drop={d['reward_per_step'] - dr['reward_per_step']:+.4f}")
     line.append(f"max_trained_lag={max(int(m['max_trained_lag']) for m in med.values())}")
+    line += [f"{'' if model == 'agentic' else model + '_'}sim_ratio_{mode}={m['sim_ratio']:.3f}"
+             for (model, mode), m in med.items() if "sim_ratio" in m]
     print(" ".join(line))
     return 0
 

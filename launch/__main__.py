@@ -96,6 +96,7 @@ def cmd_plan(ns) -> int:
         console.print(t)
         print(_model_line(c))
         report = _print_memory(console, c, plan)
+        _print_perf(console, c, ns)
         if c["cluster"]["backend"] == "slurm":
             from launch.slurm import render_script
             print(render_script(plan, c))
@@ -103,12 +104,41 @@ def cmd_plan(ns) -> int:
     return 0
 
 
+def _print_perf(console, cfg: dict, ns) -> None:
+    """The step-time prediction (launch.perf, docs/perf.md) under the memory table; with --simulate the
+    discrete-event simulation of the pipeline (launch.simulate) fed its component times."""
+    from rich.table import Table
+    from launch import perf
+    assume = dict(a.split("=", 1) if "=" in a else (a, "") for a in getattr(ns, "assume", None) or [])
+    metrics = getattr(ns, "metrics", None)
+    pred = perf.predict(cfg, perf.Workload.from_metrics(metrics) if metrics else None, assume)
+    t = Table(title="predicted seconds per step (estimate; docs/perf.md; overlapped terms in parentheses)")
+    rows = perf.table_rows(pred)
+    for col in rows[0]:
+        t.add_column(col)
+    for row in rows[1:]:
+        t.add_row(*row)
+    console.print(t)
+    for n in pred.notes:
+        print(f"perf: {n}")
+    warn = pred.warning(cfg["cluster"].get("target_step_s"))
+    if warn:
+        print(f"warning: {warn}")
+    if getattr(ns, "simulate", False):
+        r = perf.simulate_plan(cfg, pred, metrics)
+        print(f"simulated ({r.steps} steps): {r.result.steps_per_hour:.1f} steps/h, trainer idle "
+              f"{r.result.trainer_idle:.1%}, inference idle {r.result.inference_idle:.1%}, wasted "
+              f"{r.result.wasted_fraction:.1%}, lag " + " ".join(f"{k}:{v / max(sum(r.result.lags.values()), 1):.0%}"
+                                                             for k, v in r.result.lags.items())
+              + f" ({r.source})")
+
+
 def _model_line(cfg: dict) -> str:
     """What the trainer builds: family, where its architecture comes from, its size."""
     from launch import memory
     m = cfg["model"]
     p = memory.count_params(memory.Shape.from_cfg(m))
-    src = f"{m['hf_path']}/config.json" if m.get("hf_path") else "the model group (created here, random init)"
+    src = f"{m['hf_path']}/config.json" if m["hf_path"] else "the model group (created here, random init)"
     return (f"model: {m['name']} family {m['family']} from {src}: {p.total / 1e9:.1f}B parameters, "
             f"{p.active / 1e9:.1f}B active, {m['num_experts']} experts top-{m['top_k']}, {m['n_layers']} layers")
 
@@ -204,6 +234,11 @@ def main(argv=None) -> int:
         s = sub.add_parser(name)
         s.add_argument("-m", "--multirun", action="store_true", help="sweep: one job per point")
         s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=debug trainer.max_steps=10")
+        if name == "plan":   # the step-time prediction's inputs (docs/perf.md)
+            s.add_argument("--simulate", action="store_true", help="also simulate the async pipeline")
+            s.add_argument("--assume", action="append", metavar="KEY=VALUE",
+                           help="workload: rollout_tokens, decode_tokens, turns, env_s")
+            s.add_argument("--metrics", metavar="METRICS_JSONL", help="workload from a finished run's metrics.jsonl")
     s = sub.add_parser("resume")
     s.add_argument("run_dir")
     s.add_argument("overrides", nargs="*", help="resumable overrides (trainer.max_steps, cluster.*)")

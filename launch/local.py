@@ -106,7 +106,7 @@ class _Progress:
 
     def __init__(self, run_dir: Path, max_steps: int):
         from rl.metrics import read_metrics  # torch-free
-        self._read = read_metrics
+        self._read = lambda run_dir: read_metrics(run_dir, final_eval=True)
         self.run_dir = run_dir
         self.max_steps = max_steps
         self.seen = 0
@@ -120,13 +120,23 @@ class _Progress:
     def update(self, phase: str) -> None:
         ms = self._read(self.run_dir)
         for m in ms[self.seen:]:
-            line = (f"step {m['step'] + 1:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
-                    f"kl {m.get('mismatch_kl', float('nan')):.2e}  lag {m.get('lag', float('nan')):.2f}  "
-                    f"{m.get('tokens_per_s', 0):.0f} tok/s  step {m.get('step_time_s', 0):.1f}s")
-            if self.live is not None:
-                self.live.console.print(line)
-            else:
-                print(line, flush=True)
+            lines = []
+            if "loss" in m:  # a training step's line (the final evaluation comes as a line of its own)
+                lines.append(f"step {m['step'] + 1:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
+                             f"kl {m.get('mismatch_kl', float('nan')):.2e}  lag {m.get('lag', float('nan')):.2f}  "
+                             f"{m.get('tokens_per_s', 0):.0f} tok/s  step {m.get('step_time_s', 0):.1f}s")
+            if "eval/version" in m:
+                passk = next((f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@")
+                              and k != "eval/pass@1"), "")
+                lines.append(f"eval policy v{m['eval/version']}:  reward {m.get('eval/reward_mean', float('nan')):.3f}  "
+                             f"pass@1 {m.get('eval/pass@1', float('nan')):.3f}  {passk}  "
+                             f"({m.get('eval/tasks', 0)} held-out tasks)" if "eval/error" not in m else
+                             f"eval policy v{m['eval/version']}: failed: {m['eval/error']}")
+            for line in lines:
+                if self.live is not None:
+                    self.live.console.print(line)
+                else:
+                    print(line, flush=True)
         self.seen = len(ms)
         if self.live is not None:
             last = ms[-1] if ms else {}

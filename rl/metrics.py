@@ -18,9 +18,17 @@ from typing import Any
 from rl.contract.paths import METRICS as METRICS_FILE  # noqa: E402
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+def read_metrics(run_dir: str | os.PathLike, *, final_eval: bool = False) -> list[dict]:
+    """The trainer's line per step, in order. The final version's evaluation comes after the last step as
+    a line of its own (`step` = max_steps, `eval/...` keys, no loss): included with `final_eval=True`."""
     from rl.exchange.jsonl import read_jsonl  # torch-free, like this module
-    return read_jsonl(Path(run_dir) / METRICS_FILE)  # a killed trainer's torn last line is skipped
+    rows = read_jsonl(Path(run_dir) / METRICS_FILE)  # a killed trainer's torn last line is skipped
+    return rows if final_eval else [m for m in rows if not is_eval_only(m)]
+
+
+def is_eval_only(m: dict) -> bool:
+    """A metrics line that carries an evaluation and no training step (the final version's)."""
+    return "eval/version" in m and "loss" not in m
 
 
 def truncate_metrics(run_dir: str | os.PathLike, first_dropped_step: int) -> None:
@@ -31,6 +39,47 @@ def truncate_metrics(run_dir: str | os.PathLike, first_dropped_step: int) -> Non
     keep = [m for m in read_metrics(run_dir) if m.get("step", -1) < first_dropped_step]
     tmp = p.with_name(p.name + ".tmp-" + secrets.token_hex(4))
     tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
+    os.replace(tmp, p)
+
+
+class EvalFold:
+    """Online evaluation's rows (`eval/results.jsonl`, written by the orchestrator) folded into the
+    trainer's metrics, so that metrics.jsonl and wandb keep one writer. Each new row's `eval/...` keys go
+    into the next step's line (the newest row wins when several arrived between two steps; the results
+    file keeps them all); the rows already folded in by an earlier incarnation are known from
+    metrics.jsonl (`eval/version`)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.seen = {int(m["eval/version"]) for m in read_metrics(run_dir, final_eval=True) if "eval/version" in m}
+
+    def rows(self) -> list[dict]:
+        from rl.contract.paths import eval_results_file
+        from rl.exchange.jsonl import read_jsonl
+        return read_jsonl(eval_results_file(self.run_dir))
+
+    def new(self) -> dict:
+        out: dict = {}
+        for r in sorted(self.rows(), key=lambda r: int(r["version"])):
+            if int(r["version"]) not in self.seen:
+                self.seen.add(int(r["version"]))
+                out.update({k: v for k, v in r.items() if k.startswith("eval/")})
+        return out
+
+    def has(self, version: int) -> bool:
+        return any(int(r["version"]) == version for r in self.rows())
+
+
+def truncate_eval(run_dir: str | os.PathLike, last_kept_version: int) -> None:
+    """Drop the evaluations of versions after `last_kept_version` (a resume trains them again)."""
+    from rl.contract.paths import eval_results_file
+    from rl.exchange.jsonl import read_jsonl
+    p = eval_results_file(run_dir)
+    if not p.exists():
+        return
+    keep = [r for r in read_jsonl(p) if int(r.get("version", -1)) <= last_kept_version]
+    tmp = p.with_name(p.name + ".tmp-" + secrets.token_hex(4))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, p)
 
 

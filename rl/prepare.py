@@ -83,8 +83,9 @@ def prepare(run_dir: str | Path, from_scratch: bool = False) -> ResumeState:
     discarded = {paths.WEIGHTS: exchange.discard_after(run_dir, paths.WEIGHTS, keep - 1 if ckpt is not None else -1),
                  paths.ROLLOUTS: exchange.discard_after(run_dir, paths.ROLLOUTS, keep)}
     discarded[paths.CHECKPOINTS] = list(corrupt)  # set aside, not deleted: checkpoints/corrupt/
-    from rl.metrics import truncate_metrics
+    from rl.metrics import truncate_eval, truncate_metrics
     truncate_metrics(run_dir, ckpt if ckpt is not None else 0)
+    truncate_eval(run_dir, ckpt if ckpt is not None else 0)   # weights after the checkpoint are trained again
     crash_point("prepare.mid")
     state = ResumeState(checkpoint_step=ckpt, restart=newest.restart + 1 if newest else 0,
                         discarded=discarded, cleaned_tmp=cleaned, time=time.time(),

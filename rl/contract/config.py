@@ -256,6 +256,27 @@ class EnvConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """Per-GPU and per-node figures the step-time prediction reads (launch.perf, docs/perf.md). `gpu` picks
+    a preset (h100 | h200, sources in docs/perf.md); every other key left None takes the preset's value."""
+    gpu: str = "h200"
+    bf16_tflops: Optional[float] = None     # dense peak, per GPU
+    fp8_tflops: Optional[float] = None
+    hbm_gbps: Optional[float] = None        # GB/s per GPU
+    nvlink_gbps: Optional[float] = None     # intra-node, GB/s per GPU and direction
+    nic_gbps: Optional[float] = None        # inter-node (RDMA), GB/s per GPU and direction
+    pcie_gbps: Optional[float] = None       # host <-> GPU, GB/s per GPU and direction
+    host_mem_gbps: Optional[float] = None   # achievable host memory bandwidth per node, GB/s
+    fs_read_gbps: Optional[float] = None    # shared filesystem, per client node, GB/s
+    fs_write_gbps: Optional[float] = None
+    fs_total_gbps: Optional[float] = None   # the filesystem's aggregate, GB/s
+    checksum_gbps: Optional[float] = None   # sha256, GB/s per core
+    mfu: Optional[float] = None             # trainer: model FLOP utilisation (of the GEMMs' precision peak)
+    inference_mfu: Optional[float] = None   # vLLM prefill / decode compute
+    hbm_efficiency: Optional[float] = None  # achieved fraction of hbm_gbps when decode streams weights
+
+
+@dataclass
 class ClusterConfig:
     backend: str = "local"             # local | slurm
     account: Optional[str] = None
@@ -281,6 +302,8 @@ class ClusterConfig:
     sandbox_nodes: int = 0
     sandbox_partition: Optional[str] = None  # default: cluster.partition
     sandbox_account: Optional[str] = None    # default: cluster.account
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)   # step-time prediction (docs/perf.md)
+    target_step_s: Optional[float] = None    # launch plan warns when the predicted step time exceeds it
 
 
 @dataclass
@@ -288,6 +311,22 @@ class WandbConfig:
     mode: str = "offline"              # offline | online | disabled
     project: str = "hetrl"
     entity: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    """Online evaluation (rl/orchestrator/evaluation.py, docs/eval.md): a held-out task set played by the
+    current policy on the same servers, never trained on and never awaited by a training step."""
+    every: int = 2                     # evaluate every `every` policy versions (and the final one); 0 = off
+    tasks: int = 8                     # held-out tasks (a split of the environment's tasks, or the file's first N)
+    tasks_file: Optional[str] = None   # held-out rows in the environment's task format (digits: JSONL; swe: docs/swe.md)
+    samples: int = 1                   # completions per task: pass@samples and mean reward over them
+    temperature: float = 0.0           # 0 = greedy
+    top_p: float = 1.0
+    max_tokens: Optional[int] = None   # default: orchestrator.max_tokens
+    max_concurrency: int = 4           # eval requests at once: its share beside the rollouts
+    solved_reward: float = 1.0         # a completion with at least this reward solves its task (pass@k)
+    final_timeout_s: float = 600.0     # the trainer waits at most this for the final version's evaluation
 
 
 @dataclass
@@ -302,6 +341,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register() -> None:

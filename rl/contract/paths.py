@@ -26,6 +26,7 @@ SECRET = "secret"
 RESUME = "resume.json"
 DONE = "DONE"
 METRICS = "metrics.jsonl"
+EVAL, EVAL_RESULTS = "eval", "results.jsonl"   # eval/results.jsonl: online evaluation, a line per version
 WANDB_ID = "wandb_id"
 LOCAL_PIDS = "local.json"            # the local backend's launcher: host, pid, start time
 # Step-versioned kinds (rl.exchange).
@@ -67,6 +68,10 @@ def secret_file(run_dir: PathLike) -> Path:
 
 def metrics_file(run_dir: PathLike) -> Path:
     return p(run_dir, METRICS)
+
+
+def eval_results_file(run_dir: PathLike) -> Path:
+    return p(run_dir, EVAL, EVAL_RESULTS)
 
 
 def logs_dir(run_dir: PathLike) -> Path:

@@ -150,6 +150,21 @@ def validate(cfg: DictConfig | dict) -> None:
     need(0 <= dg.latency_outlier_prob <= 1, "env.digits.latency_outlier_prob", "must be in [0, 1]")
     need(dg.latency_outlier_factor >= 1, "env.digits.latency_outlier_factor", "must be >= 1")
     need(o.temperature > 0, "orchestrator.temperature", "must be positive (RL samples the policy)")
+    ev = cfg.eval
+    need(ev.every >= 0, "eval.every", "must be >= 0 (0 turns online evaluation off)")
+    need(ev.tasks >= 1, "eval.tasks", "must be at least 1")
+    need(ev.samples >= 1, "eval.samples", "must be at least 1 (pass@samples)")
+    need(ev.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
+    need(0 < ev.top_p <= 1, "eval.top_p", "must be in (0, 1]")
+    need(ev.max_tokens is None or 1 <= ev.max_tokens < cfg.inference.max_model_len, "eval.max_tokens",
+         f"must be in [1, inference.max_model_len={cfg.inference.max_model_len})")
+    need(ev.max_concurrency >= 1, "eval.max_concurrency", "must be at least 1")
+    need(ev.final_timeout_s >= 0, "eval.final_timeout_s", "must be >= 0")
+    if ev.every and ev.tasks_file:
+        need(Path(str(ev.tasks_file)).is_file() and os.access(str(ev.tasks_file), os.R_OK), "eval.tasks_file",
+             "is not a readable file")
+        need(cfg.env.name in ("digits", "swe"), "eval.tasks_file",
+             f"env.name={cfg.env.name} reads no task file; leave it unset to hold out a split of its tasks")
     e = cfg.env
     need(e.name in ("digits", "swe") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
          "env.name", "must be digits, swe or verifiers:<id>")
@@ -245,6 +260,14 @@ def validate(cfg: DictConfig | dict) -> None:
     for key in ("cluster.setup", "cluster.extra_sbatch", "inference.extra_args"):
         for n, line in enumerate(_get(cfg, key) or []):
             _no_newline(f"{key}[{n}]", line)
+    hw = c.hardware
+    need(hw.gpu in ("h100", "h200"), "cluster.hardware.gpu", "must be one of h100, h200 (docs/perf.md)")
+    for k in ("bf16_tflops", "fp8_tflops", "hbm_gbps", "nvlink_gbps", "nic_gbps", "pcie_gbps", "host_mem_gbps",
+              "fs_read_gbps", "fs_write_gbps", "fs_total_gbps", "checksum_gbps"):
+        need(hw[k] is None or hw[k] > 0, f"cluster.hardware.{k}", "must be positive (or null: the preset's)")
+    for k in ("mfu", "inference_mfu", "hbm_efficiency"):
+        need(hw[k] is None or 0 < hw[k] <= 1, f"cluster.hardware.{k}", "must be in (0, 1] (or null: the preset's)")
+    need(c.target_step_s is None or c.target_step_s > 0, "cluster.target_step_s", "must be positive (or null)")
     if c.backend == "local":
         need(p.dp_shard * p.ep * p.cp <= 2 or t.gpus_per_node > 0, "trainer.parallel",
              "the local backend runs at most 2 CPU ranks")

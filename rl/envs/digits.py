@@ -43,6 +43,24 @@ class DigitsEnv:
             out.append(task)
         return out
 
+    def load_tasks(self, path: str) -> list[dict]:
+        """Held-out tasks from a JSONL file, one `{"digits": [d, ...]}` per line (digits 0-9)."""
+        import json
+        out = []
+        for n, line in enumerate(open(path).read().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                digits = [int(d) for d in row["digits"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a digits task ({type(e).__name__}: {e}); "
+                                 f'expected {{"digits": [0-9, ...]}}') from None
+            if not digits or any(not 0 <= d <= 9 for d in digits):
+                raise ValueError(f"{path}:{n}: digits must be a non-empty list of 0-9")
+            out.append({"digits": digits})
+        return out
+
     def prompt(self, task: dict) -> list[dict]:
         return [{"role": "user", "content": PROMPT.format(" ".join(map(str, task["digits"])))}]
 

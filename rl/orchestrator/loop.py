@@ -35,6 +35,7 @@ from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
+from rl.orchestrator.evaluation import Evaluator, hold_out
 from rl.orchestrator.accounting import mask_stale, min_version
 from rl.orchestrator.pool import ContinuousPool, default_max_inflight, stale_policy
 from rl.orchestrator.sampling import Sampler
@@ -87,6 +88,8 @@ class Orchestrator:
         self.o = cfg.orchestrator
         self.stop = stop or StopFlag(install=False)
         self.sampler = Sampler(cfg, make_env(cfg))
+        # held out before any rollout starts: a task-list environment never trains on its eval split
+        self.eval_tasks = hold_out(self.sampler.env, cfg.eval, int(cfg.seed)) if int(cfg.eval.every) else []
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
         self._workers: list[int] = []
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
@@ -323,13 +326,20 @@ class Orchestrator:
         log(ROLE, f"{len(servers)} server(s) on version {sp.tracker.version}; building batches "
                   f"{first}..{max_steps - 1} (those not yet published)")
         watcher = self.watcher = asyncio.create_task(self._weight_watcher())
+        evaluator = (asyncio.create_task(Evaluator(sp, self.run_dir, cfg, self.eval_tasks).run(self.stop))
+                     if self.eval_tasks else None)
         try:
             if self.o.schedule == "continuous":
                 pool = self.continuous_pool(first, max_steps, resume_state(self.run_dir).restart)
                 await pool.run(lambda: self.next_missing(first, max_steps))
             else:
                 await self._run_batches(first, max_steps)
+            if evaluator is not None and not self.stop.is_set():
+                await evaluator   # the final version's evaluation (the trainer awaits it before DONE)
         finally:
+            if evaluator is not None:
+                evaluator.cancel()
+                await asyncio.gather(evaluator, return_exceptions=True)
             watcher.cancel()
             try:
                 await watcher

@@ -16,7 +16,10 @@ None, to be dropped and counted; an inference error propagates, since without se
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -70,7 +73,17 @@ class Sampler:
         self.request_sem = asyncio.Semaphore(int(self.o.max_concurrency))
         self.env_sem = asyncio.Semaphore(int(self.o.env_concurrency))
         self._bridge: multiturn.ChatBridge | None = None
-        self._requests = 0
+        self._ids = itertools.count(1)   # request ids, unique across views (one tracker)
+
+    def view(self, max_concurrency: int, **sampling) -> "Sampler":
+        """The same servers, tracker, gate and environment with other sampling settings (`sampling`
+        overrides orchestrator keys: group_size, temperature, top_p, max_tokens) and a request budget of
+        its own: online evaluation plays its tasks through one without touching the rollouts' settings."""
+        v = copy.copy(self)
+        o = {k: getattr(self.o, k) for k in ("group_size", "temperature", "top_p", "max_tokens")}
+        v.o = SimpleNamespace(**{**o, **{k: x for k, x in sampling.items() if x is not None}})
+        v.request_sem = asyncio.Semaphore(int(max_concurrency))
+        return v
 
     @property
     def bridge(self) -> multiturn.ChatBridge:
@@ -88,8 +101,7 @@ class Sampler:
         await self.gate.wait()
         if self.router_client is not None:  # generation goes through the router (inference.router)
             client = self.router_client
-        self._requests += 1
-        rid = f"hetrl-{self._requests}"
+        rid = f"hetrl-{next(self._ids)}"
         self.tracker.start(rid)
         self.idle.enter()
         try:

@@ -8,6 +8,7 @@ restart serves it) nor one a server may still load (rl.exchange.retention.weight
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from rl import exchange
 from rl.exchange import retention
@@ -65,8 +66,10 @@ def _final_sweep(run_dir, tr: Trainer, d, final: int) -> None:
         tr.save(run_dir, final)
 
 
-def finish(run_dir, cfg, tr: Trainer, d: parallel.Dist, stop: StopFlag, last_ckpt: int) -> int:
-    """After the step loop: 0 with `DONE` when all steps are done, else EXIT_PREEMPTED (checkpointed)."""
+def finish(run_dir, cfg, tr: Trainer, d: parallel.Dist, stop: StopFlag, last_ckpt: int,
+           before_done: Callable[[], None] = lambda: None) -> int:
+    """After the step loop: 0 with `DONE` when all steps are done, else EXIT_PREEMPTED (checkpointed).
+    `before_done` runs on the main rank just before DONE (the final evaluation's wait)."""
     main = d.is_main
     max_steps = int(cfg.trainer.max_steps)
     tr.wait_published()  # the last version is complete before DONE (or before a stopped role exits)
@@ -77,6 +80,7 @@ def finish(run_dir, cfg, tr: Trainer, d: parallel.Dist, stop: StopFlag, last_ckp
             tr.save(run_dir, tr.progress.next_step)
         _final_sweep(run_dir, tr, d, tr.progress.next_step)
         if main:
+            before_done()
             mark_done(run_dir, step=tr.progress.next_step)
             log(ROLE, f"done: {max_steps} steps")
         return 0

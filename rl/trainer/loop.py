@@ -40,7 +40,9 @@ from typing import Callable
 import torch
 
 from rl import exchange, runtime
+from rl.contract import paths
 from rl.contract.batch import BATCH_FILE, InvalidBatch, RolloutBatch
+from rl.metrics import EvalFold
 from rl.runtime import StopFlag, load_config, log, resume_state
 from rl.trainer import bookkeeping, parallel, startup
 from rl.trainer.train import ROLE, Examples
@@ -119,6 +121,7 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
     main = d.is_main
     tr, last_ckpt = startup.start(run_dir, cfg, d, device, examples)
     metrics = _metrics_logger(run_dir, cfg) if main else None
+    evals = EvalFold(run_dir) if main and int(cfg.eval.every) else None   # online evaluation's rows
     consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
     restart = resume_state(run_dir).restart
     vocab = tr.vocab_size
@@ -146,6 +149,8 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
                  idle_fraction=(t0 - t_wait) / max(time.monotonic() - t_wait, 1e-9), time=time.time())
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if evals is not None:
+            m.update(evals.new())
         if main:
             metrics.log(n, m)
             log(ROLE, f"step {n}: loss {m['loss']:.4f} reward {m['reward_mean']:.3f} "
@@ -164,4 +169,22 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
                 stop.set(stopping)
         if stop.is_set():
             break
-    return bookkeeping.finish(run_dir, cfg, tr, d, stop, last_ckpt)
+    return bookkeeping.finish(run_dir, cfg, tr, d, stop, last_ckpt,
+                              before_done=lambda: _final_eval(run_dir, cfg, evals, metrics, stop))
+
+
+def _final_eval(run_dir, cfg, evals, metrics, stop: StopFlag) -> None:
+    """Before DONE: wait (at most eval.final_timeout_s) for the orchestrator's evaluation of the final
+    version and log it as the line of step max_steps; the only time the trainer waits for evaluation."""
+    if evals is None or not paths.role_record(run_dir, "orchestrator").exists():
+        return   # no orchestrator in this run (a trainer on its own): nothing evaluates
+    final, deadline = int(cfg.trainer.max_steps), time.monotonic() + float(cfg.eval.final_timeout_s)
+    with runtime.waiting_for(f"the orchestrator's evaluation of policy version {final}"):
+        while not evals.has(final) and time.monotonic() < deadline and not stop.is_set():
+            time.sleep(0.2)
+    row = evals.new()
+    if not evals.has(final):
+        log(ROLE, f"no evaluation of the final policy version {final} after {cfg.eval.final_timeout_s:.0f} s "
+                  f"(eval.final_timeout_s); finishing without it")
+    if row:
+        metrics.log(final, row)

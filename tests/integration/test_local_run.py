@@ -52,10 +52,28 @@ def test_debug_run_learns_and_leaves_a_consistent_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     out = _finish(_launch(run_dir, f"trainer.max_steps={steps}"), timeout=900)
     assert "done:" in out
-    ms = read_metrics(run_dir)
-    assert [m["step"] for m in ms] == list(range(steps))
+    ms = read_metrics(run_dir, final_eval=True)
+    # one line per trained step, then the final version's evaluation (eval.every=2 by default)
+    assert [m["step"] for m in ms] == list(range(steps)) + [steps]
+    assert "loss" not in ms[-1] and ms[-1]["eval/version"] == steps
+    ms = ms[:-1]
     for key in ("reward_mean", "mismatch_kl", "lag", "tokens_per_s", "entropy"):
         assert all(key in m for m in ms), key
+    # online evaluation: every second version and the final one, each once, none of it in a batch
+    evals = [json.loads(x) for x in (run_dir / "eval" / "results.jsonl").read_text().splitlines()]
+    versions = [e["version"] for e in evals]
+    assert len(versions) == len(set(versions)) and steps in versions and 0 in versions, versions
+    assert all(v % 2 == 0 for v in versions), versions
+    assert len(versions) >= steps // 4, versions  # a version can be skipped while another is evaluated
+    assert all(e["eval/tasks"] == 8 and e["eval/failed_tasks"] == 0 and 0 <= e["eval/pass@1"] <= 1 for e in evals)
+    folded = {m["eval/version"] for m in read_metrics(run_dir, final_eval=True) if "eval/version" in m}
+    assert folded == set(versions), (folded, versions)
+    assert "eval policy v" in out
+    from rl.contract.config import load
+    group_size = load(run_dir).orchestrator.group_size
+    for s in exchange.list_steps(run_dir, "rollouts"):  # no eval sample in a batch (eval.samples=1)
+        meta = json.loads(exchange.read_in_step(exchange.step_dir(run_dir, "rollouts", s), "meta.json"))
+        assert meta["num_samples"] == meta["num_groups"] * group_size
     assert all(m["lag"] <= 1 for m in ms)  # max_off_policy = 1
     first = sum(m["reward_mean"] for m in ms[:4]) / 4
     last = sum(m["reward_mean"] for m in ms[-4:]) / 4
@@ -109,7 +127,7 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
     started is in exactly one trained batch of the surviving lineage or counted dropped, no prompt is
     skipped, the interrupted ones are played again; and at the end the one-minute stragglers are
     cancelled: every role is gone within the drain timeout of DONE (plus vLLM's shutdown)."""
-    from rl.orchestrator.pool import GroupLog, trained_group_ids
+    from rl.orchestrator.grouplog import GroupLog, trained_group_ids
     steps = 8
     run_dir = tmp_path / "run"
     overrides = (f"trainer.max_steps={steps}", "trainer.checkpoint_every=2", "trainer.warm_start.steps=30",
@@ -158,8 +176,11 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
     assert resume["checkpoint_step"] <= killed_at
     # the surviving lineage trained every batch exactly once, in order
     assert _newest_state(run_dir)["consumed"] == list(range(steps))
-    ms = read_metrics(run_dir)
-    assert [m["step"] for m in ms] == list(range(steps))  # replayed steps replace the lost ones
+    ms = read_metrics(run_dir, final_eval=True)
+    assert [m["step"] for m in ms] == list(range(steps)) + [steps]  # replayed steps replace the lost ones
+    # online evaluation across the kill: no version evaluated twice, those the resume kept not again
+    versions = [json.loads(x)["version"] for x in (run_dir / "eval" / "results.jsonl").read_text().splitlines()]
+    assert len(versions) == len(set(versions)) and steps in versions, versions
     entries = exchange.ConsumedLog(run_dir, "rollouts", "trainer").entries()
     second = [e["step"] for e in entries if e.get("restart") == 1]
     assert second == list(range(resume["checkpoint_step"], steps))

@@ -194,6 +194,12 @@ class SWEEnv:
         self.config = config
         self.sandboxes = sandboxes
         self.by_id = {t.instance_id: t for t in self.tasks}
+        self._format, self._repos_dir, self._row_limits = format, repos_dir, row_limits
+
+    def load_tasks(self, path: str) -> list[Task]:
+        """Rows of another dataset file made playable like this environment's own (held-out evaluation)."""
+        return playable_under(load_tasks(path, self._format, self._row_limits), self.config.runtime["name"],
+                              self._repos_dir, str(path), self._row_limits)
 
     def sample_tasks(self, n: int, rng: random.Random) -> list[Task]:
         """n tasks: without replacement while n <= number of tasks, then cycling through reshuffles."""
