@@ -211,7 +211,7 @@ def wait_job_end(cluster: Cluster, job: str, timeout: float) -> dict:
 
 # -- a trial -------------------------------------------------------------------------------------------
 def run_slurm_trial(trial, rng, timeout: float, cluster: Cluster, h) -> None:
-    """Run `trial` (kind slurm_*) on `cluster` up to DONE; `h` is the fault_trials module (steps_done,
+    """Run `trial` (kind slurm_*) on `cluster` up to DONE; `h` is benchmarks/_fault_trial (steps_done,
     Trial.overrides). Fills trial.incarnations, detail, proof / not_landed and failures (not the checks
     of the finished run dir, which the caller runs)."""
     run_dir, kind = trial.run_dir, trial.kind

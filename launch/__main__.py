@@ -1,4 +1,4 @@
-"""`python -m launch {run,plan,status,resume,cancel,logs}`: the user's entry point.
+"""`python -m launch {run,plan,status,resume,cancel,logs,export,report,doctor}`: the user's entry point.
 
   run [-m] [OVERRIDES...]   compose, validate, plan, then run locally (cluster=local, the default) or
                             submit one heterogeneous Slurm job per point (cluster=slurm) and return
@@ -8,6 +8,10 @@
                             complete checkpoint
   cancel RUN_DIR            stop the run (Slurm: scancel; local: SIGTERM to the roles)
   logs RUN_DIR ROLE         print a role's log (-f to follow)
+  doctor [OVERRIDES...]     check packages, devices, kernels, filesystem and Slurm; --gpu runs the
+                            trainer and publisher paths (docs/doctor.md)
+  export RUN_DIR --out DIR  the trained policy as a Hugging Face checkpoint (docs/export.md)
+  report RUN_DIR            one self-contained HTML page about the run (docs/report.md)
 
 Only light dependencies here (hydra, omegaconf, jinja2, rich): no torch, vLLM or torchtitan, so planning
 and submitting stay fast on a login node.
@@ -25,7 +29,7 @@ from pathlib import Path
 from rl.contract.config import ConfigError
 
 
-def _plan(cfg: dict) -> dict:
+def _plan(cfg: dict):
     from launch.plan import make_plan
     return make_plan(cfg)
 
@@ -35,10 +39,12 @@ def check_servable(cfg: dict) -> None:
     processes that cannot load the model: otherwise every role starts and the run dies a minute later
     with the inference role's traceback."""
     from rl.contract import families
-    family = cfg["model"].get("family", "qwen3")
+    from rl.contract.config import typed
+    c = typed(cfg)   # the schema's defaults, not ones of its own
+    family = c.model.family
     # families whose attention vLLM's CPU build has no kernel for are served on GPUs only (docs/cpu.md)
     why = families.get(family).cpu_unservable
-    if why and not int(cfg["inference"].get("gpus_per_node") or 0):
+    if why and not c.inference.gpus_per_node:
         raise ConfigError(
             f"model.family={family}: vLLM's CPU build cannot serve {why}; serve it on GPUs "
             f"(cluster=slurm inference.gpus_per_node=N) or, on this machine, use +experiment=kimi_tiny "
@@ -227,6 +233,21 @@ def cmd_logs(ns) -> int:
     return 0
 
 
+def cmd_export(ns) -> int:
+    from launch import export
+    return export.run(ns)
+
+
+def cmd_report(ns) -> int:
+    from launch import report
+    return report.run(ns)
+
+
+def cmd_doctor(ns) -> int:
+    from launch.doctor import run
+    return run(ns)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -250,6 +271,11 @@ def main(argv=None) -> int:
     s.add_argument("run_dir")
     s.add_argument("role")
     s.add_argument("-f", "--follow", action="store_true")
+    from launch import export, report
+    export.add_arguments(sub.add_parser("export", help="write the trained policy as an HF checkpoint"))
+    report.add_arguments(sub.add_parser("report", help="one HTML page about a run"))
+    from launch.doctor import add_parser as add_doctor
+    add_doctor(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     multirun = False
     if argv and argv[0] in ("run", "plan"):
@@ -261,7 +287,8 @@ def main(argv=None) -> int:
         ns.multirun = ns.multirun or multirun
     try:
         return {"run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
-                "cancel": cmd_cancel, "logs": cmd_logs}[ns.cmd](ns)
+                "cancel": cmd_cancel, "logs": cmd_logs, "export": cmd_export,
+                "report": cmd_report, "doctor": cmd_doctor}[ns.cmd](ns)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

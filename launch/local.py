@@ -186,7 +186,7 @@ def _take_run_dir(run_dir: Path):
     return f
 
 
-def run_local(cfg: dict, plan: dict) -> int:
+def run_local(cfg: dict, plan: Plan) -> int:
     run_dir = Path(cfg["run_dir"])
     lock = _take_run_dir(run_dir)
     try:
@@ -195,15 +195,14 @@ def run_local(cfg: dict, plan: dict) -> int:
         lock.close()
 
 
-def _run_local(cfg: dict, plan: dict, run_dir: Path) -> int:
+def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
     resuming = freeze_run_dir(cfg, run_dir, plan, backend="local")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("WANDB_MODE", cfg["wandb"]["mode"])
     env["PYTHONUNBUFFERED"] = "1"
     print(f"{'resuming' if resuming else 'starting'} run in {run_dir}", flush=True)
-    typed = Plan.from_dict(plan)
-    rc = subprocess.run(typed.prepare.command, env=env, cwd=REPO).returncode
+    rc = subprocess.run(plan.prepare.command, env=env, cwd=REPO).returncode
     if rc != 0:
         print(f"error: rl.prepare exited with status {rc} (its output is above); nothing was started",
               file=sys.stderr, flush=True)
@@ -214,10 +213,10 @@ def _run_local(cfg: dict, plan: dict, run_dir: Path) -> int:
 
     logs = paths.logs_dir(run_dir)
     procs: dict[str, subprocess.Popen] = {}
-    split, said = cpu_split(typed, sorted(os.sched_getaffinity(0)), os.environ)
+    split, said = cpu_split(plan, sorted(os.sched_getaffinity(0)), os.environ)
     if said:
         print(said, flush=True)
-    for role, (cmd, role_env) in role_processes(typed).items():
+    for role, (cmd, role_env) in role_processes(plan).items():
         log = open(paths.log_file(run_dir, role), "ab")
         procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                        env={**env, **role_env, **split.get(role, {})},

@@ -17,14 +17,15 @@ log file; the template only loops over roles. Command arguments may name `${HETR
 batch script sets at run time; `rl.inference` expands them (rl.contract.plan.expand) in each replica's
 per-node vLLM argv, which it runs exactly as planned. A Slurm plan's node-local paths (model dir, KV
 offload dir) start with `${HETRL_NODE_DIR}`, the directory of the node and incarnation, which
-`rl.inference` sets itself (rl.contract.paths.node_dir). The result is checked against the typed plan of
-rl.contract.plan before anything is written, so what the roles read is what was computed here.
-The plan is computed from the typed config (rl.contract.config.Config, every key present and typed);
-a rule on the config alone is rl.contract.validation.validate's, run first. Impossible plans raise
-`PlanError`, one line naming the key. No torch, no vLLM here.
+`rl.inference` sets itself (rl.contract.paths.node_dir). The plan is built as the typed `Plan` of
+rl.contract.plan (what every role reads back from plan.json, `plan.to_dict()`; the round trip is checked
+here) from the typed config (rl.contract.config.Config, every key present and typed, the schema's
+defaults: no fallbacks of its own); a rule on the config alone is rl.contract.validation.validate's, run
+first. Impossible plans raise `PlanError`, one line naming the key. No torch, no vLLM here.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ from pathlib import Path
 from rl.contract import families, paths
 from rl.contract.config import Config, PlanError, resolve_ports, typed
 from rl.contract.validation import validate
-from rl.contract.plan import PLAN_VERSION, SERVED_MODEL_NAME, Plan
+from rl.contract.plan import (PLAN_VERSION, SERVED_MODEL_NAME, Command, Group, InferencePlan, Plan, Replica, Role,
+                               RouterPlan, SandboxPlan, SandboxService, TrainerPlan)
 
 REPO = Path(__file__).resolve().parent.parent
 AUTH_MIDDLEWARE = "rl.inference.auth.RunSecret"  # vLLM imports it (--middleware); reads VLLM_API_KEY
@@ -56,7 +58,7 @@ run_id = paths.run_id
 
 
 # -- trainer -----------------------------------------------------------------------------------------
-def _trainer(cfg: Config, run_dir: str, python: str) -> dict:
+def _trainer(cfg: Config, run_dir: str, python: str) -> TrainerPlan:
     t = cfg.trainer
     p = t.parallel
     nodes, gpn = t.nodes, t.gpus_per_node
@@ -86,10 +88,9 @@ def _trainer(cfg: Config, run_dir: str, python: str) -> dict:
         command = [python, "-m", "rl.trainer.torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}",
                    f"--rdzv-id={run_id(run_dir)}", signals, *role_cmd]
-    return {"nodes": nodes, "gpus_per_node": gpn, "nproc_per_node": nproc, "world_size": world,
-            "dp_shard": p.dp_shard, "ep": p.ep, "cp": p.cp, "master_port": port,
-            "device": "cuda" if gpn else "cpu", "backend": "nccl" if gpn else "gloo",
-            "command": command}
+    return TrainerPlan(nodes=nodes, gpus_per_node=gpn, nproc_per_node=nproc, world_size=world,
+                       dp_shard=p.dp_shard, ep=p.ep, cp=p.cp, master_port=port,
+                       device="cuda" if gpn else "cpu", backend="nccl" if gpn else "gloo", command=command)
 
 
 # -- inference ---------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def _kv_transfer(cfg: Config, pd: bool, disk_dir: str) -> tuple[dict | None, dic
             "kv_connector_extra_config": {"connectors": connectors}}, env
 
 
-def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str) -> dict:
+def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str) -> InferencePlan:
     i = cfg.inference
     nodes, gpn = i.nodes, i.gpus_per_node
     tp, dp, ep, replicas = i.tp, i.dp, i.ep, i.replicas
@@ -223,36 +224,36 @@ def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str
                          "${HETRL_ROLE_ADDR}", "--data-parallel-rpc-port", str(rpc)]
                 node_args = [["--api-server-count", "1"]] + [
                     ["--data-parallel-start-rank", str(n * local), "--headless"] for n in range(1, node_span)]
-            out.append({
-                "index": idx, "name": f"inference_{idx}", "pool": pool, "node": node, "nodes": node_span,
-                "gpus_per_node": min(size, gpn) if gpn else 0, "tp": tp, "dp": dp, "ep": ep,
-                "host": host, "port": port + idx,
-                "dp_rpc_port": i.dp_rpc_port + idx if len(node_args) > 1 else None,
-                "model_dir": model_dir,
-                "vllm_command": [*entry, *args],
-                "node_args": node_args,
-                "env": {**env_common, "VLLM_CACHE_ROOT": paths.node_vllm_cache(local_dir), **kv_env},
-                "command": [python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],
-            })
+            out.append(Replica(
+                index=idx, name=f"inference_{idx}", pool=pool, node=node, nodes=node_span,
+                gpus_per_node=min(size, gpn) if gpn else 0, tp=tp, dp=dp, ep=ep,
+                host=host, port=port + idx,
+                dp_rpc_port=i.dp_rpc_port + idx if len(node_args) > 1 else None,
+                model_dir=model_dir,
+                vllm_command=[*entry, *args],
+                node_args=node_args,
+                env={**env_common, "VLLM_CACHE_ROOT": paths.node_vllm_cache(local_dir), **kv_env},
+                command=[python, "-m", "rl.inference", "--run-dir", run_dir, "--index", str(idx)],
+            ))
         first_node += pool_nodes
     router = None
     if i.router:
-        router = {"host": host, "port": i.router_port, "node": 0,
-                  "command": [python, "-m", "rl.inference.router", "--run-dir", run_dir]}
-    return {"nodes": nodes, "gpus_per_node": gpn, "tp": tp, "dp": dp, "ep": ep, "replica_gpus": size,
-            "disaggregated": pd, "prefill_nodes": pn, "decode_nodes": dn, "kv_offload": i.kv_offload,
-            "replicas": out, "router": router}
+        router = RouterPlan(host=host, port=i.router_port, node=0,
+                            command=[python, "-m", "rl.inference.router", "--run-dir", run_dir])
+    return InferencePlan(nodes=nodes, gpus_per_node=gpn, tp=tp, dp=dp, ep=ep, replica_gpus=size,
+                         disaggregated=pd, prefill_nodes=pn, decode_nodes=dn, kv_offload=i.kv_offload,
+                         replicas=out, router=router)
 
 
-def _check_ports(trainer: dict, inf: dict, cfg: Config) -> None:
+def _check_ports(inf: InferencePlan, cfg: Config) -> None:
     """Ports of processes that share a node must differ; a taken port names the key that set it."""
     used: dict[int, str] = {}
-    for r in inf["replicas"]:
-        used[r["port"]] = "inference.port"
+    for r in inf.replicas:
+        used[r.port] = "inference.port"
     extra = []
-    if inf["router"]:
-        extra.append((inf["router"]["port"], "inference.router_port"))
-    extra += [(r["dp_rpc_port"], "inference.dp_rpc_port") for r in inf["replicas"] if r["dp_rpc_port"]]
+    if inf.router:
+        extra.append((inf.router.port, "inference.router_port"))
+    extra += [(r.dp_rpc_port, "inference.dp_rpc_port") for r in inf.replicas if r.dp_rpc_port]
     for port, key in extra:
         _need(port not in used, key, getattr(cfg.inference, key.split(".")[1]),
               f"port {port} collides with {used.get(port)} (ports {min(used)}..{max(used)} are taken)")
@@ -262,28 +263,32 @@ def _check_ports(trainer: dict, inf: dict, cfg: Config) -> None:
 
 
 # -- sandbox nodes -----------------------------------------------------------------------------------
-def _sandboxes(cfg: Config, run_dir: str, python: str) -> dict | None:
+def _sandboxes(cfg: Config, run_dir: str, python: str) -> SandboxPlan | None:
     """Het group 2: one sandbox service per CPU node, or None (sandboxes on the orchestrator's node)."""
     cl = cfg.cluster
     n = cl.sandbox_nodes
     if n == 0:
         return None
-    services = [{"index": i, "name": f"sandbox_{i}", "node": i,
-                 "command": [python, "-m", "rl.envs.swe.service", "--run-dir", run_dir, "--index", str(i)]}
+    services = [SandboxService(index=i, name=f"sandbox_{i}", node=i,
+                               command=[python, "-m", "rl.envs.swe.service", "--run-dir", run_dir, "--index", str(i)])
                 for i in range(n)]
-    return {"nodes": n, "partition": cl.sandbox_partition or cl.partition,
-            "account": cl.sandbox_account or cl.account, "services": services}
+    return SandboxPlan(nodes=n, partition=cl.sandbox_partition or cl.partition,
+                       account=cl.sandbox_account or cl.account, services=services)
 
 
 # -- the plan ----------------------------------------------------------------------------------------
+def _log(role: str) -> str:
+    return f"logs/{role}.log"   # relative to the run dir (the batch script and the local backend open it there)
+
+
 def _env(role: str, group: int, run_dir: str, **extra) -> dict:
     return {"HETRL_ROLE": role, "HETRL_HET_GROUP": str(group), "HETRL_RUN_DIR": run_dir,
             "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in extra.items()}}
 
 
-def make_plan(cfg, check_memory: bool = True) -> dict:
-    """The allocation plan of `cfg` (a composed config: dict, DictConfig or rl.contract.config.Config) as a
-    JSON-able dict, computed from the typed Config.
+def make_plan(cfg, check_memory: bool = True) -> Plan:
+    """The allocation plan of `cfg` (a composed config: dict, DictConfig or rl.contract.config.Config): the
+    typed Plan of rl.contract.plan, built from the typed Config; `plan.to_dict()` is its plan.json.
 
     The config is validated first (rl.contract.validation.validate: every rule on the config alone lives there);
     what is refused here is what only the plan can see (GPUs that do not split into replicas, ports that
@@ -305,74 +310,69 @@ def make_plan(cfg, check_memory: bool = True) -> dict:
     host = cfg.inference.host or ("0.0.0.0" if backend == "slurm" else "127.0.0.1")
     trainer = _trainer(cfg, run_dir, python)
     inf = _inference(cfg, run_dir, python, local_dir, host)
-    _check_ports(trainer, inf, cfg)
+    _check_ports(inf, cfg)
 
-    roles = [{"name": "trainer", "het_group": 0, "node": 0, "nodes": trainer["nodes"],
-              "gpus_per_node": trainer["gpus_per_node"], "command": trainer["command"],
-              "env": _env("trainer", 0, run_dir, HETRL_WORLD_SIZE=trainer["world_size"])}]
-    for r in inf["replicas"]:
-        roles.append({"name": r["name"], "het_group": 1, "node": r["node"], "nodes": r["nodes"],
-                      "gpus_per_node": r["gpus_per_node"], "command": r["command"],
-                      "env": _env("inference", 1, run_dir, HETRL_INFERENCE_INDEX=r["index"], **r["env"])})
-    if inf["router"]:
-        roles.append({"name": "router", "het_group": 1, "node": 0, "nodes": 1, "gpus_per_node": 0,
-                      "command": inf["router"]["command"], "env": _env("router", 1, run_dir)})
-    roles.append({"name": "orchestrator", "het_group": 1, "node": 0, "nodes": 1, "gpus_per_node": 0,
-                  "command": [python, "-m", "rl.orchestrator", "--run-dir", run_dir],
-                  "env": _env("orchestrator", 1, run_dir)})
+    roles = [Role(name="trainer", het_group=0, node=0, nodes=trainer.nodes, gpus_per_node=trainer.gpus_per_node,
+                  command=trainer.command, env=_env("trainer", 0, run_dir, HETRL_WORLD_SIZE=trainer.world_size),
+                  log=_log("trainer"))]
+    for r in inf.replicas:
+        roles.append(Role(name=r.name, het_group=1, node=r.node, nodes=r.nodes, gpus_per_node=r.gpus_per_node,
+                          command=r.command, log=_log(r.name),
+                          env=_env("inference", 1, run_dir, HETRL_INFERENCE_INDEX=r.index, **r.env)))
+    if inf.router:
+        roles.append(Role(name="router", het_group=1, node=0, nodes=1, gpus_per_node=0, command=inf.router.command,
+                          env=_env("router", 1, run_dir), log=_log("router")))
+    roles.append(Role(name="orchestrator", het_group=1, node=0, nodes=1, gpus_per_node=0,
+                      command=[python, "-m", "rl.orchestrator", "--run-dir", run_dir],
+                      env=_env("orchestrator", 1, run_dir), log=_log("orchestrator")))
     sbx = _sandboxes(cfg, run_dir, python)
-    for sv in sbx["services"] if sbx else []:
-        roles.append({"name": sv["name"], "het_group": 2, "node": sv["node"], "nodes": 1, "gpus_per_node": 0,
-                      "command": sv["command"],
-                      "env": _env("sandbox", 2, run_dir, HETRL_SANDBOX_INDEX=sv["index"])})
-    for r in roles:
-        r["log"] = f"logs/{r['name']}.log"
+    for sv in sbx.services if sbx else []:
+        roles.append(Role(name=sv.name, het_group=2, node=sv.node, nodes=1, gpus_per_node=0, command=sv.command,
+                          env=_env("sandbox", 2, run_dir, HETRL_SANDBOX_INDEX=sv.index), log=_log(sv.name)))
 
-    groups = [{"het_group": 0, "name": "trainer", "nodes": trainer["nodes"],
-               "gpus_per_node": trainer["gpus_per_node"], "sbatch": {}},
-              {"het_group": 1, "name": "inference", "nodes": inf["nodes"], "gpus_per_node": inf["gpus_per_node"],
-               "sbatch": {}}]
+    groups = [Group(het_group=0, name="trainer", nodes=trainer.nodes, gpus_per_node=trainer.gpus_per_node, sbatch={}),
+              Group(het_group=1, name="inference", nodes=inf.nodes, gpus_per_node=inf.gpus_per_node, sbatch={})]
     if sbx:  # CPU nodes: their own partition/account, none of the GPU components' gres or constraint
-        groups.append({"het_group": 2, "name": "sandboxes", "nodes": sbx["nodes"], "gpus_per_node": 0,
-                       "sbatch": {"partition": sbx["partition"], "account": sbx["account"], "gres": None,
-                                  "constraint": None}})
-    plan = {
-        "version": PLAN_VERSION, "experiment": cfg.experiment or "run", "backend": backend,
-        "run_dir": run_dir, "run_id": rid,
-        "python": python, "workdir": str(REPO), "node_local_dir": local_dir,
-        "signal_grace_s": grace, "exit_preempted": paths.EXIT_PREEMPTED,
-        "groups": groups, "trainer": trainer, "inference": inf,
-        "prepare": {"command": [python, "-m", "rl.prepare", "--run-dir", run_dir]},
-        "requeue_check": {"command": [python, "-m", "rl.requeue", "--run-dir", run_dir]},
-        "roles": roles, "sandboxes": sbx,
-    }
-    import dataclasses
-    from launch import memory
+        groups.append(Group(het_group=2, name="sandboxes", nodes=sbx.nodes, gpus_per_node=0,
+                            sbatch={"partition": sbx.partition, "account": sbx.account, "gres": None,
+                                    "constraint": None}))
+    plan = Plan(
+        version=PLAN_VERSION, experiment=cfg.experiment or "run", backend=backend,
+        run_dir=run_dir, run_id=rid,
+        python=python, workdir=str(REPO), node_local_dir=local_dir,
+        signal_grace_s=grace, exit_preempted=paths.EXIT_PREEMPTED,
+        groups=groups, trainer=trainer, inference=inf,
+        prepare=Command([python, "-m", "rl.prepare", "--run-dir", run_dir]),
+        requeue_check=Command([python, "-m", "rl.requeue", "--run-dir", run_dir]),
+        roles=roles, sandboxes=sbx,
+    )
+    from launch import memory   # memory reads the plan (plan.py imports it here only: no circle at import)
     report = memory.estimate(cfg, plan)
-    plan["memory"] = dataclasses.asdict(report)
-    Plan.from_dict(plan)  # what the roles will read: the typed contract accepts it
+    plan = dataclasses.replace(plan, memory=dataclasses.asdict(report))
+    # what the roles will read (plan.json through Plan.read) is what was computed here
+    if Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) != plan:
+        raise AssertionError("the plan does not survive its JSON round trip (rl.contract.plan)")
     if check_memory:
         memory.check(report)
     return plan
 
 
-def summary_rows(plan: dict) -> list[tuple[str, str, str, str]]:
+def summary_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
     """(role, het group, nodes, what) rows for `launch plan`'s table."""
     rows = []
-    t = plan["trainer"]
-    for r in plan["roles"]:
-        span = f"{r['node']}" if r["nodes"] == 1 else f"{r['node']}-{r['node'] + r['nodes'] - 1}"
-        if r["name"] == "trainer":
-            what = (f"{t['world_size']} ranks ({t['nproc_per_node']}/node): "
-                    f"fsdp {t['dp_shard']} x ep {t['ep']} x cp {t['cp']}")
-        elif r["name"].startswith("inference_"):
-            rep = plan["inference"]["replicas"][int(r["name"].split("_")[1])]
-            what = f"vLLM {rep['pool']} tp {rep['tp']} dp {rep['dp']} ep {rep['ep']} :{rep['port']}"
-        elif r["name"] == "router":
-            what = f"router :{plan['inference']['router']['port']}"
-        elif r["name"].startswith("sandbox_"):
+    t = plan.trainer
+    for r in plan.roles:
+        span = f"{r.node}" if r.nodes == 1 else f"{r.node}-{r.node + r.nodes - 1}"
+        if r.name == "trainer":
+            what = f"{t.world_size} ranks ({t.nproc_per_node}/node): fsdp {t.dp_shard} x ep {t.ep} x cp {t.cp}"
+        elif r.name.startswith("inference_"):
+            rep = plan.replica(int(r.name.split("_")[1]))
+            what = f"vLLM {rep.pool} tp {rep.tp} dp {rep.dp} ep {rep.ep} :{rep.port}"
+        elif r.name == "router":
+            what = f"router :{plan.inference.router.port}"
+        elif r.name.startswith("sandbox_"):
             what = "SWE sandbox service (episodes' tools and grading)"
         else:
             what = "rollouts, advantages, weight updates"
-        rows.append((r["name"], str(r["het_group"]), span, what))
+        rows.append((r.name, str(r.het_group), span, what))
     return rows

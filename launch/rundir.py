@@ -17,6 +17,7 @@ import yaml
 
 from rl.contract import paths
 from rl.contract.config import ConfigError
+from rl.contract.plan import Plan
 from rl.contract.secret import create_secret
 from rl.contract.atomic import atomic_write_json, atomic_write_text
 
@@ -68,7 +69,7 @@ def check_resume(cfg: dict, run_dir: str | os.PathLike) -> bool:
     return True
 
 
-def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: str | None = None,
+def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: Plan, script: str | None = None,
                    backend: str = "local") -> bool:
     """Write (or check) the frozen files. Returns True if this is a resume of an existing run."""
     run_dir = Path(run_dir).absolute()
@@ -79,7 +80,7 @@ def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: dict, script: st
         (run_dir / sub).mkdir(exist_ok=True)
     # The resumable keys may change, so the frozen files always hold the newest submission's values.
     atomic_write_text(paths.config_file(run_dir), yaml.safe_dump(cfg, sort_keys=False))
-    atomic_write_json(paths.plan_file(run_dir), plan)
+    atomic_write_json(paths.plan_file(run_dir), plan.to_dict())
     if script is not None:
         atomic_write_text(paths.p(run_dir, paths.JOB_SCRIPT), script)
     # written whole or not at all (temp 0600 + fsync + link/rename); an empty or short one a crash left

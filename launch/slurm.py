@@ -20,9 +20,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from rl.contract.config import ConfigError
+from rl.contract.config import ClusterConfig, ConfigError, typed
 from launch.plan import REPO, make_plan
 from rl.contract import paths
+from rl.contract.plan import Plan
 
 TEMPLATE_DIR = REPO / "sbatch"
 JOBS_FILE = paths.SLURM_JOBS
@@ -61,26 +62,26 @@ def _sbatch_value(key: str, value) -> None:
                           f"backslashes)")
 
 
-def _check_sbatch_header(plan: dict, cluster: dict, job_name: str) -> None:
+def _check_sbatch_header(plan: Plan, cluster: ClusterConfig, job_name: str) -> None:
     """Every value the template puts into an #SBATCH line (or the comment header) is one safe word."""
-    _sbatch_value("run_dir", plan["run_dir"])  # --output=RUN_DIR/logs/...
+    _sbatch_value("run_dir", plan.run_dir)  # --output=RUN_DIR/logs/...
     _sbatch_value("cluster.job_name", job_name)
-    _sbatch_value("cluster.time", cluster["time"])
-    _sbatch_value("experiment", plan.get("experiment"))
-    for g in plan["groups"]:
-        own = g.get("sbatch", {})
+    _sbatch_value("cluster.time", cluster.time)
+    _sbatch_value("experiment", plan.experiment)
+    for g in plan.groups:
         for k in ("account", "partition", "qos", "constraint", "gres"):
-            key = (f"cluster.sandbox_{k}" if g["het_group"] == 2 and k in ("account", "partition")
+            key = (f"cluster.sandbox_{k}" if g.het_group == 2 and k in ("account", "partition")
                    else f"cluster.{k}")
-            _sbatch_value(key, own[k] if k in own else cluster[k])
-    for n, line in enumerate(cluster["extra_sbatch"] or []):
+            _sbatch_value(key, g.sbatch[k] if k in g.sbatch else getattr(cluster, k))
+    for n, line in enumerate(cluster.extra_sbatch):
         if any(c in str(line) for c in "\r\n"):  # the user's own options: only one line each
             raise ConfigError(f"cluster.extra_sbatch[{n}]={str(line)!r}: must be one line")
 
 
-def render_script(plan: dict, cfg: dict, template: str = "job.sbatch.j2") -> str:
-    """The batch script of `plan` with the cluster settings of `cfg` (no submission). A value that cannot
-    be put into an #SBATCH line safely is a ConfigError naming its key."""
+def render_script(plan: Plan, cfg, template: str = "job.sbatch.j2") -> str:
+    """The batch script of `plan` with the cluster settings of `cfg` (a composed config, read as the typed
+    Config: the schema has every default), without submitting. A value that cannot be put into an #SBATCH
+    line safely is a ConfigError naming its key."""
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
@@ -88,12 +89,8 @@ def render_script(plan: dict, cfg: dict, template: str = "job.sbatch.j2") -> str
     env.filters["q"] = lambda s: shlex.quote(str(s))
     env.filters["shjoin"] = lambda args: " ".join(shell_word(a) for a in args)
     env.filters["envjoin"] = lambda d: " ".join(f"{k}={shlex.quote(str(v))}" for k, v in d.items())
-    cluster = dict(cfg.get("cluster", {}))
-    for k, v in (("account", None), ("partition", None), ("qos", None), ("constraint", None), ("gres", None),
-                 ("time", "04:00:00"), ("requeue", True), ("exclusive", True), ("extra_sbatch", []),
-                 ("setup", [])):
-        cluster.setdefault(k, v)
-    job_name = cluster.get("job_name") or f"hetrl-{plan.get('experiment') or 'run'}"
+    cluster = typed(cfg).cluster
+    job_name = cluster.job_name or f"hetrl-{plan.experiment}"
     _check_sbatch_header(plan, cluster, job_name)
     return env.get_template(template).render(plan=plan, cluster=cluster, job_name=job_name)
 
@@ -161,7 +158,7 @@ def requeue(job_id: str) -> None:
 
 
 # -- what the CLI calls ------------------------------------------------------------------------------
-def prepare_run(cfg: dict, run_dir: str | os.PathLike) -> tuple[dict, str]:
+def prepare_run(cfg: dict, run_dir: str | os.PathLike) -> tuple[Plan, str]:
     """(plan, script) for cfg with its run_dir set; raises PlanError/ConfigError naming the key."""
     cfg = dict(cfg, run_dir=str(Path(run_dir).absolute()))
     plan = make_plan(cfg)

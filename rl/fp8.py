@@ -52,14 +52,14 @@ def quantize_block(w: torch.Tensor, block: int = BLOCK, *, scratch: torch.Tensor
     # Multiplying by the reciprocal is about 1.5x faster than dividing on CPU; trainer and publisher
     # share this function, so the rounding is the same on both sides.
     size = bm * block * bn * block
-    buf = torch.empty(size, dtype=torch.float32) if scratch is None else scratch[:size]
+    buf = torch.empty(size, dtype=torch.float32, device=w.device) if scratch is None else scratch[:size]
     torch.mul(xv, (E4M3_MAX / amax)[:, None, :, None], out=buf.view(bm, block, bn, block))
     q = buf.view(bm * block, bn * block)
     if ragged:
         q = q[:m, :n]
     # No clamp: |x| <= amax, so |x * 448/amax| exceeds 448 by at most a rounding error, which the
     # conversion rounds back to 448 (values only turn NaN from 480 on).
-    dst = torch.empty(m * n, dtype=torch.float8_e4m3fn) if out is None else out[: m * n]
+    dst = torch.empty(m * n, dtype=torch.float8_e4m3fn, device=w.device) if out is None else out[: m * n]
     dst = dst.view(m, n)
     dst.copy_(q)
     return dst, (amax / E4M3_MAX).float().contiguous()

@@ -28,7 +28,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from rl import exchange, fp8
+from rl import fp8
+from rl.exchange.files import CorruptStep
+from rl.exchange.steps import delta_base, delta_chain
 from rl.contract.atomic import atomic_write_json
 from rl.exchange import shards
 from rl.exchange.shard_reader import ShardReader, VerifiedOnNode
@@ -136,12 +138,12 @@ def stored_tensors(weights_dir: Path, select: Callable[[str], bool] | None = Non
     an earlier step): a delta.json naming its own step, or a longer loop, is CorruptStep, not a
     RecursionError. Each step's reader checks that its delta.json says what the chain walk read."""
     weights_dir = Path(weights_dir)
-    chain = exchange.delta_chain(weights_dir)  # newest first, down to a full step
+    chain = delta_chain(weights_dir)  # newest first, down to a full step
     base: Mapping[str, torch.Tensor] | None = None
     start = len(chain) - 1
     if cache is not None:
         for i, d in enumerate(chain[:-1]):  # the first step whose base the cache holds
-            if exchange.delta_base(d) == cache[0]:
+            if delta_base(d) == cache[0]:
                 base, start = cache[1], i
                 break
     got: dict[str, torch.Tensor] = {}
@@ -149,7 +151,7 @@ def stored_tensors(weights_dir: Path, select: Callable[[str], bool] | None = Non
         reader = ShardReader(chain[i])
         want = None if i == len(chain) - 1 else int(chain[i + 1].name.removeprefix("step_"))
         if (reader.delta or {}).get("base") != want:
-            raise exchange.CorruptStep(f"{chain[i] / DELTA}: changed while its chain was read")
+            raise CorruptStep(f"{chain[i] / DELTA}: changed while its chain was read")
         got = dict(reader.tensors(select, dequantize=False, verified=verified, base=base,
                                   verify_rebuilt=verify_rebuilt))
         base = got

@@ -28,7 +28,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from rl import exchange, fp8
+from rl import fp8
+from rl.exchange.steps import Published, begin
 from rl.exchange import shards
 from rl.exchange.layout import SCALE_SUFFIX, default_quantize
 
@@ -66,12 +67,13 @@ class WeightPublisher:
         self._error: BaseException | None = None
         self.last_blocked_s = 0.0      # the caller's time in the last publish (copy-out)
         self.last_write_s = 0.0        # the background part of the last finished publish
-        self.last_published: exchange.Published | None = None
+        self.last_published: Published | None = None
 
     def _host(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._snap.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            # on the host on purpose (the background thread writes it): pinned for a GPU tensor
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
         buf.copy_(t, non_blocking=t.is_cuda)
         self._next[key] = buf
         return buf
@@ -105,7 +107,7 @@ class WeightPublisher:
         self.wait()
         snap = self._copy_out({**tensors, **{_GATHERED + g.name: g.local for g in gathers}})
         gathers = [dataclasses.replace(g, local=snap.pop(_GATHERED + g.name)) for g in gathers]
-        tmp = exchange.begin(self.run_dir, "weights", version, token=self.token)
+        tmp = begin(self.run_dir, "weights", version, token=self.token)
 
         def work():
             t1 = time.perf_counter()

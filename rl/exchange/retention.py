@@ -28,8 +28,8 @@ from typing import Callable, Iterable
 
 from rl.contract import offpolicy
 from rl.faults import crash_point
-from rl.exchange import (MANIFEST, CorruptStep, _remove, delta_base, latest_complete, list_steps, step_dir,
-                         verify)
+from rl.exchange.files import MANIFEST, CorruptStep, _remove, step_dir
+from rl.exchange.steps import delta_base, latest_complete, list_steps, verify
 
 # step path -> (inode, mtime_ns) of the manifest it was hashed against, in this process
 _HASHED: dict[str, tuple[int, int]] = {}

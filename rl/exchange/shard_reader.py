@@ -29,7 +29,10 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from rl import exchange, fp8
+from rl import fp8
+from rl.exchange.files import CorruptStep, MANIFEST, open_in_step, read_in_step, rel_ok, sha256_fd
+from rl.exchange import steps
+from rl.exchange.steps import parse_delta
 from rl.exchange.shards import (CHECKSUMS, DELTA, FP8_META, IDX, INDEX, SCALE_SUFFIX, VAL, NeedsBase,
                                 _DTYPES, _bytes)
 
@@ -87,15 +90,15 @@ class VerifiedOnNode:
 def _read_header(fd: int, path: Path) -> tuple[bytes, dict, int]:
     raw = os.pread(fd, 8, 0)
     if len(raw) != 8:
-        raise exchange.CorruptStep(f"{path}: shorter than a safetensors header")
+        raise CorruptStep(f"{path}: shorter than a safetensors header")
     (n,) = struct.unpack("<Q", raw)
     if n > 100 << 20:
-        raise exchange.CorruptStep(f"{path}: header length {n} is not plausible")
+        raise CorruptStep(f"{path}: header length {n} is not plausible")
     body = os.pread(fd, n, 8)
     try:
         head = json.loads(body)
     except json.JSONDecodeError as e:
-        raise exchange.CorruptStep(f"{path}: header is not JSON ({e})") from None
+        raise CorruptStep(f"{path}: header is not JSON ({e})") from None
     return raw + body, head, 8 + n
 
 
@@ -106,25 +109,25 @@ class ShardReader:
         self.dir = Path(weights_dir)
         self.verify = verify
         self.stats = ReadStats()
-        manifest = exchange.verify(self.dir, checksums=False) if verify else None
+        manifest = steps.verify(self.dir, checksums=False) if verify else None
 
         def small(rel: str, optional: bool = False):
             # read once, compared with the manifest as read, parsed from those bytes: what is checked is used
-            data = exchange.read_in_step(self.dir, rel, missing_ok=optional)
+            data = read_in_step(self.dir, rel, missing_ok=optional)
             if data is None:
                 return None
             if manifest is not None:
                 info = manifest["files"].get(rel)
                 if info is None or hashlib.sha256(data).hexdigest() != info.get("sha256"):
-                    raise exchange.CorruptStep(f"{self.dir / rel}: does not match the manifest")
+                    raise CorruptStep(f"{self.dir / rel}: does not match the manifest")
             if rel == DELTA:
-                return {"base": exchange.parse_delta(self.dir, data)}
+                return {"base": parse_delta(self.dir, data)}
             try:
                 obj = json.loads(data)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise exchange.CorruptStep(f"{self.dir / rel}: not valid JSON ({e})") from None
+                raise CorruptStep(f"{self.dir / rel}: not valid JSON ({e})") from None
             if not isinstance(obj, dict):
-                raise exchange.CorruptStep(f"{self.dir / rel}: not a JSON object")
+                raise CorruptStep(f"{self.dir / rel}: not a JSON object")
             return obj
 
         self.meta = small(FP8_META)
@@ -135,24 +138,24 @@ class ShardReader:
             self.quantized = set(self.meta["quantized"])
             self.block = int(self.meta["block"])
         except (KeyError, TypeError, ValueError) as e:
-            raise exchange.CorruptStep(f"{self.dir / FP8_META}: no usable `quantized`/`block` ({e!r})") from None
+            raise CorruptStep(f"{self.dir / FP8_META}: no usable `quantized`/`block` ({e!r})") from None
         self.sparse: dict = (self.digests or {}).get("sparse", {})
         wmap = self.index.get("weight_map")
         if not isinstance(wmap, dict):
-            raise exchange.CorruptStep(f"{self.dir / INDEX}: `weight_map` is not an object")
+            raise CorruptStep(f"{self.dir / INDEX}: `weight_map` is not an object")
         for name, fname in wmap.items():
-            if not exchange._rel_ok(fname) or fname == exchange.MANIFEST:
-                raise exchange.CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r} is not a file of the step")
+            if not rel_ok(fname) or fname == MANIFEST:
+                raise CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r} is not a file of the step")
             if manifest is not None and fname not in manifest["files"]:
-                raise exchange.CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r}, a file the manifest "
+                raise CorruptStep(f"{self.dir / INDEX}: {name} -> {fname!r}, a file the manifest "
                                            f"does not list")
         if manifest is not None and self.digests is None:  # an older directory: whole files, against the manifest
             for fname in dict.fromkeys(wmap.values()):
                 info = manifest["files"][fname]
-                fd = exchange.open_in_step(self.dir, fname)
+                fd = open_in_step(self.dir, fname)
                 try:
-                    if exchange.sha256_fd(fd) != info.get("sha256"):
-                        raise exchange.CorruptStep(f"{self.dir / fname}: sha256 does not match the manifest")
+                    if sha256_fd(fd) != info.get("sha256"):
+                        raise CorruptStep(f"{self.dir / fname}: sha256 does not match the manifest")
                 finally:
                     os.close(fd)
                 self.stats.bytes_hashed += info.get("size", 0)
@@ -166,7 +169,7 @@ class ShardReader:
         """Bytes of the tensors `select` picks (with their scales), from the file headers."""
         total = 0
         for fname, names in self._by_file(select).items():
-            fd = exchange.open_in_step(self.dir, fname)
+            fd = open_in_step(self.dir, fname)
             try:
                 _, head, _ = _read_header(fd, self.dir / fname)
             finally:
@@ -190,12 +193,12 @@ class ShardReader:
               verified: VerifiedOnNode | None, done: list[str]) -> torch.Tensor:
         info = head.get(name)
         if info is None:
-            raise exchange.CorruptStep(f"{path}: {name} is in the index but not in the file")
+            raise CorruptStep(f"{path}: {name} is in the index but not in the file")
         lo, hi = info["data_offsets"]
         buf = torch.empty(hi - lo, dtype=torch.uint8)
         got = os.preadv(fd, [_bytes(buf)], start + lo) if hi > lo else 0
         if got != hi - lo:
-            raise exchange.CorruptStep(f"{path}: {name} truncated ({got} of {hi - lo} bytes)")
+            raise CorruptStep(f"{path}: {name} truncated ({got} of {hi - lo} bytes)")
         self.stats.bytes_read += got
         self.stats.bytes_needed += got
         if self.verify and self.digests is not None:
@@ -203,7 +206,7 @@ class ShardReader:
             key = f"{path.name}:{name}:{want}"
             if verified is None or key not in verified:
                 if want is None or hashlib.sha256(_bytes(buf)).hexdigest() != want:
-                    raise exchange.CorruptStep(f"{path}: {name} does not match its sha256 in {CHECKSUMS}")
+                    raise CorruptStep(f"{path}: {name} does not match its sha256 in {CHECKSUMS}")
                 self.stats.bytes_hashed += got
                 done.append(key)
         dtype = _DTYPES[info["dtype"]]
@@ -223,7 +226,7 @@ class ShardReader:
         out = rebuild(base[name], idx, val, n)
         if self.verify and verify_rebuilt and hashlib.sha256(_bytes(out)).hexdigest() != \
                 self.digests["tensors"].get(name):
-            raise exchange.CorruptStep(f"{path}: {name} rebuilt from its base does not match its sha256")
+            raise CorruptStep(f"{path}: {name} rebuilt from its base does not match its sha256")
         return out.view(dtype).view(shape) if shape else out.view(dtype).reshape(())
 
     def tensors(self, select: Callable[[str], bool] | None = None, *, dequantize: bool = True,
@@ -239,7 +242,7 @@ class ShardReader:
         digest as rebuilt (`verify_rebuilt`; rl.exchange.deltas.stored_tensors resolves the chain)."""
         for fname, names in self._by_file(select).items():
             path = self.dir / fname
-            fd = exchange.open_in_step(self.dir, fname)  # a FIFO or link the index names: CorruptStep, unopened
+            fd = open_in_step(self.dir, fname)  # a FIFO or link the index names: CorruptStep, unopened
             done: list[str] = []
             try:
                 head_bytes, head, start = _read_header(fd, path)
@@ -247,7 +250,7 @@ class ShardReader:
                 self.stats.files.add(fname)
                 if self.verify and self.digests is not None:
                     if hashlib.sha256(head_bytes).hexdigest() != self.digests["headers"].get(fname):
-                        raise exchange.CorruptStep(f"{path}: header does not match {CHECKSUMS}")
+                        raise CorruptStep(f"{path}: header does not match {CHECKSUMS}")
                 order = sorted(names, key=lambda n: head.get(n if n not in self.sparse else n + IDX,
                                                               {}).get("data_offsets", [0])[0])
                 held: dict[str, torch.Tensor] = {}
@@ -269,7 +272,7 @@ class ShardReader:
                         t = t.to(dtype)
                     yield name, t
                 if held:
-                    raise exchange.CorruptStep(f"{path}: no scale for {sorted(held)[0]}")
+                    raise CorruptStep(f"{path}: no scale for {sorted(held)[0]}")
             finally:
                 os.close(fd)
             if verified is not None:
@@ -280,7 +283,7 @@ def rebuild(base: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, nbytes: in
     """The new flat bytes: `base`'s, with the bytes at `idx` replaced by `val`."""
     out = base.reshape(-1).view(torch.uint8).clone()
     if out.numel() != nbytes:
-        raise exchange.CorruptStep(f"delta base has {out.numel()} bytes, the tensor {nbytes}")
+        raise CorruptStep(f"delta base has {out.numel()} bytes, the tensor {nbytes}")
     out[idx.long()] = val
     return out
 
@@ -299,7 +302,7 @@ def dequantize_stream(items: Iterable[tuple[str, torch.Tensor]], quantized: set[
         else:
             yield name, t if dtype is None else t.to(dtype)
     if held:
-        raise exchange.CorruptStep(f"no scale for {sorted(held)[0]}")
+        raise CorruptStep(f"no scale for {sorted(held)[0]}")
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")

@@ -29,7 +29,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from rl import exchange, fp8
+from rl import fp8
+from rl.exchange.steps import Published, commit
 from rl.contract.atomic import atomic_write_json
 from rl.faults import crash_point
 
@@ -282,7 +283,7 @@ def wait_parts(tmp: Path, world: int, *, timeout_s: float, poll: float = 0.005,
 
 def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
     """Write index, fp8.json and checksums.json from the parts, remove `parts/`; returns the manifest
-    entries of the shard files (for `exchange.commit(known=...)`)."""
+    entries of the shard files (for `rl.exchange.steps.commit(known=...)`)."""
     weight_map, tensors, headers, quantized, known, total = {}, {}, {}, [], {}, 0
     sparse, bases = {}, {p.get("delta_base") for p in parts}
     if len(bases) != 1:
@@ -318,14 +319,14 @@ def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
 
 def commit_parts(run_dir: Path, step: int, tmp: Path, world: int, *, producer: str,
                  timeout_s: float = 600.0, should_stop: Callable[[], bool] | None = None
-                 ) -> exchange.Published:
+                 ) -> Published:
     """Rank 0: wait for every rank's part, merge, and commit `weights/step_<step>`."""
     parts = wait_parts(tmp, world, timeout_s=timeout_s, should_stop=should_stop)
     known = merge_parts(tmp, parts)
     meta = {"ranks": world, "bytes_per_rank": [p["bytes"] for p in parts],
             "seconds_per_rank": [p.get("seconds", {}) for p in parts]}
     crash_point("weights.publish")
-    return exchange.commit(run_dir, "weights", step, tmp, producer=producer, policy_version=step,
+    return commit(run_dir, "weights", step, tmp, producer=producer, policy_version=step,
                            meta=meta, known=known)
 
 

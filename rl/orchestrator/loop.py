@@ -229,6 +229,8 @@ class Orchestrator:
             "weight_updates": self.stats["weight_updates"], "weight_update_s": self.stats["weight_update_s"],
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
+            # per sample, where its prompt ends (`launch report`'s trajectory view; a list: not a metric)
+            "prompt_tokens": [len(s.prompt_ids) for s in samples],
         }
         if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))

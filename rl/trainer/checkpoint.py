@@ -291,7 +291,7 @@ def _metadata_from_json(data: bytes, where: Path, manifest: dict):
         if not isinstance(e, dict):
             raise bad(k, e, "an object")
         rel = text(f"{k}.file", e.get("file"))
-        info = manifest["files"].get(f"{DCP_DIR}/{rel}") if exchange._rel_ok(rel) else None
+        info = manifest["files"].get(f"{DCP_DIR}/{rel}") if exchange.rel_ok(rel) else None
         if info is None:
             raise bad(f"{k}.file", rel, f"a file the manifest lists under {DCP_DIR}/")
         at, length = count(f"{k}.at", e.get("at")), count(f"{k}.length", e.get("length"))

@@ -66,14 +66,14 @@ def pg_loss(lp: torch.Tensor, lp_inf: torch.Tensor, advantages: torch.Tensor, ma
         w = r
         dropped = torch.zeros_like(m)
     n = m.sum() if normalizer is None else normalizer
-    loss = -(w.detach() * advantages * lp * m).sum() / torch.clamp(torch.as_tensor(n, dtype=lp.dtype), min=1.0)
+    loss = -(w.detach() * advantages * lp * m).sum() / torch.clamp(torch.as_tensor(n, dtype=lp.dtype, device=lp.device), min=1.0)
     stats = {
         "tokens": m.sum(),
         "kl_sum": ((r - 1 - log_r) * m).sum(),
         "masked": dropped.sum(),
         "ratio_sum": (r * m).sum(),
-        "ratio_max": (r * m).max() if m.numel() else torch.zeros(()),
-        "entropy_sum": (entropy.detach() * m).sum() if entropy is not None else torch.zeros(()),
+        "ratio_max": (r * m).max() if m.numel() else torch.zeros((), device=lp.device),
+        "entropy_sum": (entropy.detach() * m).sum() if entropy is not None else torch.zeros((), device=lp.device),
     }
     return loss, {k: v.detach() for k, v in stats.items()}
 

@@ -11,6 +11,7 @@ weights are checked to be finite, and publishing non-finite weights is refused (
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import uuid
@@ -110,6 +111,18 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.built.device.type, dtype=self.built.dtype)
 
+    def _on_device(self, row: Row) -> Row:
+        """`row` on the model's device: packing makes host tensors (from numpy), and every tensor the
+        step combines with the model's must live where the model does (a no-op on the CPU)."""
+        d = self.built.device
+        if d.type == "cpu":
+            move = lambda t: None if t is None else t.to(d)  # noqa: E731 (returns t itself)
+        else:
+            move = lambda t: None if t is None else t.to(d, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(row, tokens=move(row.tokens), positions=move(row.positions),
+                                   targets=move(row.targets), routed=move(row.routed), masks=move(row.masks),
+                                   per_token={k: move(v) for k, v in row.per_token.items()})
+
     def _forward(self, row: Row, replay_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         with replay.replaying(self.model, row.routed if replay_routing else None), self._autocast():
             return position_logprobs(self.model, row.tokens, row.positions, row.targets, row.masks)
@@ -144,8 +157,8 @@ class Trainer:
             mbs = self._pack(np.asarray(offs), np.asarray(toks), mask=np.asarray(mask))
             n = sum(float(mb.per_token["mask"].sum()) for mb in mbs)
             opt.zero_grad()
-            loss_sum = torch.zeros(())
-            for row in rows_for_rank(mbs, self.dist):
+            loss_sum = torch.zeros((), device=self.built.device)
+            for row in map(self._on_device, rows_for_rank(mbs, self.dist)):
                 lp, _ = self._forward(row)
                 loss = -(lp * row.per_token["mask"]).sum() / n
                 loss.backward()
@@ -167,9 +180,9 @@ class Trainer:
                          adv=np.repeat(batch.advantages, counts), lag=lag)
         n_loss = float(mask.sum())
         self.optimizer.zero_grad()
-        loss_sum, stats = torch.zeros(()), None
+        loss_sum, stats = torch.zeros((), device=self.built.device), None
         if n_loss > 0:  # else nothing to learn from: no backward, the optimizer leaves the weights alone
-            for row in rows_for_rank(mbs, self.dist):
+            for row in map(self._on_device, rows_for_rank(mbs, self.dist)):
                 pt = row.per_token
                 if self.router_replay:
                     self._routing_for(row)
@@ -277,7 +290,7 @@ class Trainer:
         for items in flags.values():  # one read-back per device: a sync per tensor costs thousands of them
             ok = torch.stack([f for _, f in items]).tolist()
             bad += [k for (k, _), good in zip(items, ok) if not good]
-        n_bad = int(self.dist.sum(torch.tensor(float(len(bad)))))
+        n_bad = int(self.dist.sum(torch.tensor(float(len(bad)), device=self.built.device)))
         if n_bad:
             where = f"{bad[0]} (rank {self.dist.rank})" if bad else "on another rank"
             raise RuntimeError(f"{what}: refusing to publish non-finite weights: {n_bad} tensor(s) hold NaN "
@@ -291,6 +304,11 @@ class Trainer:
     @property
     def publish_bytes_per_rank(self) -> list[int]:
         return self._owners.bytes_per_rank
+
+    @property
+    def publish_blocked_s(self) -> float:
+        """Seconds the caller spent in the last publish: the copy-out (on a GPU with the FP8 quantization)."""
+        return self._pub.last_blocked_s if self._pub is not None else 0.0
 
     @property
     def publish_background_s(self) -> float:

@@ -19,7 +19,7 @@ from rl.contract.atomic import atomic_write_json  # noqa: E402
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.contract.plan import expand  # noqa: E402
-from rl.inference.server import materialize  # noqa: E402
+from rl.inference.model_dir import materialize  # noqa: E402
 from rl.model.tiny import write_hf_assets  # noqa: E402
 from rl.orchestrator.client import InferenceClient  # noqa: E402
 from test_inference_server import (MODEL, PROMPTS, _proc_argv_env, _publish_weights,  # noqa: E402
@@ -150,7 +150,7 @@ GPU_HALF = ["inference.gpus_per_node=1", "inference.dtype=bfloat16", "inference.
 def test_fp8_shards_of_family_load_natively(tmp_path, family):
     """The twin of `family`, published as the trainer publishes (FP8 e4m3 128x128 + `_scale_inv`),
     materialised with fp8=True (its config.json's quantization_config derived by
-    `rl.inference.server.fp8_quant_config`: the modules fp8.json kept in bf16, e.g. embed_tokens, lm_head,
+    `rl.inference.model_dir.fp8_quant_config`: the modules fp8.json kept in bf16, e.g. embed_tokens, lm_head,
     the router gate, in its ignore list) and served by the plan's vLLM command with fp8_load=fp8.
 
     Checks: (1) the engine loads it natively in FP8: the model config's quantization is "fp8", linear

@@ -39,7 +39,7 @@ from rl.contract.config import ModelConfig  # noqa: E402
 from rl.contract.plan import Plan, expand  # noqa: E402
 from rl.contract.records import ServerRecord  # noqa: E402
 from rl.exchange.weights import write_shards  # noqa: E402
-from rl.inference.server import materialize  # noqa: E402
+from rl.inference.model_dir import materialize  # noqa: E402
 from rl.model.tiny import write_hf_assets  # noqa: E402
 from rl.orchestrator.client import (InferenceClient, InferenceError, generate_key,  # noqa: E402
                                     versions_from_spans, versions_from_updates)
@@ -462,7 +462,7 @@ def test_server_stops_on_done(setup):
 
 # -- materialize's config.json (no vLLM started) ---------------------------------------------------------
 def test_fp8_quant_config_derivation():
-    from rl.inference.server import FP8_QUANT_CONFIG, fp8_quant_config
+    from rl.inference.model_dir import FP8_QUANT_CONFIG, fp8_quant_config
 
     names = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
              "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv",

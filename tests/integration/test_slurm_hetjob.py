@@ -19,6 +19,7 @@ import pytest
 
 from launch import slurm as ls
 from launch.plan import make_plan
+from rl.contract.plan import Plan
 
 pytestmark = pytest.mark.slurm
 THIS = str(Path(__file__).resolve())
@@ -72,7 +73,7 @@ def dummy_plan(run_dir: Path, modes: dict[str, str], **cluster) -> tuple[dict, d
     cfg = compose(["cluster=slurm", "inference.nodes=2", "inference.replicas=2", f"run_dir={run_dir}",
                    "cluster.signal_grace_s=15", "cluster.time=00:05:00"])
     cfg["cluster"].update(cluster)
-    plan = make_plan(cfg)
+    plan = make_plan(cfg).to_dict()   # plan.json's form: the commands are rewritten below
     for r in plan["roles"]:
         r["command"] = [sys.executable, THIS, r["name"], modes.get(r["name"], "ok")]
         r["env"]["PYTHONPATH"] = plan["workdir"]
@@ -88,7 +89,7 @@ def submit(run_dir: Path, modes: dict[str, str], **cluster) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "_overrides"}))
     (run_dir / "plan.json").write_text(json.dumps(plan))
-    (run_dir / "job.sbatch").write_text(ls.render_script(plan, cfg))
+    (run_dir / "job.sbatch").write_text(ls.render_script(Plan.from_dict(plan), cfg))
     return ls.submit(run_dir, run_dir / "job.sbatch")
 
 

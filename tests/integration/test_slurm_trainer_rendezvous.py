@@ -68,6 +68,7 @@ def test_two_node_trainer_rendezvous_checkpoints_requeues_and_resumes_the_same_w
     import yaml
     from launch.compose import compose
     from launch.plan import make_plan
+    from rl.contract.plan import Plan
     from slurm_cluster import _free_ports
     from rl.metrics import read_metrics
     run_dir = tmp_path / "run"
@@ -78,7 +79,7 @@ def test_two_node_trainer_rendezvous_checkpoints_requeues_and_resumes_the_same_w
                    "trainer.warm_start.steps=0", "trainer.micro_batch_tokens=96", "model.max_seq_len=128",
                    "inference.max_model_len=128",
                    "wandb.mode=disabled", "cluster.signal_grace_s=30", "cluster.time=00:10:00"])
-    plan = make_plan(cfg)
+    plan = make_plan(cfg).to_dict()   # plan.json's form: the commands are rewritten below
     t = plan["trainer"]
     assert (t["nodes"], t["nproc_per_node"], t["world_size"], t["backend"]) == (2, 2, 4, "gloo")
     assert f"--rdzv-endpoint=${{HETRL_TRAINER_ADDR}}:{port}" in t["command"]
@@ -89,7 +90,7 @@ def test_two_node_trainer_rendezvous_checkpoints_requeues_and_resumes_the_same_w
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "_overrides"}))
     (run_dir / "plan.json").write_text(json.dumps(plan))
-    (run_dir / "job.sbatch").write_text(ls.render_script(plan, cfg))
+    (run_dir / "job.sbatch").write_text(ls.render_script(Plan.from_dict(plan), cfg))
     t0 = time.monotonic()
     job = ls.submit(run_dir, run_dir / "job.sbatch")
     trainer_log = run_dir / "logs" / "trainer.log"

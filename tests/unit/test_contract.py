@@ -134,8 +134,10 @@ def test_every_schema_key_is_read_by_code():
 def test_plan_round_trips_and_refuses_unknown_fields(tmp_path):
     from builders import make_run_dir
     from rl.contract.plan import Plan, PlanFormatError
-    _, plan = make_run_dir(tmp_path / "run")
+    _, planned = make_run_dir(tmp_path / "run")
     typed = Plan.read(tmp_path / "run")
+    assert typed == planned
+    plan = planned.to_dict()   # plan.json's form
     assert typed.to_dict() == plan
     assert typed.replica(0).vllm_argv(0) == plan["inference"]["replicas"][0]["vllm_command"]
     bad = dict(plan, inference=dict(plan["inference"], replicas=[dict(plan["inference"]["replicas"][0], gpu=1)]))

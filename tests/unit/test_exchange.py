@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl import exchange
-from rl.exchange import retention
+from rl.exchange import fencing, retention, steps
 from rl.exchange import CorruptStep
 
 
@@ -94,7 +94,7 @@ def test_a_step_published_between_the_check_and_the_rename_is_kept(tmp_path, mon
             raced.append(1)
             exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"first"}), producer="other")
         return real_rename(src, dst)
-    monkeypatch.setattr(exchange.os, "rename", rename)
+    monkeypatch.setattr(steps.os, "rename", rename)
     got = exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"second"}), producer="t")
     assert raced and (tmp_path / "rollouts" / "step_000001" / "f").read_bytes() == b"first"
     assert got.manifest["producer"] == "other"
@@ -151,7 +151,7 @@ def test_a_stale_incarnation_cannot_publish_and_its_late_steps_are_ignored(tmp_p
     incarnation managed to rename after the newer one started, and keep the ones from before it."""
     import time as _time
     _incarnation(tmp_path, 0, _time.time() - 10)
-    monkeypatch.setattr(exchange, "_FENCES", {})  # this test's fences only
+    monkeypatch.setattr(fencing, "_FENCES", {})  # this test's fences only
     exchange.fence(tmp_path, 0)
     kept = exchange.publish(tmp_path, "weights", 1, _write({"f": b"0"}), producer="trainer")
     assert kept.manifest["epoch"] == 0
@@ -165,7 +165,7 @@ def test_a_stale_incarnation_cannot_publish_and_its_late_steps_are_ignored(tmp_p
     exchange.publish(tmp_path, "weights", 2, _write({"f": b"1"}), producer="trainer")
     # a zombie whose rename won the race: its step names epoch 0 and a time after the successor's start
     exchange.fence(tmp_path, 0)
-    monkeypatch.setattr(exchange, "_check_fence", lambda *a: 0)
+    monkeypatch.setattr(steps, "_check_fence", lambda *a: 0)
     exchange.publish(tmp_path, "weights", 3, _write({"f": b"zombie"}), producer="trainer")
     with pytest.raises(exchange.CorruptStep, match="published by incarnation 0 after incarnation 1 started"):
         exchange.verify(tmp_path / "weights" / "step_000003")
@@ -264,7 +264,7 @@ def _crash_after_first_rename(monkeypatch):
         if len(calls) == 2:
             raise OSError("killed between the two renames")
         return real_rename(src, dst)
-    monkeypatch.setattr(exchange.os, "rename", rename)
+    monkeypatch.setattr(steps.os, "rename", rename)
     return calls
 
 
@@ -364,7 +364,7 @@ def test_a_stale_incarnation_cannot_record_or_log_either(tmp_path, monkeypatch):
     make_run_dir(tmp_path / "run")
     run = tmp_path / "run"
     _incarnation(run, 0, _time.time() - 10)
-    monkeypatch.setattr(exchange, "_FENCES", {})
+    monkeypatch.setattr(fencing, "_FENCES", {})
     exchange.fence(run, 0)
     log = exchange.ConsumedLog(run, "rollouts", "trainer")
     log.record(0)

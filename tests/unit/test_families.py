@@ -131,7 +131,7 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
     from omegaconf import OmegaConf
     from rl.exchange import step_dir
     from rl.exchange.weights import iter_tensors
-    from rl.inference.server import materialize
+    from rl.inference.model_dir import materialize
     from rl.trainer.startup import write_assets
     from rl.trainer.train import Trainer
     from builders import compose_cfg

@@ -131,9 +131,8 @@ def test_resolve_fp8_load():
 def _replica(tmp_path, *overrides):
     from launch.compose import compose
     from launch.plan import make_plan
-    from rl.contract.plan import Plan
     cfg = compose([f"run_dir={tmp_path / 'run'}", f"cluster.node_local_dir={tmp_path / 'nl'}", *overrides])
-    return Plan.from_dict(make_plan(cfg)).replica(0)
+    return make_plan(cfg).replica(0)
 
 
 def test_vllm_env_is_the_plans_plus_what_only_run_time_knows(tmp_path):
@@ -177,7 +176,7 @@ def test_node_rank_role_name_and_url(tmp_path):
 def test_clean_stale_removes_only_our_dead_dirs(tmp_path):
     import socket
     from rl.contract.atomic import atomic_write_json
-    from rl.inference.server import claim, clean_stale
+    from rl.inference.model_dir import claim, clean_stale
     host, dead = socket.gethostname(), 2 ** 22 + 12345
     owners = {"cur": [(host, dead)], "live": [(host, os.getpid())], "dead": [(host, dead)],
               "mixed": [(host, dead), (host, os.getpid())], "elsewhere": [("other-host", dead)],
@@ -213,7 +212,7 @@ def test_start_record_pins_the_heads_version_for_this_incarnation(tmp_path):
 
 
 def _materialize_in_child(args):
-    from rl.inference.server import materialize
+    from rl.inference.model_dir import materialize
     import torch
     assets, w, out = args
     return str(materialize(assets, w, out, dtype=torch.float32, fp8=False))
@@ -224,7 +223,7 @@ def test_materialize_reuses_and_tolerates_a_shared_disk(tmp_path):
     import multiprocessing
     from rl import exchange
     from rl.exchange.weights import write_shards
-    from rl.inference.server import SOURCE_FILE, materialize
+    from rl.inference.model_dir import SOURCE_FILE, materialize
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
@@ -252,7 +251,7 @@ def test_materialize_dequantizes_in_hf_names(tmp_path):
     torch = pytest.importorskip("torch")
     from rl import exchange
     from rl.exchange.weights import load_state_dict, write_shards
-    from rl.inference.server import materialize
+    from rl.inference.model_dir import materialize
     from safetensors.torch import load_file
     assets = tmp_path / "assets"
     assets.mkdir()

@@ -143,8 +143,7 @@ def test_cancel_signals_recorded_roles_only_while_they_are_theirs(tmp_path):
 def _local_plan(tmp_path, *overrides):
     from builders import compose_cfg
     from launch.plan import make_plan
-    from rl.contract.plan import Plan
-    return Plan.from_dict(make_plan(compose_cfg(tmp_path / "run", *overrides)))
+    return make_plan(compose_cfg(tmp_path / "run", *overrides))
 
 
 def test_cpu_split_gives_servers_and_trainer_their_own_cores(tmp_path):

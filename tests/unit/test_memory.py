@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import memory
+from launch import activations, memory
 from launch.compose import compose_points
 from launch.plan import make_plan
 from rl.contract.config import PlanError, structured
@@ -119,7 +119,7 @@ def test_context_parallel_splits_the_row_and_ac_keeps_less():
     acts = {}
     for ac in ("none", "selective", "full"):
         for cp in (1, 4):
-            acts[ac, cp] = memory.trainer_acts(memory.Shape.from_cfg(KIMI_K2), tokens=131072, cb=2, cp=cp,
+            acts[ac, cp] = activations.trainer_acts(memory.Shape.from_cfg(KIMI_K2), tokens=131072, cb=2, cp=cp,
                                                ep=16, ac=ac, cpu=False)
     assert acts["none", 4].tokens == 131072 // 4
     assert acts["full", 4].logprobs == acts["full", 1].logprobs / 4 == 2 * 4 * 163840 * 32768
@@ -129,7 +129,7 @@ def test_context_parallel_splits_the_row_and_ac_keeps_less():
     assert acts["full", 4].kept == pytest.approx(acts["full", 1].kept / 4, rel=1e-3)
     # the cp ranks all-gather k and v: per local token, attention keeps more than without cp
     s = memory.Shape.from_cfg(KIMI_K2)
-    with_cp, without = (memory.layer_acts(s, True, 2, cp, 16, False, 131072).saved for cp in (4, 1))
+    with_cp, without = (activations.layer_acts(s, True, 2, cp, 16, False, 131072).saved for cp in (4, 1))
     assert with_cp > without
 
 
@@ -252,9 +252,9 @@ def test_nemotron_kv_only_for_attention_layers_and_constant_mamba_state():
     assert memory.state_bytes_per_seq(s, tp=1, wb=2) == 50 * (ssm + conv)
     assert memory.state_bytes_per_seq(memory.Shape.from_cfg(KIMI_K2), tp=1, wb=2) == 0
     # training: a Mamba layer keeps the chunked scan's states, heads x head_dim x state per chunk
-    a = memory.hybrid_layer_acts(s, "mamba", 2, 1, False, 8192)
+    a = activations.hybrid_layer_acts(s, "mamba", 2, 1, False, 8192)
     assert a.saved > 2 * y.mamba_heads * y.mamba_head_dim * y.ssm_state * 4 / y.chunk_size
-    acts = memory.trainer_acts(s, tokens=65536, cb=2, cp=8, ep=1, ac="full", cpu=False)
+    acts = activations.trainer_acts(s, tokens=65536, cb=2, cp=8, ep=1, ac="full", cpu=False)
     assert acts.kept == pytest.approx((108 * s.dim * 2 + 8 + 3 * s.dim * 2 + 4) * 8192, rel=1e-6)
 
 
@@ -269,7 +269,7 @@ def test_nemotron3_swe_fits_and_freezes_mtp():
     assert abs(rep.params_total - 550e9) <= 0.02 * 550e9 and abs(rep.params_active - 55e9) <= 0.02 * 55e9
     for r in rep.roles:
         assert r.unit == "GPU" and 0 < r.total <= r.capacity, (r.role, r.total / GiB)
-    assert plan["trainer"]["ep"] == 1 and plan["trainer"]["cp"] <= 8   # NemotronH: no EP, cp | n_groups
+    assert plan.trainer.ep == 1 and plan.trainer.cp <= 8   # NemotronH: no EP, cp | n_groups
     decode = rep.role("inference decode")
     assert decode.term("Mamba state") > 0 and decode.term("KV") > 0
     # MTP: parameters only (frozen), no gradients or optimizer state

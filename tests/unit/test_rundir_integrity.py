@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl import exchange
-from rl.exchange import retention
+from rl.exchange import fencing, retention
 from rl.contract.config import Config
 from rl.contract.records import RecordError
 from rl.exchange import CorruptStep, Fenced
@@ -240,8 +240,8 @@ def test_a_malformed_resume_json_is_refused_in_one_line(tmp_path, monkeypatch):
     from rl import runtime
     from rl.prepare import prepare
     run = _run_dir(tmp_path / "run")
-    monkeypatch.setattr(exchange, "_FENCES", {})
-    monkeypatch.setattr(exchange, "_SEEN", {})
+    monkeypatch.setattr(fencing, "_FENCES", {})
+    monkeypatch.setattr(fencing, "_SEEN", {})
     monkeypatch.delenv("HETRL_EPOCH", raising=False)
     exchange.fence(run, 0)
     for body, says in (({"restart": None}, "restart=None is not a non-negative integer"),
@@ -271,8 +271,8 @@ def test_a_rewound_restart_count_does_not_let_a_stale_incarnation_publish(tmp_pa
     the next prepare refuses rather than hand out an epoch again."""
     from rl.prepare import prepare
     run = _run_dir(tmp_path / "run")
-    monkeypatch.setattr(exchange, "_FENCES", {})
-    monkeypatch.setattr(exchange, "_SEEN", {})
+    monkeypatch.setattr(fencing, "_FENCES", {})
+    monkeypatch.setattr(fencing, "_SEEN", {})
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert prepare(run).restart == 0
     rewound = (run / "resume.json").read_text()

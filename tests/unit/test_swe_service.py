@@ -32,13 +32,13 @@ def services(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("svc") / "run"
     cfg, plan = make_run_dir(run_dir, "env=swe", "env.swe.tasks=builtin", "env.max_turns=6",
                              "cluster.sandbox_nodes=2", "wandb.mode=disabled")
-    assert [g["het_group"] for g in plan["groups"]] == [0, 1, 2]
+    assert [g.het_group for g in plan.groups] == [0, 1, 2]
     procs = []
-    for r in plan["roles"]:
-        if r["name"].startswith("sandbox_"):
-            log = open(run_dir / "logs" / f"{r['name']}.log", "ab")
-            procs.append(subprocess.Popen(r["command"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **r["env"], "PYTHONPATH": str(REPO)}))
+    for r in plan.roles:
+        if r.name.startswith("sandbox_"):
+            log = open(run_dir / "logs" / f"{r.name}.log", "ab")
+            procs.append(subprocess.Popen(r.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **r.env, "PYTHONPATH": str(REPO)}))
     try:
         t0 = time.monotonic()
         while not all((run_dir / "sandboxes" / f"service_{i}.json").exists() for i in range(2)):

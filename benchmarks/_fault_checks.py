@@ -1,0 +1,203 @@
+"""The checks of a trial's finished run directory (benchmarks/fault_trials.py): nothing lost, nothing
+doubled, nothing unverifiable, and the proof that the fault landed.
+
+`check` reads only what the roles recorded (consumed.jsonl, groups.jsonl, manifests, metrics.jsonl, the
+final checkpoint's state) and hashes the files itself (`step_damage`), never through rl.exchange.verify or
+corrupt_steps, which the roles use to find and set aside damage: the judge shares no code with what it
+judges. `landed_after` adds the part of the landing proof only the finished run shows (a crash point's
+log line, the damaged step set aside, a later incarnation). Split from fault_trials.py (issue 23).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from rl import exchange  # noqa: E402
+from rl.faults import read_log  # noqa: E402
+import _fault_slurm  # noqa: E402
+from _fault_trial import ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes, wait_until  # noqa: E402
+
+# -- checks (after DONE) ------------------------------------------------------------------------------
+def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
+    """sha256 of every tensor of weights/step_N as stored (FP8 bytes and scales), a delta step rebuilt
+    from its chain: a full and a delta publication of the same version compare equal."""
+    import torch
+    from rl.exchange.deltas import stored_tensors
+    tensors, _ = stored_tensors(exchange.step_dir(run_dir, "weights", step))
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in sorted(tensors.items())}
+
+
+def check(trial: Trial, reference: dict[str, str] | None) -> None:
+    run_dir, fail = trial.run_dir, trial.failures.append
+    if not wait_until(lambda: not leftover_processes(run_dir), 30):
+        left = leftover_processes(run_dir)
+        fail(f"{len(left)} process(es) of the run still alive 30 s after the launcher ended: {left[:3]}")
+        for pid, _ in left:
+            kill(pid)
+    if not (run_dir / "DONE").exists():
+        fail(f"not DONE after {len(trial.incarnations)} incarnations (exit statuses {trial.incarnations})")
+        return
+    ck = exchange.latest_complete(run_dir, "checkpoints", checksums=True)
+    state = json.loads((exchange.step_dir(run_dir, "checkpoints", ck) / "trainer_state.json").read_text())
+    steps = trial.steps
+    if state["consumed"] != list(range(steps)):
+        fail(f"the final lineage trained rollout steps {state['consumed']}, not 0..{steps - 1} once each")
+    metric_steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    if metric_steps != list(range(steps)):
+        fail(f"metrics.jsonl steps {metric_steps}")
+    for kind in ("weights", "rollouts", "checkpoints"):  # our own hashing, not rl.exchange.corrupt_steps
+        for s in exchange.list_steps(run_dir, kind):
+            if why := step_damage(exchange.step_dir(run_dir, kind, s)):
+                fail(f"unverifiable step left after DONE: {kind}/step_{s:06d}: {why}")
+    check_exactly_once(trial, fail)
+    if exchange.latest_complete(run_dir, "weights") != steps:
+        fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {steps}")
+    from safetensors.numpy import load_file
+    for s in exchange.list_steps(run_dir, "rollouts"):
+        v = load_file(str(exchange.step_dir(run_dir, "rollouts", s) / "batch.safetensors"))["versions"]
+        v = v[v >= 0]
+        if v.size and int(v.min()) < s - trial.max_off_policy:
+            fail(f"rollouts/step_{s:06d} holds version {int(v.min())} (bound {trial.max_off_policy})")
+    if reference is not None and shard_digests(run_dir, steps) != reference:
+        fail("final weights differ from the uninterrupted run's (max_off_policy=0)")
+
+
+def _sha256(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def step_damage(step: Path) -> str | None:
+    """What does not match the step's manifest, hashed here (independent of rl.exchange.verify and
+    corrupt_steps, which the roles use to find and set aside damage): every listed file present with its
+    size and sha256; a weight shard (listed with `verify: checksums.json`) by the sha256 of its header and
+    of each tensor's bytes as checksums.json records them."""
+    try:
+        manifest = json.loads((step / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"manifest: {e}"
+    sums = None
+    for rel, info in manifest.get("files", {}).items():
+        f = step / rel
+        try:
+            data = f.read_bytes()
+        except OSError:
+            return f"{rel} missing"
+        if len(data) != info.get("size"):
+            return f"{rel}: {len(data)} bytes, manifest says {info.get('size')}"
+        if "sha256" in info and _sha256(data) != info["sha256"]:
+            return f"{rel}: sha256 differs from the manifest"
+        if info.get("verify"):
+            if sums is None:
+                sums = json.loads((step / info["verify"]).read_text())
+            n = int.from_bytes(data[:8], "little")
+            if sums.get("headers", {}).get(rel) not in (_sha256(data[:8 + n]), _sha256(data[8:8 + n])):
+                return f"{rel}: header sha256 differs from {info['verify']}"
+            header = json.loads(data[8:8 + n])
+            for name, t in header.items():
+                if name == "__metadata__" or name in sums.get("sparse", {}):
+                    continue
+                want = sums.get("tensors", {}).get(name)
+                a, b = t["data_offsets"]
+                if want is not None and _sha256(data[8 + n + a:8 + n + b]) != want:
+                    return f"{rel}: tensor {name} sha256 differs from {info['verify']}"
+    return None
+
+
+def check_exactly_once(trial: Trial, fail) -> None:
+    """Exactly once, from what the roles recorded rather than from the trainer's own counters:
+    - rollouts/consumed.jsonl (rl.exchange.ConsumedLog.record: step, restart, the batch's sha256): read in
+      order, a record of a new incarnation rolls the lineage back to its step (where that incarnation
+      resumed), and every record must extend the lineage by exactly the next step; the surviving lineage
+      must be 0..S-1, each with the sha256 of the batch file now in rollouts/step_N, hashed here, which
+      must also be its manifest's;
+    - rollouts/groups.jsonl against the trained batches' group_ids: no group in two batches, every trained
+      group was started, every started group trained or recorded as dropped, none both."""
+    run_dir, steps = trial.run_dir, trial.steps
+    recs = [e for e in exchange.read_jsonl(run_dir / "rollouts" / "consumed.jsonl") if e.get("consumer") == "trainer"]
+    lineage: list[dict] = []
+    restart = None
+    for e in recs:
+        n, r = int(e["step"]), int(e.get("restart", 0))
+        if restart is not None and r < restart:
+            fail(f"consumed.jsonl: step {n} recorded by restart {r} after restart {restart} (a stale process)")
+            return
+        if r != restart:
+            if n > len(lineage):
+                fail(f"consumed.jsonl: restart {r} resumed at step {n}, but only {len(lineage)} were trained")
+                return
+            del lineage[n:]
+            restart = r
+        if n != len(lineage):
+            fail(f"consumed.jsonl: restart {r} trained step {n} right after step {len(lineage) - 1} (doubled or skipped)")
+            return
+        lineage.append(e)
+    if [e["step"] for e in lineage] != list(range(steps)):
+        fail(f"consumed.jsonl lineage {[e['step'] for e in lineage]}, not 0..{steps - 1}")
+        return
+    for e in lineage:
+        d = exchange.step_dir(run_dir, "rollouts", e["step"])
+        try:
+            got = _sha256((d / "batch.safetensors").read_bytes())
+            want = json.loads((d / "manifest.json").read_text())["files"]["batch.safetensors"]["sha256"]
+        except (OSError, ValueError, KeyError) as err:
+            fail(f"rollouts/step_{e['step']:06d}: {err}")
+            continue
+        if not (got == want == e.get("sha256")):
+            fail(f"rollouts/step_{e['step']:06d}: trained sha256 {str(e.get('sha256'))[:12]}, file {got[:12]}, "
+                 f"manifest {want[:12]}")
+    events = exchange.read_jsonl(run_dir / "rollouts" / "groups.jsonl")
+    started = {int(e["group"]) for e in events if e.get("event") == "start"}
+    dropped = {int(e["group"]) for e in events if e.get("event") == "drop"}
+    trained: dict[int, int] = {}
+    for n in range(steps):
+        meta = json.loads((exchange.step_dir(run_dir, "rollouts", n) / "meta.json").read_text())
+        for g in meta.get("group_ids") or []:
+            if int(g) in trained:
+                fail(f"group {g} trained in rollouts/step_{trained[int(g)]:06d} and step_{n:06d}")
+            trained[int(g)] = n
+    if lost := sorted(started - dropped - set(trained)):
+        fail(f"groups started but neither trained nor dropped: {lost[:10]}")
+    if ghost := sorted(set(trained) - started):
+        fail(f"trained groups never logged as started: {ghost[:10]}")
+    if both := sorted(set(trained) & dropped):
+        fail(f"groups both trained and dropped: {both[:10]}")
+    trial.groups = (len(started), len(trained), len(dropped))
+
+
+def landed_after(trial: Trial) -> None:
+    """The part of the landing proof only the finished run dir shows: a crash point's log line, the damaged
+    step set aside, a later incarnation."""
+    run_dir, kind = trial.run_dir, trial.kind
+    if trial.armed:
+        fired = [e for e in read_log(trial.fault_log) if e.get("fired")]
+        if fired:
+            e = fired[0]
+            trial.proof.append(f"{e['point']} fired ({e['fired']}) in {e['role']} pid {e['pid']}, pass {e['pass']}")
+        else:
+            trial.not_landed = trial.not_landed or "the armed crash point was never reached"
+    if trial.damaged:
+        k, step, f = trial.damaged
+        aside = sorted((run_dir / k / "corrupt").glob(f"step_{step:06d}-*"))
+        if aside:
+            trial.proof.append(f"damaged {f} detected: set aside to {aside[0].relative_to(run_dir)}")
+        else:
+            trial.not_landed = f"the damage on {f} was never detected (no {k}/corrupt/step_{step:06d}-*)"
+    elif kind in ("bitflip", "truncate") and not trial.not_landed:
+        trial.not_landed = "nothing damaged"
+    ends = kind in ENDS_INCARNATION and not (kind == "crash_point" and "enospc" in trial.detail)
+    if ends or (trial.damaged and trial.damaged[0] == "checkpoints"):
+        if kind in SLURM_KINDS:
+            why = _fault_slurm.second_incarnation(run_dir, trial.incarnations)
+        else:
+            why = f"{len(trial.incarnations)} launcher runs" if len(trial.incarnations) >= 2 else None
+        if why:
+            trial.proof.append(f"a later incarnation ran ({why})")
+        else:
+            trial.not_landed = trial.not_landed or "no second incarnation ran"

@@ -1,0 +1,193 @@
+"""The trajectory view of `launch report`: a sample of episodes per step, read back from the rollout batches.
+
+Every `rollouts/step_N` stays in the run directory for the whole run, and a batch holds each episode as
+one token sequence (rl.contract.batch): the prompt, then the completion, in which the policy's tokens
+carry the version that generated them and observations (tool outputs, environment messages; loss mask
+0, version -1) sit between the model's turns. Decoding with the run's own tokenizer
+(`assets/step_000000/tokenizer.json`, through `tokenizers`, no torch) gives back the text: the prompt,
+the turns, the tool calls the model wrote (`<tool_call>...</tool_call>`, listed per turn) and what came
+back. Where the prompt ends is the batch meta's `prompt_tokens` (written by the orchestrator); batches
+from before that key existed fall back to the first policy token.
+
+Policy tokens are shown in runs of one version, coloured by lag (trainer step - version: 0 green, 1
+yellow, 2 orange, 3+ red); hovering shows the version, the lag and the token span. A policy token that
+the staleness bound masked out of the loss (`orchestrator.stale_policy=mask`) is stored with version -1
+like an observation, so it reads as one here.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from launch.report_svg import esc, fmt
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def _decoder(assets: Path):
+    """ids -> text with the run's tokenizer, or a plain rendering of the ids when it cannot be read."""
+    tj = assets / "tokenizer.json"
+    if tj.is_file():
+        try:
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(tj))
+            return (lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)), None
+        except Exception as e:  # noqa: BLE001 - a tokenizer this library cannot read: ids instead
+            why = f"{tj} could not be read by `tokenizers` ({type(e).__name__}: {e})"
+    else:
+        why = f"{tj} is missing (a checkpoint with another tokenizer format)"
+    return (lambda ids: " ".join(f"[{int(i)}]" for i in ids)), why
+
+
+def pick_steps(steps: list[int], n: int) -> list[int]:
+    """`n` steps spread over `steps`, the first and the last included."""
+    if len(steps) <= n:
+        return list(steps)
+    if n <= 1:
+        return [steps[-1]]
+    return sorted({steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)})
+
+
+def pick_episodes(rewards, groups, n: int) -> list[int]:
+    """Sample indices: the best and the worst reward first, then others from groups not shown yet."""
+    order = sorted(range(len(rewards)), key=lambda i: (-float(rewards[i]), i))
+    if not order:
+        return []
+    chosen = [order[0]] + ([order[-1]] if len(order) > 1 else [])
+    seen = {int(groups[i]) for i in chosen}
+    for i in order[1:-1]:
+        if len(chosen) >= n:
+            break
+        if int(groups[i]) not in seen:
+            chosen.append(i)
+            seen.add(int(groups[i]))
+    for i in order:  # fewer groups than episodes asked for
+        if len(chosen) >= n:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return chosen[:n]
+
+
+def segments(loss_mask, versions, prompt_len: int) -> list[tuple[str, int, int]]:
+    """(kind, start, end) over a sample's tokens: `prompt`, then alternating `model` (policy tokens) and
+    `obs` (everything else after the prompt)."""
+    out = [("prompt", 0, prompt_len)] if prompt_len else []
+    i, n = prompt_len, len(versions)
+    while i < n:
+        kind = "model" if versions[i] >= 0 or loss_mask[i] else "obs"
+        j = i
+        while j < n and ("model" if versions[j] >= 0 or loss_mask[j] else "obs") == kind:
+            j += 1
+        out.append((kind, i, j))
+        i = j
+    return out
+
+
+def _lag_class(lag: int) -> str:
+    return f"v{min(max(lag, 0), 3)}"
+
+
+def _model_html(decode, tokens, versions, lo: int, hi: int, step: int) -> str:
+    """A model turn: runs of one policy version, each coloured by its lag with a tooltip."""
+    parts, i = [], lo
+    while i < hi:
+        v, j = int(versions[i]), i
+        while j < hi and int(versions[j]) == v:
+            j += 1
+        text = decode(tokens[i:j])
+        if v < 0:
+            parts.append(f'<span class="vm" title="tokens {i}..{j - 1}: loss-masked">{esc(text)}</span>')
+        else:
+            parts.append(f'<span class="{_lag_class(step - v)}" title="tokens {i}..{j - 1}: policy version {v}, '
+                         f'lag {step - v}">{esc(text)}</span>')
+        i = j
+    return "".join(parts)
+
+
+def _clip(segs: list[tuple[str, int, int]], limit: int) -> list[tuple[str, int, int]]:
+    """The segments cut to the first and last `limit // 2` tokens after the prompt, a `gap` between."""
+    rest = [s for s in segs if s[0] != "prompt"]
+    if not rest or rest[-1][2] - rest[0][1] <= limit:
+        return segs
+    a, b = rest[0][1] + limit // 2, rest[-1][2] - limit // 2
+    head = [s for s in segs if s[0] == "prompt"] + [(k, lo, min(hi, a)) for k, lo, hi in rest if lo < a]
+    tail = [(k, max(lo, b), hi) for k, lo, hi in rest if hi > b]
+    return head + [("gap", a, b)] + tail
+
+
+def episode_html(batch, i: int, step: int, decode, prompt_len: int, limit: int) -> str:
+    sl = batch.sample_slice(i)
+    toks, mask, vers = batch.tokens[sl], batch.loss_mask[sl], batch.versions[sl]
+    segs = segments(mask, vers, prompt_len)
+    pol = [int(v) for v in vers if v >= 0]
+    turns = sum(1 for s in segs if s[0] == "model")
+    head = (f"episode {i} | group {int(batch.groups[i])} | reward <b>{esc(fmt(float(batch.rewards[i])))}</b> | "
+            f"advantage {esc(fmt(float(batch.advantages[i])))} | {len(toks)} tokens ({prompt_len} prompt, "
+            f"{len(pol)} policy, {len(toks) - prompt_len - len(pol)} observation/masked) | {turns} model turn(s)"
+            + (f" | versions {min(pol)}..{max(pol)}" if pol else ""))
+    body, n_turn = [], 0
+    for kind, lo, hi in _clip(segs, limit):
+        if kind == "gap":
+            body.append(f'<div class="seg vm">... {hi - lo} tokens not shown ...</div>')
+        elif kind == "prompt":
+            opened = " open" if hi - lo <= 200 else ""  # a short prompt is the task: shown; a long one folded
+            body.append(f'<details{opened}><summary>prompt ({hi - lo} tokens)</summary><div class="seg prompt">'
+                        f'{esc(decode(toks[lo:hi]))}</div></details>')
+        elif kind == "model":
+            n_turn += 1
+            text = decode(toks[lo:hi])
+            calls = [c.strip() for c in _TOOL_CALL.findall(text)]
+            tag = f"model turn {n_turn} ({hi - lo} tokens)" + (f", {len(calls)} tool call(s)" if calls else "")
+            calls_html = "".join(f'<div class="tool">tool call: {esc(c[:400])}</div>' for c in calls)
+            body.append(f'<div class="seg model"><span class="tag">{esc(tag)}</span>'
+                        f'{_model_html(decode, toks, vers, lo, hi, step)}{calls_html}</div>')
+        else:
+            body.append(f'<div class="seg obs"><span class="tag">observation / tool output ({hi - lo} tokens)'
+                        f'</span>{esc(decode(toks[lo:hi]))}</div>')
+    return f'<div class="episode"><div class="head">{head}</div>{"".join(body)}</div>'
+
+
+def section(run_dir: Path, run: dict, n_steps: int, per_step: int, limit: int = 6000) -> str:
+    from rl import exchange
+    from rl.contract.batch import InvalidBatch, RolloutBatch
+    from rl.contract.paths import ASSETS, ROLLOUTS
+
+    head = ("<h2>Trajectories</h2><p class=\"legendrow\">policy tokens by lag (step - version): "
+            "<span class=\"v0\">0</span><span class=\"v1\">1</span><span class=\"v2\">2</span>"
+            "<span class=\"v3\">3+</span><span class=\"vm\">loss-masked</span> &middot; hover a span for its "
+            "version; <span class=\"tool\">tool calls</span> are listed under the turn that made them</p>")
+    steps = exchange.list_steps(run_dir, ROLLOUTS)
+    if not steps:
+        return head + "<p>No rollout batches in this run directory yet.</p>"
+    decode, why = _decoder(exchange.step_dir(run_dir, ASSETS, 0))
+    out = [head] + ([f'<p class="warn">tokens shown as ids: {esc(why)}</p>'] if why else [])
+    rewards = {m.get("step"): m.get("reward_mean") for m in run["metrics"]}
+    chosen = pick_steps(steps, n_steps)
+    for k, step in enumerate(chosen):
+        d = exchange.step_dir(run_dir, ROLLOUTS, step)
+        try:
+            batch = RolloutBatch.load(d)
+        except (InvalidBatch, OSError) as e:
+            out.append(f'<p class="warn">step {step}: {esc(e)}</p>')
+            continue
+        plens = batch.meta.get("prompt_tokens")
+        if not (isinstance(plens, list) and len(plens) == batch.num_samples):
+            plens = None
+        items = []
+        for i in pick_episodes(batch.rewards, batch.groups, per_step):
+            sl = batch.sample_slice(i)
+            if plens is not None:
+                p = int(plens[i])
+            else:  # an older batch: the prompt ends at the first policy token
+                v = batch.versions[sl]
+                p = next((j for j in range(len(v)) if v[j] >= 0 or batch.loss_mask[sl][j]), len(v))
+            items.append(episode_html(batch, i, step, decode, p, limit))
+        r = rewards.get(step)
+        summary = (f"step {step}: {batch.num_samples} episodes, reward mean "
+                   f"{esc(fmt(float(batch.rewards.mean())))}"
+                   + (f" (trainer: {esc(fmt(r))})" if isinstance(r, (int, float)) else " (not trained yet)")
+                   + f", showing {len(items)}")
+        opened = " open" if k == len(chosen) - 1 else ""
+        out.append(f'<details class="step"{opened}><summary>{summary}</summary>{"".join(items)}</details>')
+    return "".join(out)

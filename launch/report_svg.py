@@ -1,0 +1,178 @@
+"""Inline SVG line charts and the page frame of `launch report`: standard library only.
+
+The report must open anywhere, offline, years later (an archived run directory, a laptop, a mail
+attachment), so nothing is fetched: every chart is an SVG element written into the page and the style
+sheet is inline. No script either: hovering a point shows its value through SVG `<title>` tooltips,
+which every browser renders natively, and the trajectory view folds with `<details>`.
+
+`line_chart(title, series, ...)` draws one or more series of (x, y) points on shared axes with "nice"
+tick values (1, 2, 5 x 10^k), a legend, and dashed vertical markers (restarts of the run). Points with a
+non-finite y are skipped; a series of one point is drawn as a dot.
+"""
+from __future__ import annotations
+
+import html
+import math
+from typing import Iterable, Sequence
+
+W, H = 560, 230                     # the chart's box in px; the plot area leaves room for axes and legend
+PAD_L, PAD_R, PAD_T, PAD_B = 58, 14, 30, 40
+COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d")
+
+
+def esc(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def fmt(v: float) -> str:
+    """A short human number: 3 significant digits, k/M for large values, scientific for tiny ones."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a < 1e-3:
+        return f"{v:.2e}"
+    return f"{v:.3g}"
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About `n` round tick values covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.floor(lo / step) * step
+    ticks, t = [], first
+    while t <= hi + step * 1e-9:
+        ticks.append(round(t, 12))
+        t += step
+    if ticks[-1] < hi:
+        ticks.append(round(t, 12))
+    return ticks
+
+
+def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, float]]]], *,
+               y_label: str = "", x_label: str = "step", markers: Iterable[tuple[float, str]] = (),
+               note: str = "") -> str:
+    """One SVG chart. `series`: (label, [(x, y), ...]); `markers`: (x, label) dashed vertical lines."""
+    pts = [[(float(x), float(y)) for x, y in s if y is not None and math.isfinite(float(y))] for _, s in series]
+    allp = [p for s in pts for p in s]
+    head = f'<figure class="chart"><figcaption>{esc(title)}</figcaption>'
+    if not allp:
+        return head + f'<div class="empty">no data in this run{": " + esc(note) if note else ""}</div></figure>'
+    markers = list(markers)
+    xs = [p[0] for p in allp] + [m[0] for m in markers]
+    ys = [p[1] for p in allp]
+    x0, x1 = min(xs), max(xs)
+    if x0 == x1:
+        x0, x1 = x0 - 1, x1 + 1
+    yt = nice_ticks(min(ys), max(ys))
+    y0, y1 = yt[0], yt[-1]
+    # legend entries left to right, wrapped into rows; the plot starts below the last row
+    legend, lx, row = [], PAD_L, 0
+    for label, _ in series:
+        width = 24 + 6.5 * len(label)
+        if lx + width > W - PAD_R and lx > PAD_L:
+            lx, row = PAD_L, row + 1
+        legend.append((lx, 8 + 15 * row))
+        lx += width
+    top = PAD_T + 15 * row
+    pw, ph = W - PAD_L - PAD_R, H - top - PAD_B
+
+    def sx(x):
+        return PAD_L + (x - x0) / (x1 - x0) * pw
+
+    def sy(y):
+        return top + ph - (y - y0) / (y1 - y0) * ph
+
+    out = [head, f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
+                 f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">']
+    for t in yt:  # horizontal grid and y tick labels
+        y = sy(t)
+        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
+                   f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{esc(fmt(t))}</text>')
+    for t in nice_ticks(x0, x1, 6):
+        if x0 <= t <= x1:
+            x = sx(t)
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + ph}" y2="{top + ph + 4}" class="axis"/>'
+                       f'<text x="{x:.1f}" y="{top + ph + 16}" class="tick" text-anchor="middle">'
+                       f'{esc(fmt(t))}</text>')
+    out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{top + ph}" y2="{top + ph}" class="axis"/>'
+               f'<line x1="{PAD_L}" x2="{PAD_L}" y1="{top}" y2="{top + ph}" class="axis"/>'
+               f'<text x="{PAD_L + pw / 2:.1f}" y="{H - 6}" class="label" text-anchor="middle">{esc(x_label)}</text>')
+    if y_label:
+        out.append(f'<text x="12" y="{top + ph / 2:.1f}" class="label" text-anchor="middle" '
+                   f'transform="rotate(-90 12 {top + ph / 2:.1f})">{esc(y_label)}</text>')
+    for x, label in markers:
+        out.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" class="marker">'
+                   f'<title>{esc(label)}</title></line>')
+    for i, ((label, _), p, (lx, ly)) in enumerate(zip(series, pts, legend)):
+        c = COLORS[i % len(COLORS)]
+        if len(p) > 1:
+            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in p)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="1.6"/>')
+        r = 2.2 if len(p) < 80 else 1.2
+        for x, y in p:
+            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{c}">'
+                       f'<title>{esc(label)} @ {esc(x_label)} {esc(fmt(x))}: {esc(fmt(y))}</title></circle>')
+        out.append(f'<rect x="{lx:.0f}" y="{ly}" width="10" height="10" fill="{c}"/>'
+                   f'<text x="{lx + 14:.0f}" y="{ly + 9}" class="legend">{esc(label)}</text>')
+    out.append("</svg>")
+    if note:
+        out.append(f'<div class="note">{esc(note)}</div>')
+    out.append("</figure>")
+    return "".join(out)
+
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#111;background:#f6f7f9}
+header{background:#111827;color:#f9fafb;padding:14px 24px}
+header h1{font-size:19px;margin:0 0 4px}
+header .sub{color:#cbd5e1;font-size:13px}
+main{padding:8px 24px 40px;max-width:1820px}
+h2{font-size:16px;margin:26px 0 8px;border-bottom:1px solid #d1d5db;padding-bottom:4px}
+table.kv{border-collapse:collapse;background:#fff}
+table.kv td,table.kv th{border:1px solid #e5e7eb;padding:3px 10px;text-align:left;vertical-align:top}
+table.kv th{background:#f3f4f6;font-weight:600}
+.charts{display:flex;flex-wrap:wrap;gap:12px}
+figure.chart{margin:0;background:#fff;border:1px solid #e5e7eb;border-radius:6px;padding:6px}
+figure.chart figcaption{font-weight:600;font-size:13px;margin:0 0 2px 4px}
+.empty{width:540px;height:60px;color:#6b7280;padding:10px}
+.note{color:#6b7280;font-size:12px;max-width:540px;margin:2px 4px}
+svg .grid{stroke:#eef0f3}
+svg .axis{stroke:#9ca3af}
+svg .tick{font-size:10px;fill:#4b5563}
+svg .label{font-size:11px;fill:#374151}
+svg .legend{font-size:11px;fill:#111}
+svg .marker{stroke:#f59e0b;stroke-dasharray:4 3;stroke-width:1.5}
+details.step{background:#fff;border:1px solid #e5e7eb;border-radius:6px;margin:8px 0;padding:4px 10px}
+details.step>summary{cursor:pointer;font-weight:600}
+.episode{border-top:1px solid #e5e7eb;padding:8px 0}
+.episode .head{font-size:13px;color:#374151;margin-bottom:4px}
+.seg{white-space:pre-wrap;word-break:break-word;font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace;
+     border-radius:4px;padding:4px 6px;margin:3px 0}
+.seg .tag{font:600 11px system-ui,sans-serif;color:#374151;display:block;margin-bottom:2px}
+.prompt{background:#f3f4f6}
+.model{background:#eef6ff;border-left:3px solid #2563eb}
+.obs{background:#fff7ed;border-left:3px solid #ea580c}
+.v0{background:#dcfce7}.v1{background:#fef9c3}.v2{background:#fed7aa}.v3{background:#fecaca}
+.vm{background:#e5e7eb;color:#6b7280}
+.tool{outline:1px solid #9333ea;background:#f3e8ff}
+.legendrow span{display:inline-block;padding:0 6px;margin-right:6px;border-radius:3px;font-size:12px}
+.warn{color:#b45309}
+"""
+
+
+def page(title: str, subtitle: str, body: str) -> str:
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width\"><title>{esc(title)}</title>"
+            f"<style>{CSS}</style></head><body><header><h1>{esc(title)}</h1>"
+            f"<div class=\"sub\">{esc(subtitle)}</div></header><main>{body}</main></body></html>")

@@ -1,0 +1,157 @@
+"""Fencing: a process of an earlier incarnation of the run never publishes after a newer one started.
+
+Every role calls `fence(run_dir, epoch)` once, at start, with the restart count rl.prepare gave its
+incarnation; from then on every commit (rl.exchange.steps) and every record outside steps
+(`check_fence`) first checks that no newer incarnation has started, and a step's manifest carries the
+epoch it was published under, so readers can tell a stale process's late step from the steps
+rl.prepare kept (`verify`).
+
+The restart count in `resume.json` is trusted only as far as it is well-formed and never goes
+backwards: rl.prepare also leaves one file per incarnation in `incarnations/` (`record_incarnation`,
+append-only), and a `resume.json` whose count is lower than the newest of those, or lower than any this
+process saw or was launched for, is refused (a rewound count would otherwise let a stale incarnation
+publish again). Split from rl/exchange/__init__.py (issue 23); it reads files through rl.exchange.files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.contract import paths
+from rl.contract.atomic import atomic_write_json
+from rl.contract.records import RecordError, ResumeState, read_optional
+
+from rl.exchange.files import CorruptStep, read_regular, step_name
+
+
+class Fenced(RuntimeError):
+    """A process of an earlier incarnation of the run tried to publish after a newer one started."""
+
+
+# Run directories this process publishes into as a role of one incarnation: {resolved run dir: epoch}
+_FENCES: dict[str, int] = {}
+# The highest restart count this process has seen recorded for a run directory: a resume.json that later
+# shows a lower one went backwards (rewound by hand, or an old copy restored) and is not believed.
+_SEEN: dict[str, int] = {}
+RESUME = paths.RESUME  # rl.prepare's record of the incarnation (rl.contract.records.ResumeState)
+# rl.prepare's append-only record of every incarnation it started, `incarnations/restart_000003.json`:
+# resume.json is rewritten each time, so on its own a rewound count would be indistinguishable from an
+# old one; these files are only ever added, and the newest of them is a floor resume.json must not go under.
+INCARNATIONS = "incarnations"
+_INCARNATION_RE = re.compile(r"^restart_(\d{6,})\.json$")
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """The run's newest incarnation: its restart count (the epoch: every job's prepare increments it, so
+    it stays monotonic across jobs; a requeue keeps the job id, a resubmission gets a new one), the time
+    rl.prepare started it and the Slurm job that runs it."""
+    restart: int
+    time: float
+    job: str | None
+
+
+def _newest_recorded(run_dir: Path) -> tuple[Incarnation, str] | None:
+    """The newest entry of `incarnations/` and its name. The count comes from the name (what rl.prepare
+    created exclusively); time and job from its content, which is informational: unreadable gives 0/None,
+    which only switches off the late-step check in `verify`."""
+    try:
+        names = [e.name for e in os.scandir(Path(run_dir) / INCARNATIONS)
+                 if _INCARNATION_RE.match(e.name) and e.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
+        return None
+    if not names:
+        return None
+    name = max(names, key=lambda n: int(_INCARNATION_RE.match(n).group(1)))
+    restart, t, job = int(_INCARNATION_RE.match(name).group(1)), 0.0, None
+    try:
+        rec = json.loads(read_regular(Path(run_dir) / INCARNATIONS / name))
+        if isinstance(rec.get("time"), (int, float)) and not isinstance(rec.get("time"), bool):
+            t = float(rec["time"])
+        job = rec.get("slurm_job_id") if isinstance(rec.get("slurm_job_id"), str) else None
+    except (OSError, ValueError, AttributeError, CorruptStep):
+        pass
+    return Incarnation(restart, t, job), name
+
+
+def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnation | None:
+    """The run's newest incarnation (resume.json, floored by `incarnations/`), None before the first
+    prepare. `strict`: a malformed resume.json, or one whose restart count is below the newest recorded
+    incarnation (or missing while incarnations are recorded), raises rl.contract.records.RecordError in
+    one line. Not strict (verify's late-step check): the best of what is readable."""
+    run_dir = Path(run_dir)
+    try:
+        r = read_optional(ResumeState, run_dir / RESUME)
+    except RecordError:
+        if strict:
+            raise
+        r = None
+    resume = None if r is None else Incarnation(r.restart, float(r.time), r.slurm_job_id)
+    rec = _newest_recorded(run_dir)
+    if rec is None:
+        return resume
+    floor, name = rec
+    if resume is not None and resume.restart >= floor.restart:
+        return resume
+    if strict:
+        says = "is missing" if resume is None else f"says restart {resume.restart}"
+        raise RecordError(f"{run_dir / RESUME} {says}, but incarnation {floor.restart} was started "
+                          f"({INCARNATIONS}/{name}): the record went backwards; refused")
+    return floor
+
+
+def record_incarnation(run_dir: str | os.PathLike, restart: int, started: float, job: str | None) -> None:
+    """rl.prepare, after writing resume.json: add `incarnations/restart_<restart>.json` (never rewritten
+    or removed; after resume.json, so a crash in between leaves the floor below resume.json, never above)."""
+    path = Path(run_dir) / INCARNATIONS / f"restart_{int(restart):06d}.json"
+    atomic_write_json(path, {"restart": int(restart), "time": started, "slurm_job_id": job})
+
+
+def _job_words(job: str | None) -> str:
+    return f" (Slurm job {job})" if job else ""
+
+
+def fence(run_dir: str | os.PathLike, epoch: int) -> None:
+    """From now on this process publishes into `run_dir` as incarnation `epoch` (its restart count): a
+    publish after a newer incarnation started is refused, and its steps carry the epoch, so readers can
+    tell a stale process's late step from the steps rl.prepare kept. Roles call it once, at start."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"fence({run_dir}): epoch {epoch!r} is not a non-negative integer")
+    _FENCES[str(Path(run_dir).resolve())] = epoch
+
+
+def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None:
+    """check_fence for a step about to be committed; returns the epoch its manifest records."""
+    check_fence(run_dir, f"{kind}/{step_name(step)}")
+    return _FENCES.get(str(Path(run_dir).resolve()))
+
+
+def check_fence(run_dir: str | os.PathLike, what: str) -> None:
+    """Raise Fenced if this process's incarnation of `run_dir` is no longer the newest: for writes
+    outside steps (log records, metrics) and for a role that wakes up (a stopped process continued after
+    its successor started must not train, consume or record anything). No-op for unfenced processes."""
+    key = str(Path(run_dir).resolve())
+    mine = _FENCES.get(key)
+    if mine is None:
+        return
+    try:
+        now = incarnation(run_dir)
+    except RecordError as e:  # malformed or rewound: this process cannot tell it is still current
+        raise Fenced(f"{what}: refused: {e}") from None
+    if now is not None and now.restart > mine:
+        _SEEN[key] = max(_SEEN.get(key, 0), now.restart)
+        own = os.environ.get("SLURM_JOB_ID")
+        raise Fenced(f"{what}: refused: this process belongs to incarnation {mine}{_job_words(own)} of "
+                     f"{run_dir}, and incarnation {now.restart}{_job_words(now.job)} has started since ({RESUME})")
+    known = max(mine, _SEEN.get(key, 0))
+    # Missing while this process knows only incarnation 0 is a run before its first prepare (roles started
+    # by hand, in-process tests): no older incarnation exists that a missing record could let back in.
+    if (now is None and known > 0) or (now is not None and now.restart < known):
+        # a count that went backwards: believing it would let a process of an older incarnation (which
+        # this one may be: it saw a newer count before) publish again
+        says = "is missing" if now is None else f"says restart {now.restart}"
+        raise Fenced(f"{what}: refused: {Path(run_dir) / RESUME} {says}, but this process belongs to or has "
+                     f"seen incarnation {known} of {run_dir}: the record went backwards")
