@@ -71,7 +71,8 @@ def installed(dists) -> tuple[str, str] | None:
 
 def version_rows() -> list[dict]:
     rows = [row("python", "pass" if sys.version_info[:2] == (3, 11) else "fail", sys.version.split()[0],
-                "" if sys.version_info[:2] == (3, 11) else "hetrl needs Python 3.11 (pyproject requires-python)")]
+                "" if sys.version_info[:2] == (3, 11) else
+                "hetrl needs Python 3.11 (pyproject requires-python)")]
     for name, (dists, low, high) in SUPPORTED.items():
         span = f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}"
         got = installed(dists)
@@ -116,7 +117,8 @@ def fs_bandwidth(where: Path, size: int, block: int = 16 << 20) -> dict:
         os.unlink(name)
     if got != size:
         raise OSError(f"{where}: read back {got} of {size} bytes")
-    return {"write_s": w, "read_s": r, "write_gbps": size / w / 1e9, "read_gbps": size / r / 1e9, "bytes": size}
+    return {"write_s": w, "read_s": r, "write_gbps": size / w / 1e9, "read_gbps": size / r / 1e9,
+            "bytes": size}
 
 
 def weight_bytes(cfg: dict) -> tuple[int, int]:
@@ -160,7 +162,8 @@ def fs_rows(cfg: dict | None, fs: str | None, size_mib: int) -> list[dict]:
     one = total / (m["write_gbps"] * 1e9)
     rows.append(row("weight sync on this filesystem", "info",
                     f"{_size(total)} per version: {one:.2f} s by one writer, {one / ranks:.2f} s with "
-                    f"{ranks} trainer ranks writing 1/{ranks} each (if the filesystem scales); reading it all: "
+                    f"{ranks} trainer ranks writing 1/{ranks} each (if the filesystem scales); "
+                    f"reading it all: "
                     f"{total / (m['read_gbps'] * 1e9):.2f} s",
                     f"model {cfg['model']['name']}; the trainer publishes every step in the background, so a "
                     f"step shorter than this waits for the filesystem", version_bytes=total, ranks=ranks,
@@ -180,7 +183,9 @@ def slurm_row(overrides: list[str], enabled: bool) -> dict:
     from launch.compose import compose_points
     from launch.slurm import SlurmError, _run, prepare_run
     from rl.contract.config import ConfigError
-    over = list(overrides) if any(o.startswith("cluster=") for o in overrides) else [*overrides, "cluster=slurm"]
+    over = list(overrides)
+    if not any(o.startswith("cluster=") for o in over):
+        over.append("cluster=slurm")
     with tempfile.TemporaryDirectory(prefix="hetrl-doctor-slurm-") as tmp:
         try:
             (cfg,) = compose_points(over + [f"run_dir={tmp}/run"], multirun=False)
@@ -202,8 +207,9 @@ def torch_rows(ns, log: Path) -> list[dict]:
     """The rows of `python -m rl.doctor` (a child process); its failure is one failed row."""
     out = log.with_suffix(".json")
     cmd = [sys.executable, "-m", "rl.doctor", "--out", str(out), "--device", ns.device, "--vllm", ns.vllm,
-           "--share", str(ns.share), "--publish-repeats", str(ns.publish_repeats),
-           "--steps", str(ns.steps if ns.steps else (3 if ns.device == "cuda" else 2))]
+           "--share", str(ns.share), "--publish-repeats", str(ns.publish_repeats)]
+    if ns.steps:
+        cmd += ["--steps", str(ns.steps)]
     if ns.gpu:
         cmd.append("--gpu")
         if ns.fs:  # the publish is measured on the shared filesystem (its own subdirectory, removed)
@@ -237,7 +243,8 @@ def _find(rows, check: str, key: str):
 
 def summary(rows: list[dict], ns) -> dict:
     count = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skip", "info")}
-    fmt = lambda v, d=3: "na" if v is None else (f"{v:.{d}g}" if isinstance(v, float) else str(v))  # noqa: E731
+    def fmt(v) -> str:
+        return "na" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
     vals = {"doctor_pass": count["pass"], "doctor_fail": count["fail"], "doctor_skip": count["skip"],
             "doctor_info": count["info"], "rows": len(rows), "gpu_checks": int(bool(ns.gpu)),
             "device": _find(rows, "GPU checks device", "device") or "none",
@@ -291,13 +298,13 @@ def run(ns) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("doctor", help="check packages, devices, kernels, filesystem and Slurm (docs/doctor.md)")
-    s.add_argument("overrides", nargs="*", help="Hydra overrides of the config to judge (default: the embedded one)")
+    s = sub.add_parser("doctor", help="check packages, devices, kernels, filesystem, Slurm (docs/doctor.md)")
+    s.add_argument("overrides", nargs="*", help="Hydra overrides of the config to judge (default: embedded)")
     s.add_argument("--gpu", action="store_true", help="run the trainer, memory, publish and vLLM checks")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where --gpu runs them")
-    s.add_argument("--fs", default=None, help="the shared filesystem to measure (default: where run_dir goes)")
+    s.add_argument("--fs", default=None, help="shared filesystem to measure (default: where run_dir goes)")
     s.add_argument("--fs-mib", type=int, default=256, help="bytes written and read back, in MiB")
-    s.add_argument("--slurm", action="store_true", help="sbatch --test-only the plan of OVERRIDES (cluster=slurm)")
+    s.add_argument("--slurm", action="store_true", help="sbatch --test-only the plan of OVERRIDES")
     s.add_argument("--json", default=None, help="write rows and summary to this file")
     s.add_argument("--vllm", default="auto", choices=("auto", "on", "off"),
                    help="load the published shards in vLLM (auto: on a GPU only)")

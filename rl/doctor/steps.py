@@ -102,7 +102,8 @@ def step_row(family: str, path: Path, device: str, workdir: Path, fp8: bool) -> 
     note = ""
     status = "pass"
     if not ok:
-        status, note = "fail", f"non-finite loss or gradient, or update skipped: {m.get('update_skip_reason', '')}"
+        status = "fail"
+        note = f"non-finite loss or gradient, or update skipped: {m.get('update_skip_reason', '')}"
     elif mixes:
         status = "fail"
         note = (f"{len(mixes)} operation(s) mix the model's device with tensors made without it: "

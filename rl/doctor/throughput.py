@@ -29,8 +29,8 @@ from pathlib import Path
 
 from rl.doctor import guarded, row
 
-CPU_MODEL = dict(name="doctor-mid", family="qwen3", vocab_size=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                 head_dim=64, moe_hidden_dim=512, num_experts=8, top_k=2, max_seq_len=256)
+CPU_MODEL = dict(name="doctor-mid", family="qwen3", vocab_size=2048, dim=256, n_layers=2, n_heads=4,
+                 n_kv_heads=2, head_dim=64, moe_hidden_dim=512, num_experts=8, top_k=2, max_seq_len=256)
 GPU_MODEL = dict(name="doctor-mid", family="qwen3", vocab_size=32768, dim=2048, n_layers=1, n_heads=16,
                  n_kv_heads=4, head_dim=128, moe_hidden_dim=768, num_experts=64, top_k=8, max_seq_len=4096)
 # dense bf16 peak per GPU (TFLOP/s, SXM parts, no sparsity), matched against the device name
@@ -109,9 +109,10 @@ def model_for(device: str, share: float, workdir: Path):
     """(config, trainer estimate, stated size) of the mid-size model for `device`."""
     from rl.doctor.steps import trainer_cfg
     if not device.startswith("cuda"):
-        cfg = trainer_cfg(workdir / "mid", CPU_MODEL, micro_batch_tokens=CPU_MODEL["max_seq_len"], dtype="float32",
-                          weights_full_every=0)
-        return cfg, estimate(cfg, 0), f"fixed CPU size ({CPU_MODEL['n_layers']} layers, dim {CPU_MODEL['dim']})"
+        cfg = trainer_cfg(workdir / "mid", CPU_MODEL, micro_batch_tokens=CPU_MODEL["max_seq_len"],
+                          dtype="float32", weights_full_every=0)
+        size = f"fixed CPU size ({CPU_MODEL['n_layers']} layers, dim {CPU_MODEL['dim']})"
+        return cfg, estimate(cfg, 0), size
     import torch
     cap = torch.cuda.get_device_properties(torch.device(device)).total_memory
     best = None
@@ -126,7 +127,9 @@ def model_for(device: str, share: float, workdir: Path):
         best = (cfg, est)
     if best is None:
         raise RuntimeError(f"one layer of the mid-size model exceeds {share:.0%} of {cap / GiB:.0f} GiB")
-    return best[0], best[1], f"{best[0].model.n_layers} layers filling {best[1].total / cap:.0%} of {cap / GiB:.0f} GiB by the estimate"
+    cfg, est = best
+    return cfg, est, (f"{cfg.model.n_layers} layers filling {est.total / cap:.0%} of {cap / GiB:.0f} GiB "
+                      f"by the estimate")
 
 
 def _flops_per_token(cfg) -> float:
@@ -155,7 +158,6 @@ def mid_rows(device: str, workdir: Path, *, share: float, steps: int, peak_tflop
     state: dict = {}
 
     def build():
-        import torch
         from rl.trainer.train import Trainer
         cfg, est, size = model_for(device, share, workdir)
         meter = Meter(device)
@@ -192,11 +194,10 @@ def mid_rows(device: str, workdir: Path, *, share: float, steps: int, peak_tflop
         out.append(row("mid-size memory: peak vs estimate", "pass" if ok else "fail",
                        f"measured {_mib(total_m)}, estimated {_mib(total_e)} ({_ratio(total_m, total_e)})"
                        + (f" + {_mib(ctx)} CUDA context budget" if ctx else ""),
-                       "" if ok else "launch.memory's estimate is more than 25% off on this device: plans sized "
-                                     "by it may not fit or may waste memory",
+                       "" if ok else "launch.memory's estimate is more than 25% off on this device: plans "
+                                     "sized by it may not fit or may waste memory",
                        measured=total_m, estimated=total_e, meter=meter.what,
                        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_")))
-        del torch
         return out
 
     rows += guarded("mid-size model", build)
