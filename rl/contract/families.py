@@ -133,13 +133,16 @@ ROWS = (
                      moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2, topk_group=1,
                      routed_scaling_factor=2.5, num_nextn_predict_layers=1,
                      mtp_layers_block_type=["full_attention", "moe"], max_position_embeddings=512),
-           trainer_expert_parallel=False,      # rl/models/nemotron_h: experts FSDP-sharded with their block
            cpu_unservable=("NemotronH's non-gated (relu2) MoE: vLLM 0.32 CPU fails at model construction with "
                            "\"NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and "
                            "ROCm for now\""),
            # rl.models.nemotron_h.state_dict_adapter.FP8_KEEP_DTYPE as modules: the Mamba mixer's own
-           # parameters (A_log, D, dt_bias), its conv1d, the router gate (+ its bias correction), embeddings
+           # parameters (A_log, D, dt_bias), its conv1d, the router gate (+ its bias correction), embeddings;
+           # and, as NVIDIA's own Nemotron 3 FP8 checkpoint keeps them (docs/models.md), the attention
+           # q/k/v/o and the LatentMoE latent projections. The trainer's FP8 GEMMs follow this list
+           # (rl.models.nemotron_h.gemm), so shards and training agree on it.
            fp8_keep_modules=(r"re:(.*\.)?layers\.\d+\.mixer", r"re:.*\.mixer\.conv1d", r"re:.*\.mixer\.gate",
+                             r"re:.*\.mixer\.[qkvo]_proj", r"re:.*\.mixer\.fc[12]_latent_proj",
                              r"re:(.*\.)?embeddings", r"re:(.*\.)?lm_head")),
 )
 

@@ -6,9 +6,16 @@ Which GEMMs: exactly the weights the publisher stores in FP8 (rl.exchange.layout
 - deepseek_v3 / kimi_k2_7 (torchtitan's MLA attention): `wq` (HF q_proj) or `wq_a`/`wq_b` (q_a_proj,
   q_b_proj), `wkv_a` (kv_a_proj_with_mqa), `wkv_b` (kv_b_proj), `wo` (o_proj); the dense layers'
   FeedForward and the MoE shared experts (w1/w3/w2 = gate/up/down_proj); the routed experts;
-- glm_moe_dsa: as DeepSeek-V3, plus the DSA indexer's `wq_b` and `wk` (indexer.wq_b / indexer.wk).
+- glm_moe_dsa: as DeepSeek-V3, plus the DSA indexer's `wq_b` and `wk` (indexer.wq_b / indexer.wk);
+- nemotron_h (a plain-torch network, no torchtitan configs): its model config takes the GEMM and the
+  publisher's own predicate (`gemm` / `gemm_select`, rl.models.nemotron_h.gemm), so its FP8 set is the
+  published one by construction, the start checkpoint's ignore list included: Mamba in_proj / out_proj,
+  routed and shared experts, the dense MLP, MTP eh_proj; attention q/k/v/o and the latent projections stay
+  high precision with the Mamba conv1d / A_log / D / dt_bias, norms and the router (the family row's
+  `fp8_keep_modules`, NVIDIA's own Nemotron 3 FP8 layout; docs/models.md).
 This module names no family: GQA and torchtitan's MLA are torchtitan's attention types; a family's own
-attention config declares the projections it runs in FP8 (`fp8_linears`, e.g. GLM-5's GlmAttention).
+attention config declares the projections it runs in FP8 (`fp8_linears`, e.g. GLM-5's GlmAttention),
+and a plain-torch network's config declares `gemm_select` to receive the GEMM and the predicate.
 High precision (the trainer's dtype), as in the published shards: embeddings, LM head, every norm (the MLA
 latent norms, the indexer's k_norm), the router gate and its `e_score_correction_bias` (expert_bias_E),
 and GLM-5's indexer `weights_proj`. That one is high precision on purpose: vLLM fuses it with `wk` into
@@ -204,6 +211,12 @@ def apply(model_config) -> None:
     Fp8Experts on every device). In place, on a Decoder config; applying twice changes nothing."""
     from torchtitan.models.common.moe import GroupedExperts
 
+    if hasattr(model_config, "gemm_select"):
+        # a plain-torch network swaps its own GEMMs at build: exactly the weights the publisher quantizes
+        from rl.exchange.layout import quantize_except
+        model_config.gemm = gemm
+        model_config.gemm_select = quantize_except(list(getattr(model_config, "fp8_ignored", ())))
+        return
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
             _fp8_attention(layer.attention)
@@ -226,10 +239,20 @@ def apply(model_config) -> None:
 
 
 def fp8_modules(model):
-    """(module, kind) of every FP8 GEMM owner: Fp8Linear, or experts with FP8 on."""
+    """(name, module) of every FP8 GEMM owner: Fp8Linear, experts with FP8 on, or a plain-torch module
+    given `gemm` (rl.models.nemotron_h.gemm)."""
     for name, m in model.named_modules():
-        if isinstance(m, (Fp8Linear, Fp8Experts)):
+        if isinstance(m, (Fp8Linear, Fp8Experts)) or getattr(m, "gemm", None) is gemm:
             yield name, m
+
+
+def _fp8_params(m) -> list[torch.Tensor]:
+    """The FP8 weights of an FP8 GEMM owner: 2-D (one matrix) or 3-D (stacked experts, one per row)."""
+    if isinstance(m, Fp8Linear):
+        return [m.weight]
+    if isinstance(m, Fp8Experts):
+        return [m.w1_EFD, m.w2_EDF, m.w3_EFD]
+    return [getattr(m, p) for p in m.fp8_params]
 
 
 @torch.no_grad()
@@ -244,10 +267,10 @@ def trainer_fp8_state_dict(built) -> dict[str, torch.Tensor]:
         if isinstance(m, Fp8Linear):
             saved.append((m.weight, m.weight.detach().clone()))
             m.weight.copy_(m.weight_fp8())
-        else:
-            for p in (m.w1_EFD, m.w2_EDF, m.w3_EFD):
-                saved.append((p, p.detach().clone()))
-                p.copy_(torch.stack([weight_fp8(p[e]) for e in range(p.shape[0])]))
+            continue
+        for p in _fp8_params(m):
+            saved.append((p, p.detach().clone()))
+            p.copy_(weight_fp8(p) if p.dim() == 2 else torch.stack([weight_fp8(p[e]) for e in range(p.shape[0])]))
     try:
         return {k: v.clone() for k, v in hf_state_dict(built).items()}  # views of the params otherwise
     finally:

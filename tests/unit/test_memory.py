@@ -269,7 +269,8 @@ def test_nemotron3_swe_fits_and_freezes_mtp():
     assert abs(rep.params_total - 550e9) <= 0.02 * 550e9 and abs(rep.params_active - 55e9) <= 0.02 * 55e9
     for r in rep.roles:
         assert r.unit == "GPU" and 0 < r.total <= r.capacity, (r.role, r.total / GiB)
-    assert plan.trainer.ep == 1 and plan.trainer.cp <= 8   # NemotronH: no EP, cp | n_groups
+    assert plan.trainer.ep == 8 and plan.trainer.cp <= 8   # NemotronH: EP, cp | n_groups
+    assert cfg["model"]["max_seq_len"] == 131072    # EP shrinks the FSDP unit enough for 131072-token rows
     decode = rep.role("inference decode")
     assert decode.term("Mamba state") > 0 and decode.term("KV") > 0
     # MTP: parameters only (frozen), no gradients or optimizer state
@@ -281,13 +282,19 @@ def test_nemotron3_swe_fits_and_freezes_mtp():
     assert t.term("gradients") == (-(-p.dense // world) + -(-p.experts_total // world)) * 4
 
 
-def test_a_family_without_trainer_expert_parallelism_refuses_ep_in_validation():
-    """nemotron_h's trainer shards experts with their block (no EP yet): an ep>1 plan used to pass
-    `launch plan` and fail only when the trainer started."""
+def test_a_family_without_trainer_expert_parallelism_refuses_ep_in_validation(monkeypatch):
+    """A family row without trainer expert parallelism (every family has it now; nemotron_h's row is made
+    to lack it here) refuses ep > 1 in validation: an ep>1 plan used to pass `launch plan` and fail only
+    when the trainer started."""
+    import dataclasses
     import pytest
     from launch.compose import compose_points
+    from rl.contract import families
     from rl.contract.config import ConfigError
     card = Path(__file__).resolve().parents[2] / "conf" / "checkpoints" / "nemotron_h"
+    argv = ["+experiment=nemotron3_swe", "cluster=slurm", f"model.hf_path={card}", "trainer.parallel.ep=8"]
+    assert compose_points(argv, False)   # nemotron_h: EP is built (rl.models.nemotron_h.parallelize)
+    row = dataclasses.replace(families.get("nemotron_h"), trainer_expert_parallel=False)
+    monkeypatch.setitem(families.BY_NAME, "nemotron_h", row)
     with pytest.raises(ConfigError, match=r"trainer.parallel.ep.*must be 1 for model.family=nemotron_h"):
-        compose_points(["+experiment=nemotron3_swe", "cluster=slurm", f"model.hf_path={card}",
-                        "trainer.parallel.ep=8"], False)
+        compose_points(argv, False)

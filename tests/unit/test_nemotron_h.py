@@ -263,9 +263,15 @@ def test_fp8_keep_list_covers_every_non_gemm_tensor():
     cfg, ref = _hf()
     _, model = _ours(cfg, ref.state_dict())
     hf = NemotronHStateDictAdapter().to_hf(model.state_dict())
+    # FP8: the GEMMs of the Mamba mixer, the experts (routed, shared) and MLPs, and MTP's fusion; the
+    # attention and latent projections are GEMMs kept high precision (NVIDIA's Nemotron 3 FP8 layout)
+    fp8 = (".mixer.in_proj.weight", ".mixer.out_proj.weight", "up_proj.weight", "down_proj.weight", ".eh_proj.weight")
+    high_gemms = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", "_latent_proj.weight")
     for k, v in hf.items():
         gemm = v.ndim == 2 and not k.endswith(("embeddings.weight", "lm_head.weight", "gate.weight"))
-        assert keeps_dtype(k) != gemm, k
+        assert gemm == k.endswith(fp8 + high_gemms), k
+        assert keeps_dtype(k) != (gemm and k.endswith(fp8)), k
+    assert sum(k.endswith(high_gemms) for k in hf) == 4 + 4 + 2 * 2 + 2   # attention, MTP attention, 2+1 MoE
     assert ".mixer.A_log" in FP8_KEEP_DTYPE and keeps_dtype("backbone.layers.0.mixer.conv1d.weight")
 
 
@@ -323,13 +329,16 @@ def _worker(rank, world, port, dims, path):
                 g = p.grad
                 grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
         loss_sum = float(d.sum(loss.detach()))
-        torch.save(dict(logits=out.detach(), loss=loss_sum, grads=grads, mine=mine), path + f".out{rank}")
+        up = model.layers["1"].mixer.experts.up_proj   # where the routed experts live (EP: an "ep" mesh dim)
+        experts_mesh = tuple(up.device_mesh.mesh_dim_names) if isinstance(up, DTensor) else ()
+        torch.save(dict(logits=out.detach(), loss=loss_sum, grads=grads, mine=mine, experts_mesh=experts_mesh),
+                   path + f".out{rank}")
     finally:
         d.close()
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dims", [(2, 1, 1), (1, 1, 2)], ids=["fsdp2", "cp2"])
+@pytest.mark.parametrize("dims", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["fsdp2", "ep2", "cp2"])
 def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, dims):
     import torch.multiprocessing as mp
     cfg, ref = _hf()
@@ -353,6 +362,7 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
                 proc.kill()
             pytest.fail("two-rank NemotronH run did not finish in 240 s")
     outs = [torch.load(path + f".out{r}") for r in range(2)]
+    assert ("ep" in outs[0]["experts_mesh"]) == (dims[1] > 1), outs[0]["experts_mesh"]
     got = torch.empty_like(lg)
     if dims[2] == 1:
         for r in range(2):
@@ -368,12 +378,10 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
         torch.testing.assert_close(outs[0]["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_expert_and_tensor_parallel_are_refused_by_name():
+def test_tensor_parallel_is_refused_by_name():
     from rl.models.nemotron_h.parallelize import parallelize_nemotron_h
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         parallelize_nemotron_h(None, parallel_dims=SimpleNamespace(tp_enabled=True))
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        parallelize_nemotron_h(None, parallel_dims=SimpleNamespace(tp_enabled=False, ep_enabled=True))
 
 
 def test_context_parallel_needs_cp_to_divide_the_groups():

@@ -194,3 +194,54 @@ def test_launch_run_nemotron_tiny_on_cpu_is_refused_in_one_line(twin, tmp_path):
     assert r.stderr.count("\n") == 1 and "model.family=nemotron_h" in r.stderr, r.stderr
     assert "is_act_and_mul=False is supported only for CUDA, XPU and ROCm" in r.stderr, r.stderr
     assert not run.exists()
+
+
+@pytest.mark.distributed
+def test_expert_parallel_trainer_with_fp8_and_replay_equals_one_process(tmp_path, twin):
+    """`torchrun --nproc_per_node 2 -m rl.trainer` with trainer.parallel.ep=2 (each rank 4 of the twin's 8
+    experts, tokens exchanged at the latent width) from the twin's checkpoint, FP8 GEMMs and router replay of
+    engine routing on: the same losses as one process on the same batches, and both ranks publish shards of
+    version 0 that are the single process's bytes."""
+    import os
+    import numpy as np
+    from omegaconf import OmegaConf
+    from builders import compose_cfg
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    from _trainer_helpers import synthetic_batch
+    from rl import exchange
+    from rl.exchange.shard_reader import ShardReader, _bytes
+    from rl.metrics import read_metrics
+    from rl.trainer.loop import run
+
+    steps, ckpt = 2, twin(FAMILY)
+    dirs = {ep: tmp_path / f"ep{ep}" for ep in (1, 2)}
+    for ep, d in dirs.items():
+        d.mkdir()
+        cfg = OmegaConf.create(compose_cfg(
+            d, "+experiment=nemotron_tiny", f"model.hf_path={ckpt}", "wandb.mode=disabled",
+            f"trainer.max_steps={steps}", "trainer.lr=1e-3", "trainer.warm_start.steps=0",
+            "trainer.micro_batch_tokens=96", "trainer.router_replay=true", "trainer.fp8=true",
+            "trainer.checkpoint_every=2", f"trainer.parallel.ep={ep}"))
+        OmegaConf.save(cfg, d / "config.yaml")
+        for n in range(steps):   # engine routing: random distinct experts per token and MoE layer
+            b = synthetic_batch(n)
+            rng = np.random.default_rng(100 + n)
+            b.routed_experts = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(2)])
+                                         for _ in range(len(b.tokens))]).astype(np.uint8)
+            exchange.publish(d, "rollouts", n, b.save, producer="test")
+    assert run(dirs[1], OmegaConf.load(dirs[1] / "config.yaml"), poll=0.01) == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "rl.trainer", "--run-dir", str(dirs[2])], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-8000:]
+    want, got = ({m["step"]: m for m in read_metrics(dirs[ep])} for ep in (1, 2))
+    assert sorted(got) == sorted(want) == list(range(steps))
+    for n in range(steps):
+        assert got[n]["loss"] == pytest.approx(want[n]["loss"], rel=1e-5, abs=1e-6), (n, got, want)
+        assert got[n]["router_replay"] == 1
+    stored = [{n: bytes(_bytes(t)) for n, t in ShardReader(exchange.step_dir(d, "weights", 0)).tensors(dequantize=False)}
+              for d in (dirs[1], dirs[2])]
+    assert stored[0] == stored[1]
+    meta = exchange.read_manifest(exchange.step_dir(dirs[2], "weights", 0))["meta"]
+    assert meta["ranks"] == 2

@@ -6,7 +6,10 @@ Hybrid Mamba-2 / GQA attention / LatentMoE (+ frozen MTP layers), in plain torch
   head-parallel context parallelism: its module docstring has the design);
 - `model`: the network, its design and the differences from transformers (module docstring), the
   trainer's `logits` / `token_logprobs`;
-- `parallelize`: FSDP2 + context parallel (expert / tensor parallel refused by name);
+- `parallelize`: FSDP2 + expert parallel (latent-width all-to-all) + context parallel (tensor parallel
+  refused by name);
+- `gemm`: the replaceable projections / experts (FP8 training: the GEMM and the publisher's predicate
+  injected by rl.trainer.fp8);
 - `state_dict_adapter`: HF names (checkpoint `backbone.*`, experts split; transformers' in-memory names
   accepted), `FP8_KEEP_DTYPE` / `keeps_dtype` for the FP8 publisher.
 """
@@ -50,7 +53,5 @@ def twin_tensors(h: Mapping[str, Any], seed: int = 0, dtype: str = "float32") ->
 
 
 def set_sharding(model_config, ep: int) -> None:
-    """No torchtitan sharding configs to fill (plain torch modules); expert parallel is not built."""
-    if ep > 1:
-        raise NotImplementedError("NemotronH with expert parallelism (trainer.parallel.ep > 1) is not built; "
-                                  "its routed experts are FSDP-sharded with their block")
+    """No torchtitan sharding configs to fill (plain torch modules): expert parallelism is applied to the
+    built model by rl.models.nemotron_h.parallelize."""

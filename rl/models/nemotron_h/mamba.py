@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rl.models.nemotron_h.gemm import Linear
+
 USE_KERNELS = True
 _KERNELS: tuple | None | bool = False   # False: not looked up yet; None: unavailable
 
@@ -173,6 +175,15 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+def _assign(p: torch.Tensor, value: torch.Tensor) -> None:
+    """p[...] = value (full size), also when p is a sharded DTensor (a checkpoint start initialises the
+    model after FSDP has sharded it; the values are rank 0's, then overwritten by the checkpoint's)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(p, DTensor):
+        value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements)
+    p.copy_(value)
+
+
 class Mamba2Mixer(nn.Module):
     """transformers' NemotronHMamba2Mixer (same parameter names and shapes), see the module docstring."""
 
@@ -184,14 +195,14 @@ class Mamba2Mixer(nn.Module):
         self.intermediate, self.conv_dim = a.mamba_intermediate, a.conv_dim
         self.chunk_size, self.dt_min = a.chunk_size, float(a.time_step_min)
         self.eps = a.layer_norm_epsilon
-        self.in_proj = nn.Linear(a.hidden_size, self.intermediate + self.conv_dim + self.num_heads, bias=a.use_bias)
+        self.in_proj = Linear(a.hidden_size, self.intermediate + self.conv_dim + self.num_heads, bias=a.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, a.conv_kernel, groups=self.conv_dim,
                                 padding=a.conv_kernel - 1, bias=a.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, self.eps)
-        self.out_proj = nn.Linear(self.intermediate, a.hidden_size, bias=a.use_bias)
+        self.out_proj = Linear(self.intermediate, a.hidden_size, bias=a.use_bias)
         self.cp_group = None
         self.cp_size = 1
         self.cp_rank = 0
@@ -205,11 +216,11 @@ class Mamba2Mixer(nn.Module):
         for lin in (self.in_proj, self.out_proj):
             if lin.bias is not None:
                 lin.bias.zero_()
-        self.A_log.copy_(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        _assign(self.A_log, torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
         self.D.fill_(1.0)
         dt = torch.exp(torch.rand(self.num_heads) * (math.log(a.time_step_max) - math.log(a.time_step_min))
                        + math.log(a.time_step_min)).clamp(min=a.time_step_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))     # inverse softplus
+        _assign(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))     # inverse softplus
         nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
         self.out_proj.weight.div_(math.sqrt(n_layers))            # HF rescale_prenorm_residual
         self.norm.weight.fill_(1.0)

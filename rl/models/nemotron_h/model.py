@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rl.models.nemotron_h.args import NemotronHArgs
+from rl.models.nemotron_h.gemm import Linear
 from rl.models.nemotron_h.mamba import Mamba2Mixer
 
 
@@ -92,10 +93,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = a.hidden_size, a.head_dim
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_proj = Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = Linear(d, self.n_kv * hd, bias=False)
+        self.v_proj = Linear(d, self.n_kv * hd, bias=False)
+        self.o_proj = Linear(self.n_heads * hd, d, bias=False)
         self.cp_group_name = None
 
     def enable_context_parallel(self, group) -> None:
@@ -119,8 +120,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: NemotronHArgs, hidden: int):
         super().__init__()
-        self.up_proj = nn.Linear(a.hidden_size, hidden, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(hidden, a.hidden_size, bias=a.mlp_bias)
+        self.up_proj = Linear(a.hidden_size, hidden, bias=a.mlp_bias)
+        self.down_proj = Linear(hidden, a.hidden_size, bias=a.mlp_bias)
         self.act = _act(a.mlp_hidden_act)
 
     def forward(self, x):
@@ -176,24 +177,29 @@ class Experts(nn.Module):
     [E, latent, F]; down(act(up(x))) per expert, no gate. `forward` takes tokens sorted by expert and the
     per-expert counts (the layout an expert-parallel all-to-all delivers)."""
 
+    fp8_params = ("up_proj", "down_proj")   # rl.models.nemotron_h.gemm: quantized per expert
+
     def __init__(self, a: NemotronHArgs):
         super().__init__()
         e, f, lat = a.n_routed_experts, a.moe_intermediate_size, a.latent
         self.up_proj = nn.Parameter(torch.empty(e, f, lat))
         self.down_proj = nn.Parameter(torch.empty(e, lat, f))
         self.act = _act(a.mlp_hidden_act)
+        self.gemm = None   # a replacement for F.linear (FP8 training), set by gemm.set_gemm
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         up, down = self.up_proj, self.down_proj
+        lin = self.gemm or F.linear
         if hasattr(up, "to_local"):  # expert parallel: this rank's experts
             up, down = up.to_local(), down.to_local()
+        # every expert runs, idle ones on 0 rows: each rank then has a gradient (zeros) for every expert
+        # it holds, so FSDP's reduce-scatter sees the same parameters on every rank
         outs, start = [], 0
         for e, c in enumerate(counts):
-            if c:
-                xe = x[start:start + c]
-                outs.append(F.linear(self.act(F.linear(xe, up[e])), down[e]))
+            xe = x[start:start + c]
+            outs.append(lin(self.act(lin(xe, up[e])), down[e]))
             start += c
-        return torch.cat(outs) if outs else x[:0]
+        return torch.cat(outs)
 
 
 class LatentMoE(nn.Module):
@@ -205,8 +211,8 @@ class LatentMoE(nn.Module):
         self.experts = Experts(a)
         self.shared_experts = MLP(a, a.moe_shared_expert_intermediate_size)
         if a.moe_latent_size:
-            self.fc1_latent_proj = nn.Linear(a.hidden_size, a.moe_latent_size, bias=a.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(a.moe_latent_size, a.hidden_size, bias=a.mlp_bias)
+            self.fc1_latent_proj = Linear(a.hidden_size, a.moe_latent_size, bias=a.mlp_bias)
+            self.fc2_latent_proj = Linear(a.moe_latent_size, a.hidden_size, bias=a.mlp_bias)
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
         self.n_experts, self.top_k = a.n_routed_experts, a.num_experts_per_tok
@@ -268,7 +274,7 @@ class MTPLayer(Block):
         d, eps = a.hidden_size, a.layer_norm_epsilon
         if start:
             self.enorm, self.hnorm = RMSNorm(d, eps), RMSNorm(d, eps)
-            self.eh_proj = nn.Linear(2 * d, d, bias=False)
+            self.eh_proj = Linear(2 * d, d, bias=False)
         if end:
             self.final_layernorm = RMSNorm(d, eps)
         self.start, self.end = start, end
@@ -398,17 +404,31 @@ class NemotronHConfig:
     meta), `layers` lists the block kinds (rl.models.cpu.apply / replay.apply find no torchtitan
     attention or MoE configs in it and leave it alone)."""
     args: NemotronHArgs
+    # FP8 training (rl.models.nemotron_h.gemm): the modules the publisher keeps high precision (HF module
+    # names / `re:` patterns), and, set by rl.trainer.fp8.apply, the GEMM and the publisher's predicate
+    fp8_ignored: tuple[str, ...] = ()
+    gemm: Any = None
+    gemm_select: Any = None
 
     @property
     def layers(self) -> tuple[str, ...]:
         return self.args.layer_types
 
     def build(self, **kwargs) -> NemotronH:
-        return NemotronH(self.args)
+        model = NemotronH(self.args)
+        if self.gemm is not None:
+            from rl.models.nemotron_h.gemm import set_gemm
+            set_gemm(model, self.gemm, self.gemm_select)
+        return model
 
 
 def model_config(hf: Mapping[str, Any]) -> NemotronHConfig:
-    return NemotronHConfig(args=NemotronHArgs.from_hf(hf))
+    """The config of checkpoint config.json `hf`; its FP8 ignore list is the checkpoint's own plus the
+    family row's `fp8_keep_modules` (rl.contract.hf.ignored_modules, whatever `model_type` says)."""
+    from rl.contract import families, hf as hfc
+    ignored = hfc.ignored_modules(hf)
+    ignored += [m for m in families.get("nemotron_h").fp8_keep_modules if m not in ignored]
+    return NemotronHConfig(args=NemotronHArgs.from_hf(hf), fp8_ignored=tuple(ignored))
 
 
 # -- the trainer's functions (rl.trainer.model's signatures) ---------------------------------------------

@@ -24,13 +24,17 @@ import torch
 # reads outside the two big GEMMs is tiny and precision-critical (A_log and dt_bias enter exp/softplus,
 # D the skip path, conv1d is a 4-tap depthwise filter with no GEMM to quantize), all norms (the block
 # pre-norms, norm_f, the Mamba gated RMSNorm `mixer.norm`, the MTP enorm/hnorm/final_layernorm), the
-# router gate and its expert-bias correction (routing decisions), embeddings and the LM head.
-# Quantized (e4m3, 128x128 blocks): Mamba in_proj / out_proj, attention q/k/v/o, dense MLP up/down,
-# routed experts up/down, shared experts up/down, the latent projections fc1/fc2_latent_proj, MTP eh_proj.
+# router gate and its expert-bias correction (routing decisions), embeddings and the LM head; and, as
+# NVIDIA's Nemotron 3 FP8 checkpoint does, the attention q/k/v/o (8 of Ultra's 108 layers) and the
+# LatentMoE latent projections fc1/fc2_latent_proj (GEMMs, but BF16 in NVIDIA's FP8 layout).
+# Quantized (e4m3, 128x128 blocks): Mamba in_proj / out_proj, dense MLP up/down, routed experts up/down,
+# shared experts up/down, MTP eh_proj.
 FP8_KEEP_DTYPE = (
     ".mixer.A_log", ".mixer.D", ".mixer.dt_bias", ".mixer.conv1d.weight", ".mixer.conv1d.bias",
     ".mixer.norm.weight", ".norm.weight", "norm_f.weight", ".enorm.weight", ".hnorm.weight",
     ".final_layernorm.weight", ".mixer.gate.weight", ".mixer.gate.e_score_correction_bias",
+    ".mixer.q_proj.weight", ".mixer.k_proj.weight", ".mixer.v_proj.weight", ".mixer.o_proj.weight",
+    ".mixer.fc1_latent_proj.weight", ".mixer.fc2_latent_proj.weight",
     "embeddings.weight", "lm_head.weight",
 )
 
