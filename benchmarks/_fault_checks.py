@@ -49,9 +49,15 @@ def check(trial: Trial, reference: dict[str, str] | None) -> None:
     steps = trial.steps
     if state["consumed"] != list(range(steps)):
         fail(f"the final lineage trained rollout steps {state['consumed']}, not 0..{steps - 1} once each")
-    metric_steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    if metric_steps != list(range(steps)):
-        fail(f"metrics.jsonl steps {metric_steps}")
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    metric_steps = [m["step"] for m in lines if "loss" in m]   # a trained step's line
+    final_eval = [m["step"] for m in lines if "loss" not in m]  # the final version's evaluation, last
+    if metric_steps != list(range(steps)) or final_eval not in ([], [steps]) or (final_eval and "loss" in lines[-1]):
+        fail(f"metrics.jsonl steps {metric_steps}, evaluation-only lines at steps {final_eval}")
+    evals = run_dir / "eval" / "results.jsonl"
+    versions = [json.loads(ln)["version"] for ln in evals.read_text().splitlines() if ln.strip()] if evals.exists() else []
+    if len(versions) != len(set(versions)):   # online evaluation: no version twice, whatever was killed
+        fail(f"eval/results.jsonl evaluated a version twice: {versions}")
     for kind in ("weights", "rollouts", "checkpoints"):  # our own hashing, not rl.exchange.corrupt_steps
         for s in exchange.list_steps(run_dir, kind):
             if why := step_damage(exchange.step_dir(run_dir, kind, s)):

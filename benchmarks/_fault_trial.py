@@ -104,7 +104,7 @@ def wait_exit(p: subprocess.Popen, timeout: float) -> int | None:
 
 def steps_done(run_dir: Path) -> int:
     try:
-        return sum(1 for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip())
+        return sum(1 for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln)
     except OSError:
         return 0
 
