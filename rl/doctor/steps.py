@@ -22,9 +22,7 @@ from rl.doctor import guarded, row
 # twin widths that give FP8 GEMMs a reduction dimension of 128 (the twins' own are 32-64 in places)
 _SIZES = {"qwen3": dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128),
           "deepseek_v3": dict(moe_intermediate_size=128), "kimi_k2_7": dict(moe_intermediate_size=128),
-          # 8 indexer heads as in the GLM-5 parity test: with the twin's 2, our logits and transformers'
-          # differ by ~0.5 (measured here; reported, not explained)
-          "glm_moe_dsa": dict(moe_intermediate_size=128, index_n_heads=8)}
+          "glm_moe_dsa": dict(moe_intermediate_size=128)}
 LOGIT_TOL = {"cpu": 1e-4, "cuda": 1e-3}   # max |ours - transformers| over fp32 logits
 
 

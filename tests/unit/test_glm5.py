@@ -24,8 +24,8 @@ SIZES = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, first_k_dense
              num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
              q_lora_rank=64, kv_lora_rank=64,
              qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_topk=8, index_head_dim=32,
-             # 8 indexer heads: exact ties in index score (every head's relu 0) are then absent here, so
-             # the comparison does not hinge on how torch.topk orders ties (see the packing test)
+             # GLM-5's own 32 indexer heads leave no exact ties in index score; 1-8 heads, which do
+             # (every head's relu 0), are test_logits_equal_transformers_for_any_indexer_heads
              index_n_heads=8, moe_intermediate_size=32, intermediate_size=128, max_position_embeddings=512,
              routed_scaling_factor=2.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -86,6 +86,30 @@ def test_logits_equal_transformers():
     assert biases and all(b.abs().sum() > 0 for b in biases)
 
 
+def _earliest_tied_key(index_scores, allowed_BLL, doc_end, topk):
+    """The tie-break this family used before (a stable sort keeping the earlier of tied keys), which
+    differed from HF's torch.topk on the CPU: the parity test below must catch it."""
+    idx = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    return torch.zeros_like(allowed_BLL).scatter_(-1, idx, True) & allowed_BLL
+
+
+@pytest.mark.parametrize("index_topk", [8, 20])
+@pytest.mark.parametrize("index_n_heads", [1, 2, 4, 8])
+def test_logits_equal_transformers_for_any_indexer_heads(index_n_heads, index_topk, monkeypatch):
+    """Any index_n_heads, top-k below the length (the selection drops keys). With 1-2 heads many keys
+    score exactly 0 at the top-k boundary; HF keeps the tied keys torch.topk keeps, and so must we (the
+    earlier-key tie-break then fails: the test's teeth)."""
+    cfg, ref = _hf(index_n_heads=index_n_heads, index_topk=index_topk)
+    _, model = _ours(cfg, ref.state_dict())
+    tok, pos = _tokens()
+    with torch.no_grad():
+        theirs = ref(input_ids=tok).logits
+        torch.testing.assert_close(_logits(model, tok, pos), theirs, **TOL)
+        if index_n_heads <= 2:
+            monkeypatch.setattr(glm_model, "_topk", _earliest_tied_key)
+            assert (_logits(model, tok, pos) - theirs).abs().max() > 1e-3
+
+
 def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path):
     """The trainer's own path: config.json -> build_model (family glm_moe_dsa) -> rl.trainer.hf_load
     through this adapter's names; published names are the checkpoint's, bit for bit."""
@@ -95,7 +119,7 @@ def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path)
     from rl.trainer import hf_load
     from rl.models.common import hf_state_dict, logits
     from rl.trainer.model import build_model
-    path = write_twin(tmp_path / "glm5", "glm_moe_dsa", seed=2, sizes=dict(index_n_heads=8))
+    path = write_twin(tmp_path / "glm5", "glm_moe_dsa", seed=2)  # the twin's own 2 indexer heads: ties
     b = build_model(dict(name="t", family="glm_moe_dsa", hf_path=str(path), max_seq_len=512), seed=0,
                     materialize=False)
     materialize_empty(b.model, "cpu")
@@ -143,8 +167,9 @@ def test_round_trip_of_checkpoint_names(tmp_path):
 
 
 def test_packed_documents_equal_each_document_alone():
-    """With 2 indexer heads many keys score exactly 0; ties are broken toward the earlier key, which is the
-    same choice in a packed row as alone (torch.topk, as HF uses, orders ties by row length)."""
+    """With 2 indexer heads many keys score exactly 0. Which tied keys torch.topk keeps depends on the row
+    length, so the top-k runs over each document's own keys: a packed document selects what it selects
+    alone, which is what transformers selects for it (alone)."""
     cfg, ref = _hf(index_n_heads=2)
     _, model = _ours(cfg, ref.state_dict())
     a, _ = _tokens(b=1, n=20, seed=2)
@@ -157,6 +182,9 @@ def test_packed_documents_equal_each_document_alone():
         alone_b = _logits(model, b, torch.arange(N - 20)[None])
     torch.testing.assert_close(both[:, :20], alone_a, **TOL)
     torch.testing.assert_close(both[:, 20:], alone_b, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(both[:, :20], ref(input_ids=a).logits, **TOL)
+        torch.testing.assert_close(both[:, 20:], ref(input_ids=b).logits, **TOL)
 
 
 def test_backward_reaches_every_parameter_but_the_indexer():
@@ -336,8 +364,9 @@ def test_two_gloo_ranks_give_the_single_process_logits_loss_and_grads(tmp_path, 
 def test_indexer_under_a_cp_layout_selects_the_single_process_keys():
     """Each cp rank's queries (head-tail rows) against the gathered keys (rank 0's chunks, rank 1's) pick
     the keys one process picks. Second pass: the indexer's query projection zeroed, so every key scores
-    exactly 0 and the choice is the tie-break alone (each query's 8 earliest allowed keys); breaking
-    ties by the gathered layout instead of key position would then choose other keys (the test's teeth)."""
+    exactly 0 and the choice is the tie-break alone (torch.topk's over each document's keys); scoring
+    the keys in the gathered layout instead of row-position order would then choose other keys (the
+    test's teeth). The documents' ends come from the whole row (GlmAttention max-reduces each rank's)."""
     cfg, ref = _hf(index_n_heads=2)
     _, model = _ours(cfg, ref.state_dict())
     att = model.layers["1"].attention
@@ -353,13 +382,19 @@ def test_indexer_under_a_cp_layout_selects_the_single_process_keys():
         single = att.indexer(x, q_resid, att.rope, pos, allowed_full)
         assert (single.sum(-1) < allowed_full.sum(-1)).any()  # keys are dropped
         keys = att.indexer.keys(x[:, g], att.rope, pos[:, g])
+        ends = glm_model.doc_ends(allowed_full)
+        # each rank's queries see part of every document: the max over the ranks is the whole row's
+        per_rank = [glm_model.doc_ends(cpu.cp_document_mask(pos, common.headtail_index(N, 2, r), g)[:, 0], g)
+                    for r in range(2)]
+        assert torch.equal(torch.maximum(*per_rank), ends) and not torch.equal(per_rank[0], ends)
         differs = False
         for r in range(2):
             mine = common.headtail_index(N, 2, r)
             args = (x[:, mine], q_resid[:, mine], att.rope, pos[:, mine], cpu.cp_document_mask(pos, mine, g)[:, 0])
-            sel = att.indexer(*args, keys=keys, key_index=g)
+            sel = att.indexer(*args, keys=keys, key_index=g, doc_end=ends)
             assert torch.equal(sel, single[:, mine][:, :, g]), (all_ties, r)
-            differs |= not torch.equal(att.indexer(*args, keys=keys), sel)  # ties by gathered order
+            if all_ties:  # without key_index the gathered layout is taken for row order
+                differs |= not torch.equal(att.indexer(*args, keys=keys), sel)
         assert differs == all_ties
 
 

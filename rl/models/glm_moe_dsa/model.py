@@ -21,11 +21,11 @@ heads, `LayerNorm(wk(x))` (weight and bias, eps 1e-6), RoPE on the
 *first* `qk_rope_head_dim` dims of both (interleaved pairs, the same ComplexRoPE as the MLA rope part; HF
 writes the rotated pairs de-interleaved, which permutes q and k alike and leaves every dot product equal),
 score = sum_h w_h(x) * relu(q_h . k * index_head_dim^-0.5), w = weights_proj(x) * index_n_heads^-0.5, in
-fp32. Keys outside the allowed mask get -inf, the best min(index_topk, L) keys are picked, and the selection
-is a boolean mask ANDed with the allowed mask (so a query never sees a key the model's mask forbids, even
-when fewer than index_topk keys are allowed). The allowed mask is the one the model is given: causal and
-same-document from `positions` (packed rows), a dense [B, 1, L, L] bool on the CPU
-(`rl.models.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
+fp32. Keys outside the allowed mask get -inf, the best min(index_topk, L_doc) keys of the query's document
+are picked, and the selection is a boolean mask ANDed with the allowed mask (so a query never sees a key
+the model's mask forbids, even when fewer than index_topk keys are allowed). The allowed mask is the one
+the model is given: causal and same-document from `positions` (packed rows), a dense [B, 1, L, L] bool
+on the CPU (`rl.models.cpu.document_mask`), or torchtitan's flex BlockMask on a GPU, whose mask_mod is evaluated
 densely; in that case the attention runs as dense SDPA under the combined mask instead of the flex kernel
 (flex has no per-query top-k key list). Softmax scale = qk_head_dim^-0.5 (times yarn mscale^2 when the
 checkpoint uses yarn), as HF.
@@ -36,11 +36,13 @@ the same here. They are loaded, kept and published unchanged (DeepSeek's separat
 is not part of HF's model and not implemented). Everything else trains.
 
 Differences from HF / limits:
-- ties in index score: keys often score exactly 0 (every head's relu is 0). HF picks with `torch.topk`,
-  whose order among ties depends on the row length, so a document packed with others could attend to
-  other keys than alone; here a stable descending sort over the keys in row-position order keeps the
-  earlier key, the same choice at any length, offset or context-parallel layout. Without exact ties at
-  the top-k boundary the selection equals HF's (the parity test);
+- (not a difference) ties in index score: with few indexer heads keys often score exactly 0 (every
+  head's relu is 0). HF picks with `torch.topk` over the [L] row of the (unpacked) sequence, and which
+  tied keys it keeps depends on the row's length (on the CPU std::nth_element sees the trailing -inf of
+  the causal mask). So the top-k here is `torch.topk` over each query's own document, a row of the
+  document's length with its keys in row-position order (`_topk`): HF's choice, ties included, for a
+  document alone, packed with others, or split over context-parallel ranks. (An earlier stable sort
+  keeping the earlier tied key differed from HF's CPU choice: ~0.5 logits with 2 indexer heads);
 - (not a difference, easy to miss) `q_a_layernorm` / `kv_a_layernorm` use eps 1e-6, HF's RMSNorm default,
   not rms_norm_eps;
 - only `indexer_types` all "full" (GLM-5's release): "shared" layers reuse the previous layer's top-k in
@@ -52,9 +54,10 @@ Differences from HF / limits:
   the indexer needs every key of the row too, so `GlmAttention` does the gathering itself: MLA K/V and
   the indexer keys all-gathered over the cp mesh with torch's `flex_cp_allgather` (reduce-scatter in
   backward; the indexer keys travel with V), the local queries scored against all keys, the top-k taken
-  with keys in row-position order (`Indexer(..., key_index=)`), ANDed with the trainer's mask; equal to
-  one process (the two-gloo-rank test). Memory per rank: the [B, L/cp, L] masks and the indexer's fp32
-  [B, L/cp, index_n_heads, L] scores; a BlockMask (flex) is refused under CP;
+  with keys in row-position order over each query's document (`Indexer(..., key_index=, doc_end=)`; the
+  documents' ends max-reduced over the cp ranks, a [B, L] all-reduce), ANDed with the trainer's mask;
+  equal to one process (the two-gloo-rank test). Memory per rank: the [B, L/cp, L] masks and the
+  indexer's fp32 [B, L/cp, index_n_heads, L] scores; a BlockMask (flex) is refused under CP;
 - tensor parallelism is NotImplementedError in `parallelize_fn` (no TP plan for the indexer);
   VarlenAttention masks are NotImplementedError;
 - the MTP layer GLM-5 checkpoints carry after the last layer is dropped by `from_hf`, as HF drops it.
@@ -120,14 +123,15 @@ class Indexer(Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope, positions: torch.Tensor | None,
                 allowed_BLL: torch.Tensor, *, keys: torch.Tensor | None = None,
-                key_index: torch.Tensor | None = None) -> torch.Tensor:
+                key_index: torch.Tensor | None = None, doc_end: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Lq, Lk] bool: True where query i selected key j (always inside `allowed_BLL` [B, Lq, Lk]).
 
         One process: the queries and keys are the row's tokens `x` (Lq = Lk = L). Context parallel: `x`,
         `q_resid` and `positions` are this rank's query rows, `keys` the all-gathered `keys(...)` of
-        the whole row in the gathered layout, and `key_index` [Lk] the row position of each gathered key.
-        Scoring and the top-k run with the keys in row-position order, so the selection (ties included)
-        is the single-process one whatever the layout; it comes back in the layout of `keys`.
+        the whole row in the gathered layout, `key_index` [Lk] the row position of each gathered key, and
+        `doc_end` [B, Lk] (row-position order) one past the last token of each key's document, which the
+        local rows alone cannot tell (`doc_ends` of every rank's rows, max-reduced; computed here when
+        None). The top-k runs per query over its own document's keys in row-position order (`_topk`).
         """
         b, n, _ = x.shape
         r = self.rope_head_dim
@@ -144,19 +148,61 @@ class Indexer(Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
         index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
         index_scores = index_scores.masked_fill(~allowed_BLL, float("-inf"))
-        # Exact ties are common (a key whose every head's relu is 0 scores exactly 0). torch.topk orders
-        # ties by its own algorithm, which depends on the row length, so a document packed with others
-        # could select other keys than alone; a stable sort over keys in row-position order keeps the
-        # earlier key: the same choice at any length, offset or context-parallel layout.
-        topk = min(self.topk, k.shape[1])
-        idx = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :topk]
-        # rows with fewer than topk allowed keys also pick -inf keys: the AND with allowed drops them
-        sel = torch.zeros_like(allowed_BLL).scatter_(-1, idx, True) & allowed_BLL
+        if doc_end is None:
+            doc_end = doc_ends(allowed_BLL)
+        sel = _topk(index_scores, allowed_BLL, doc_end, self.topk)
         if key_index is not None:
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
             sel = sel[..., inverse]                                   # back to the gathered layout
         return sel
+
+
+def doc_ends(allowed_BLL: torch.Tensor, key_index: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Lk] int64, row-position order: one past the row position of the last of these queries that
+    may see each key (0 if none). For a key that starts a document this is the document's end, as
+    every query of a causal document sees its first key. `allowed_BLL` [B, Lq, Lk] has its keys in the
+    layout `key_index` gives (row-position order when None) and needs each query's own key allowed
+    (causal masks), which tells the query's row position. Under context parallel every rank has some
+    of the queries: the max over the ranks' results is the whole row's."""
+    if key_index is not None:
+        allowed_BLL = allowed_BLL[..., torch.argsort(key_index)]
+    lk = allowed_BLL.shape[-1]
+    ar = torch.arange(1, lk + 1, device=allowed_BLL.device, dtype=torch.int32)
+    q_end = torch.where(allowed_BLL, ar, 0).amax(dim=-1)            # [B, Lq]: query's row position + 1
+    return torch.where(allowed_BLL, q_end[..., None], 0).amax(dim=1).long()
+
+
+def _topk(index_scores: torch.Tensor, allowed_BLL: torch.Tensor, doc_end: torch.Tensor,
+          topk: int) -> torch.Tensor:
+    """[B, Lq, Lk] bool selection of the `topk` best keys of each query, as HF picks them for the
+    query's document alone: `torch.topk` over a row of the document's length, its keys in row order.
+
+    Exact ties in index score are common when index_n_heads is small (a key whose every head's relu is
+    0 scores exactly 0; with one head about half the keys do). Which tied keys torch.topk keeps depends
+    on the row's length and content (on the CPU std::nth_element, so also on the trailing -inf of the
+    causal mask), and HF runs it over [L] rows of the unpacked sequence. Taking it over each
+    document's own [L_doc] row (keys outside the causal window -inf, as HF) gives HF's choice, ties
+    included, and the same choice whether a document is alone, packed with others at any offset, or
+    split over context-parallel ranks. Rows of the same document length share one torch.topk call
+    (the picks of a row do not depend on the other rows)."""
+    b, lq, lk = index_scores.shape
+    flat = index_scores.reshape(b * lq, lk)
+    allowed = allowed_BLL.reshape(b * lq, lk)
+    start = allowed.to(torch.int8).argmax(dim=-1)                    # first allowed key: document start
+    has_key = allowed.any(dim=-1)
+    end = doc_end.gather(1, start.view(b, lq)).reshape(-1)
+    length = torch.where(has_key, end - start, 0)
+    sel = torch.zeros_like(allowed)
+    for ld in torch.unique(length).tolist():
+        if ld <= 0:
+            continue  # a query with no allowed key selects none
+        rows = (length == ld).nonzero().squeeze(-1)
+        cols = start[rows, None] + torch.arange(ld, device=flat.device)
+        picked = flat[rows[:, None], cols].topk(min(topk, ld), dim=-1).indices
+        sel[rows[:, None], picked + start[rows, None]] = True
+    # picks beyond the allowed keys (rows with fewer than topk of them: -inf keys) are dropped
+    return sel.view(b, lq, lk) & allowed_BLL
 
 
 def dense_allowed_mask(attention_masks, batch: int, length: int, device,
@@ -220,6 +266,12 @@ class GlmAttention(Attention):
         gv, gik = gvi.split([h * dv, ik.shape[-1]], dim=-1)
         return gk, gv.view(b, -1, h, dv), gik
 
+    def _cp_doc_ends(self, allowed_BLL, key_index):
+        """Each key's document end over the whole row: this rank's queries see only part of each
+        document, so the per-rank `doc_ends` are max-reduced over the cp ranks (a [B, L] all-reduce)."""
+        import torch.distributed._functional_collectives as funcol
+        return funcol.all_reduce(doc_ends(allowed_BLL, key_index), "max", self.cp_group_name)
+
     def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
         bsz, seqlen, _ = x.size()
         if self.cp_group_name is not None and positions is None:
@@ -246,7 +298,8 @@ class GlmAttention(Attention):
             allowed = dense_allowed_mask(attention_masks, bsz, seqlen, x.device, kv_length=total)
             key_index = _gathered_index(total, self.cp_size, x.device)
             mask = self.indexer(x, q_resid, self.rope, positions, allowed[:, 0], keys=ik,
-                                key_index=key_index).unsqueeze(1)
+                                key_index=key_index,
+                                doc_end=self._cp_doc_ends(allowed[:, 0], key_index)).unsqueeze(1)
         if isinstance(self.inner_attention, FlexAttention):
             # flex takes no per-query key list: dense SDPA under the combined mask (GPU path)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
