@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from omegaconf import OmegaConf
 
 from rl.contract.config import Config
@@ -47,3 +48,22 @@ def synthetic_batch(step: int, seed: int = 0, n_samples: int = 8, vocab: int = 5
 def publish_batches(run_dir, steps, seed: int = 0):
     for n in steps:
         exchange.publish(run_dir, "rollouts", n, synthetic_batch(n, seed).save, producer="test")
+
+
+@torch.no_grad()
+def fp8_hf_names(built) -> set[str]:
+    """HF names of the weights the trainer multiplies in FP8: the FP8 modules' parameters set to NaN,
+    read through the adapter (which splits fused wqkv and the experts into their HF tensors)."""
+    from rl.models.common import hf_state_dict
+    from rl.trainer import fp8 as fp8_training
+    params = [p for _, m in fp8_training.fp8_modules(built.model) for p in m.parameters()]
+    saved = [p.clone() for p in params]
+    for p in params:
+        p.fill_(float("nan"))
+    try:
+        nan = {k: torch.isnan(v) for k, v in hf_state_dict(built).items()}
+    finally:
+        for p, v in zip(params, saved):
+            p.copy_(v)
+    assert all(m.all() or not m.any() for m in nan.values())  # no HF tensor is part FP8, part not
+    return {k for k, m in nan.items() if m.all()}

@@ -62,17 +62,8 @@ def _reset_peak() -> None:
 
 def _batch(step: int, lengths: list[int], vocab: int = MODEL["vocab_size"]):
     """One sample per length; packing puts a short first sample and a full-length one in two rows."""
-    import numpy as np
-    from rl.contract.batch import RolloutBatch, Sample
-    rng = np.random.default_rng(step)
-    samples = []
-    for i, n in enumerate(lengths):
-        p = min(16, n // 2)
-        c = n - p
-        samples.append(Sample(rng.integers(10, vocab, p).tolist(), rng.integers(10, vocab, c).tolist(),
-                              (-rng.uniform(0.5, 5.0, c)).tolist(), [step] * c, reward=float(i % 2), group=0,
-                              advantage=float(i % 2) - 0.5))
-    return RolloutBatch.from_samples(samples)
+    from rl.doctor.throughput import batch  # the doctor's memory row measures with the same batches
+    return batch(step, lengths, vocab)
 
 
 def measure(ac: str) -> dict:

@@ -19,7 +19,7 @@ from rl.trainer.loop import run
 from rl.trainer.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg  # noqa: E402
+from _trainer_helpers import examples, fp8_hf_names, publish_batches, synthetic_batch, tiny_cfg  # noqa: E402
 
 
 def test_fp8_gemm_is_the_block_quantized_product_with_straight_through_grads():
@@ -103,24 +103,6 @@ def _from_twin(path: Path, family: str):
     return b
 
 
-@torch.no_grad()
-def _fp8_hf_names(built) -> set[str]:
-    """HF names of the weights the trainer multiplies in FP8: the FP8 modules' parameters set to NaN,
-    read through the adapter (which splits fused wqkv and the experts into their HF tensors)."""
-    from rl.models.common import hf_state_dict
-    params = [p for _, m in fp8_training.fp8_modules(built.model) for p in m.parameters()]
-    saved = [p.clone() for p in params]
-    for p in params:
-        p.fill_(float("nan"))
-    try:
-        nan = {k: torch.isnan(v) for k, v in hf_state_dict(built).items()}
-    finally:
-        for p, v in zip(params, saved):
-            p.copy_(v)
-    assert all(m.all() or not m.any() for m in nan.values())  # no HF tensor is part FP8, part not
-    return {k for k, m in nan.items() if m.all()}
-
-
 def _publisher_fp8(path: Path, tensors) -> set[str]:
     """What Trainer.publish_weights stores as FP8 for a run started from checkpoint `path`."""
     from rl.contract import hf
@@ -136,7 +118,7 @@ def test_every_weight_the_publisher_quantizes_is_an_fp8_gemm(tmp_path, twin, fam
             if family == "deepseek_v3" else twin(family))
     b = _from_twin(path, family)
     sd = hf_state_dict(b)
-    covered, published = _fp8_hf_names(b), _publisher_fp8(path, sd)
+    covered, published = fp8_hf_names(b), _publisher_fp8(path, sd)
     if family == "glm_moe_dsa":
         # weights_proj stays high precision in the trainer and the publisher (vLLM needs it so), with or
         # without an ignore list naming it as GLM-5's FP8 release does

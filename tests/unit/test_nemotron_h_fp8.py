@@ -19,7 +19,7 @@ from rl.trainer import fp8 as fp8_training
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from _trainer_helpers import synthetic_batch  # noqa: E402
+from _trainer_helpers import fp8_hf_names, synthetic_batch  # noqa: E402
 
 FAMILY = "nemotron_h"
 # the twin's HF modules run as FP8 GEMMs (docs/models.md): Mamba in/out_proj, routed + shared experts, the
@@ -41,24 +41,6 @@ def _trainer(tmp_path, twin, fp8_on=True):
         "trainer.micro_batch_tokens=96")))
 
 
-@torch.no_grad()
-def _fp8_hf_names(built) -> set[str]:
-    """HF names of the weights the trainer multiplies in FP8: the FP8 modules' parameters set to NaN, read
-    back through the adapter (which splits the stacked experts into their per-expert HF tensors)."""
-    from rl.models.common import hf_state_dict
-    params = [p for _, m in fp8_training.fp8_modules(built.model) for p in m.parameters()]
-    saved = [p.clone() for p in params]
-    for p in params:
-        p.fill_(float("nan"))
-    try:
-        nan = {k: torch.isnan(v) for k, v in hf_state_dict(built).items()}
-    finally:
-        for p, v in zip(params, saved):
-            p.copy_(v)
-    assert all(m.all() or not m.any() for m in nan.values())
-    return {k for k, m in nan.items() if m.all()}
-
-
 def test_the_fp8_gemms_are_exactly_the_weights_the_publisher_quantizes(twin):
     from rl.contract import hf
     from rl.exchange import layout
@@ -73,7 +55,7 @@ def test_the_fp8_gemms_are_exactly_the_weights_the_publisher_quantizes(twin):
     sd = hf_state_dict(b)
     quantize = layout.quantize_except(hf.ignored_modules(hf.read_config(path)))
     published = {n for n, t in sd.items() if quantize(n, t)}
-    covered = _fp8_hf_names(b)
+    covered = fp8_hf_names(b)
     assert covered == published
     for k in sd:
         assert (k in covered) == any(s in k for s in FP8_KINDS), k
