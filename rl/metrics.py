@@ -31,15 +31,19 @@ def is_eval_only(m: dict) -> bool:
     return "eval/version" in m and "loss" not in m
 
 
+def _keep_lines(path: Path, keep) -> None:
+    """Rewrite a JSONL record with only the lines for which `keep(line)` holds (atomically)."""
+    from rl.exchange.jsonl import read_jsonl
+    if not path.exists():
+        return
+    tmp = path.with_name(path.name + ".tmp-" + secrets.token_hex(4))
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in read_jsonl(path) if keep(m)))
+    os.replace(tmp, path)
+
+
 def truncate_metrics(run_dir: str | os.PathLike, first_dropped_step: int) -> None:
     """Keep only lines of steps before `first_dropped_step` (a resume replays the later ones)."""
-    p = Path(run_dir) / METRICS_FILE
-    if not p.exists():
-        return
-    keep = [m for m in read_metrics(run_dir) if m.get("step", -1) < first_dropped_step]
-    tmp = p.with_name(p.name + ".tmp-" + secrets.token_hex(4))
-    tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
-    os.replace(tmp, p)
+    _keep_lines(Path(run_dir) / METRICS_FILE, lambda m: m.get("step", -1) < first_dropped_step)
 
 
 class EvalFold:
@@ -73,14 +77,7 @@ class EvalFold:
 def truncate_eval(run_dir: str | os.PathLike, last_kept_version: int) -> None:
     """Drop the evaluations of versions after `last_kept_version` (a resume trains them again)."""
     from rl.contract.paths import eval_results_file
-    from rl.exchange.jsonl import read_jsonl
-    p = eval_results_file(run_dir)
-    if not p.exists():
-        return
-    keep = [r for r in read_jsonl(p) if int(r.get("version", -1)) <= last_kept_version]
-    tmp = p.with_name(p.name + ".tmp-" + secrets.token_hex(4))
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, p)
+    _keep_lines(eval_results_file(run_dir), lambda r: int(r.get("version", -1)) <= last_kept_version)
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
