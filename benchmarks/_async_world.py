@@ -1,0 +1,290 @@
+"""The simulated world of benchmarks/async_rollouts.py: a toy policy over digits served by a stand-in
+server whose generation costs time per token, the agentic latency model (turns of generation and tool
+calls with heavy-tailed times), and a trainer that takes real Adam steps on the toy policy.
+
+Kept apart from the benchmark's measuring and reporting so each reads on its own; the orchestrator,
+its pool and the run directory the world drives are the product's own (rl.orchestrator), unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+class Toy:
+    """The toy policy: logits W[position j, target digit, answer digit]; answer tokens are ' 0'..' 9'."""
+
+    def __init__(self, tok, n_digits: int, start_accuracy: float = 0.3):
+        self.tok = tok
+        self.n = n_digits
+        self.digit_ids = [tok.encode(f" {d}", add_special_tokens=False)[0] for d in range(10)]
+        self.id_to_digit = {t: d for d, t in enumerate(self.digit_ids)}
+        self.filler = tok.encode(" x", add_special_tokens=False)[0]
+        self.eos = tok.eos_token_id
+        self.header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        b = math.log(9 * start_accuracy / (1 - start_accuracy))
+        self.w0 = np.zeros((n_digits, 10, 10), np.float32)
+        for j in range(n_digits):
+            self.w0[j] += b * np.eye(10, dtype=np.float32)
+        self._targets: dict[tuple, list[int]] = {}
+
+    def expected_reward(self, w: np.ndarray) -> float:
+        """The exact expected reward of policy w (either latency model: the mean over positions and
+        uniform target digits of the probability of the right digit), with no sampling noise: what a
+        trainer step taught, apart from which rollouts the batch held."""
+        p = np.exp(w - w.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        return float(np.mean(np.diagonal(p, axis1=1, axis2=2)))
+
+    def targets(self, ids: list[int]) -> list[int]:
+        key = tuple(ids[:32])
+        if key not in self._targets:
+            m = re.search(r"repeat ([\d ]+)", self.tok.decode(list(key)))
+            self._targets[key] = [int(x) for x in m.group(1).split()][:self.n]
+        return self._targets[key]
+
+
+class World:
+    def __init__(self, toy: Toy, tok_s: float):
+        self.toy, self.tok_s = toy, tok_s
+        self.params = {0: toy.w0.copy()}
+        self.history = [(0.0, 0)]  # (monotonic time, version) as the servers switched
+        self.generated = 0
+        self.by_group: dict = {}  # group id (the pool's; None in batch mode) -> tokens generated
+        self.gen_s, self.gen_tokens, self.tool_s, self.tool_planned = 0.0, 0, 0.0, 0.0  # for launch.simulate
+
+    def count(self, n: int) -> None:
+        from rl.orchestrator import accounting as pool
+        g = pool.GROUP.get()
+        gid = g.gid if g is not None else None
+        self.generated += n
+        self.by_group[gid] = self.by_group.get(gid, 0) + n
+
+    def version_at(self, t: float) -> int:
+        v = self.history[0][1]
+        for tt, vv in self.history:
+            if tt <= t:
+                v = vv
+        return v
+
+
+class SimServer:
+    """An inference server: a token per tok_s per request; reloads in flight; the toy policy's tokens."""
+
+    def __init__(self, world: World, turn_tokens: int):
+        self.w, self.turn_tokens = world, turn_tokens
+
+    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, request_id=None, **kw):
+        from rl.orchestrator import accounting as pool
+        from rl.orchestrator.client import Completion
+        toy, w = self.w.toy, self.w
+        multi = self.turn_tokens > 0
+        n_tok = min(self.turn_tokens if multi else toy.n + 1, max_tokens)
+        t0 = time.monotonic()
+        try:
+            await asyncio.sleep(n_tok * w.tok_s)
+        except asyncio.CancelledError:
+            part = min(n_tok, int((time.monotonic() - t0) / w.tok_s))
+            w.count(part)
+            pool.count_generated(part)  # the orchestrator never sees a cancelled request's tokens
+            raise
+        w.count(n_tok)
+        w.gen_s, w.gen_tokens = w.gen_s + time.monotonic() - t0, w.gen_tokens + n_tok
+        rng = np.random.default_rng(seed)
+        tg = toy.targets(prompt_ids)
+        ids, lps, vers = [], [], []
+        for j in range(n_tok):
+            v = w.version_at(t0 + (j + 1) * w.tok_s)
+            vers.append(v)
+            if j < toy.n:
+                logits = w.params[v][j, tg[j]]
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                d = int(rng.choice(10, p=p))
+                ids.append(toy.digit_ids[d])
+                lps.append(float(np.log(p[d])))
+            else:
+                ids.append(toy.filler if multi else toy.eos)
+                lps.append(0.0)
+        return Completion(ids=ids, logprobs=lps, finish_reason="stop", request_id=request_id, versions=vers)
+
+    async def update_weights(self, path, version, **kw):
+        self.w.history.append((time.monotonic(), int(version)))
+        return {"in_flight": {}}
+
+    async def aclose(self):
+        pass
+
+
+class AgenticEnv:
+    """Multi-turn digits: each turn the model answers (the digits, then filler), then a tool runs for a
+    heavy-tailed time; the turn count is heavy-tailed too. Reward: the mean digit score of the turns."""
+
+    def __init__(self, n_digits: int, a):
+        self.n, self.a = n_digits, a
+        self._episodes: dict[str, int] = {}
+
+    def sample_tasks(self, n, rng):
+        return [{"digits": [rng.randrange(10) for _ in range(self.n)], "uid": rng.getrandbits(48),
+                 "difficulty": math.exp(rng.gauss(0.0, 0.5))} for _ in range(n)]
+
+    def plan(self, task, i: int) -> list[float]:
+        """Tool seconds of each turn of episode i of `task` (its length is the turn count)."""
+        a = self.a
+        r = random.Random(f"{task['uid']}-{i}")
+        turns = 1 + int((a.turns_median - 1) * task["difficulty"] * math.exp(r.gauss(0.0, a.turns_sigma)))
+        turns = max(1, min(turns, a.max_turns))
+        return [a.tool_median_s * math.exp(r.gauss(0.0, a.tool_sigma))
+                * (a.tool_outlier_factor if r.random() < a.tool_outlier_prob else 1.0) for _ in range(turns)]
+
+    def start(self, task):
+        key = str(task["uid"])
+        i = self._episodes.get(key, 0)
+        self._episodes[key] = i + 1
+        return _Episode(self, task, self.plan(task, i))
+
+
+class _Episode:
+    def __init__(self, env, task, plan):
+        self.env, self.task, self.plan, self.scores = env, task, plan, []
+
+    async def initial_messages(self):
+        return [{"role": "user", "content": "repeat " + " ".join(map(str, self.task["digits"]))}]
+
+    async def step(self, text):
+        ans = text.split()[:self.env.n]
+        tg = [str(d) for d in self.task["digits"]]
+        self.scores.append(sum(x == y for x, y in zip(ans, tg)) / len(tg))
+        t0 = time.monotonic()
+        await asyncio.sleep(self.plan[len(self.scores) - 1])  # the tool call: an env slot held
+        w = getattr(self.env, "world", None)  # launch.simulate's input: tool seconds actual / planned
+        if w is not None:
+            w.tool_s, w.tool_planned = w.tool_s + time.monotonic() - t0, w.tool_planned + self.plan[len(self.scores) - 1]
+        done = len(self.scores) >= len(self.plan)
+        return (None if done else "ok"), done
+
+    async def reward(self):
+        return float(np.mean(self.scores)) if self.scores else 0.0
+
+
+async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr: float):
+    """Reads batch n, trains with the real loss on its loss mask, publishes version n + 1."""
+    import torch
+
+    from rl import exchange
+    from rl.contract import offpolicy
+    from rl.contract.batch import RolloutBatch
+    from rl.metrics import MetricsLogger
+    from rl.runtime import mark_done
+    from rl.trainer.loss import LossConfig, pg_loss
+    toy, k = world.toy, int(cfg.orchestrator.max_off_policy)
+    W, opt = world.W, world.opt
+    metrics = MetricsLogger(run_dir, cfg)
+    H = len(toy.header)
+    max_lag = 0
+    for n in range(steps):
+        t_wait = time.monotonic()
+        while n not in exchange.list_steps(run_dir, "rollouts"):
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", n))
+        idx, js, ds, toks = [], [], [], []
+        for si in range(b.num_samples):
+            sl = b.sample_slice(si)
+            t = b.tokens[sl].tolist()
+            tg = toy.targets(t)
+            j = None
+            for p in range(len(t)):
+                if p >= H and t[p - H:p] == toy.header:
+                    j = 0
+                if j is not None and j < toy.n and t[p] in toy.id_to_digit:
+                    idx.append(sl.start + p)
+                    js.append(j)
+                    ds.append(tg[j])
+                    toks.append(toy.id_to_digit[t[p]])
+                    j += 1
+                elif j is not None and j >= toy.n:
+                    j = None
+        mask = torch.tensor(b.loss_mask.astype(np.float32))
+        lag = np.where(b.loss_mask > 0, n - b.versions, 0)
+        trained = b.loss_mask > 0
+        if (b.versions[trained] < offpolicy.oldest_version(n, k)).any():  # the loss input itself: beyond the bound
+            raise AssertionError(f"step {n}: a loss token of lag {lag.max()} > max_off_policy={k}")
+        max_lag = max(max_lag, int(lag.max()) if len(lag) else 0)
+        counts = np.diff(b.offsets)
+        adv = torch.tensor(np.repeat(b.advantages, counts))
+        lp_inf = torch.tensor(b.logprobs)
+        lp = torch.zeros(len(b.tokens))
+        if idx:
+            lsm = torch.log_softmax(W, dim=-1)
+            lp = lp.index_put((torch.tensor(idx),), lsm[torch.tensor(js), torch.tensor(ds), torch.tensor(toks)])
+        opt.zero_grad()
+        if mask.sum() > 0:
+            loss, _ = pg_loss(lp, lp_inf, adv, mask, LossConfig(mismatch="none"))
+            loss.backward()
+            opt.step()
+        await asyncio.sleep(train_s)  # the trainer's compute
+        world.params[n + 1] = W.detach().numpy().copy()
+        policy_reward = toy.expected_reward(world.params[n + 1])
+        exchange.publish(run_dir, "weights", n + 1, lambda d: (d / "w").write_text("toy"), producer="trainer")
+        m = {"reward_mean": float(b.rewards.mean()), "wait_s": t0 - t_wait, "time": time.time(),
+             "lag": float(lag[b.loss_mask > 0].mean()) if b.loss_mask.any() else 0.0,
+             "lag_max": int(lag.max()) if len(lag) else 0, "loss_tokens": int(b.loss_mask.sum()),
+             "policy_reward": policy_reward}
+        m.update({f"orchestrator/{kk}": v for kk, v in b.meta.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        metrics.log(n, m)
+    mark_done(run_dir, step=steps)
+    return max_lag
+
+
+def sim_config(run_dir, overrides):
+    from omegaconf import OmegaConf
+
+    from launch.compose import compose_points
+    (cfg,) = compose_points([*overrides, f"run_dir={Path(run_dir).absolute()}", "wandb.mode=disabled"],
+                            multirun=False)
+    cfg.pop("_overrides", None)
+    return OmegaConf.create(cfg)
+
+
+async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
+    from rl import exchange
+    from rl.orchestrator.loop import Orchestrator
+    from rl.orchestrator.versions import VersionTracker
+    from rl.runtime import StopFlag
+    n_digits = int(cfg.env.digits.n_digits)
+    toy = Toy(tok, n_digits)
+    world = World(toy, a.tok_ms / 1000)
+    import torch  # before the clock starts: the first import of Adam takes seconds and would block the loop
+    world.W = torch.tensor(toy.w0, requires_grad=True)
+    world.opt = torch.optim.Adam([world.W], lr=a.lr, foreach=False)
+    orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
+    if model == "agentic":
+        orch.sampler.env, orch.sampler.multi_turn = AgenticEnv(n_digits, a), True
+        orch.sampler.env.world = world
+    orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0)]
+    orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
+    steps = int(cfg.trainer.max_steps)
+    exchange.publish(run_dir, "weights", 0, lambda d: (d / "w").write_text("toy"), producer="trainer")
+    orch.watcher = asyncio.create_task(orch._weight_watcher())
+    trainer = asyncio.create_task(sim_trainer(run_dir, cfg, world, steps, a.train_s, a.lr))
+    try:
+        if cfg.orchestrator.schedule == "continuous":
+            await orch.continuous_pool(0, steps, 0).run(lambda: orch.next_missing(0, steps))
+        else:
+            await orch._run_batches(0, steps)
+        max_lag = await trainer
+    finally:
+        orch.watcher.cancel()
+        trainer.cancel()
+        await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
+    return {"server_generated": world.generated, "by_group": world.by_group, "env": orch.sampler.env,
+            "max_lag_trainer": max_lag, "world": world}
+
+
