@@ -224,3 +224,23 @@ def test_real_fp8_gemm_on_gpu_matches_the_emulation():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)   # bf16 output rounding
     y.float().sum().backward()
     assert x.grad is not None and w.grad is not None and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("m,k,n", [(96, 128, 336), (7, 384, 256), (256, 512, 384), (4096, 2048, 1536)])
+def test_block_scaled_mm_passes_torchs_own_shape_and_layout_checks(m, k, n):
+    """The real GEMM cannot run here, but torch's meta kernel checks what cuBLAS needs (scale shapes,
+    outer-major A scales, B's K-blocks padded to 4): every shape the trainer makes must pass it, including
+    ragged M and K/128 of 1 and 3 (on an H200 those were refused or wrong before the padding)."""
+    meta = dict(device="meta")
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, **meta)
+    wq = torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta)
+    y = fp8_training.block_scaled_mm(xq, torch.empty(m, k // 128, **meta), wq,
+                                     torch.empty(-(-n // 128), k // 128, **meta))
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+
+
+def test_fp8_rows_are_padded_with_exact_zeros():
+    q = torch.randn(5, 128).to(torch.float8_e4m3fn)
+    p = fp8_training._pad_rows(q, 16)
+    assert p.dtype == q.dtype and p.shape == (16, 128)
+    assert torch.equal(p[:5].float(), q.float()) and not p[5:].float().any()
