@@ -28,9 +28,9 @@ _SIZES = {"qwen3": dict(hidden_size=128, moe_intermediate_size=128, intermediate
           "nemotron_h": dict(hidden_size=128, mamba_num_heads=16, mamba_head_dim=8, moe_latent_size=128,
                              moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
                              intermediate_size=128)}
-# max |ours - transformers| over fp32 logits. On CUDA the compiled flex-attention kernel multiplies fp32
-# in TF32 (Triton's default dot precision): qwen3's twin differed by 1.35e-3 on an H200 (|logits| < 1),
-# NemotronH (no flex attention) by 4e-7
+# max |ours - transformers| over fp32 logits. On an H200 (torch 2.11) qwen3's twin differed by 1.35e-3
+# (|logits| < 1) and NemotronH, which has no flex attention, by 4e-7; the likely cause is the compiled
+# flex-attention kernel, whose Triton dots take fp32 inputs in TF32 by default
 LOGIT_TOL = {"cpu": 1e-4, "cuda": 5e-3}
 
 
