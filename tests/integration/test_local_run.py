@@ -121,6 +121,12 @@ def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> None:
 DRAIN_S = 5.0
 
 
+def _eval_tasks(tmp_path: Path) -> Path:
+    f = tmp_path / "eval_tasks.jsonl"
+    f.write_text("".join(json.dumps({"digits": [(3 * i + j) % 10 for j in range(3)]}) + "\n" for i in range(4)))
+    return f
+
+
 def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
     """Also the continuous pool's promises: the episodes are of very uneven length (seeded grading
     latency, 10% of prompts take a minute), so groups are in flight at the kill; every group that
@@ -139,7 +145,11 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
                  "orchestrator.stale_policy=drop",
                  # grading now holds an env_concurrency slot (default 8): eight one-minute stragglers
                  # would stall every other group's grading; the test is about the pool, not that limit
-                 "orchestrator.env_concurrency=64")
+                 "orchestrator.env_concurrency=64",
+                 # held-out tasks from a file carry no grading latency: sampled ones would, and with one
+                 # minute-long straggler among them every evaluation took 82-84 s and DONE waited 145 s
+                 # for the final one (measured); what this test checks of evaluation is the kill
+                 f"eval.tasks_file={_eval_tasks(tmp_path)}", "eval.tasks=4")
     rng = random.Random(os.getpid())
     kill_after = rng.randint(2, 5)  # a random step, and a random moment within it, as the issue asks
     p = _launch(run_dir, *overrides)
