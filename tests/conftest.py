@@ -20,3 +20,23 @@ def twin(tmp_path_factory):
             made[family] = write_twin(tmp_path_factory.mktemp(f"twin_{family}"), family)
         return made[family]
     return get
+
+
+DEBUG_RUN_STEPS = 16
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory):
+    """(run_dir, launcher output) of the embedded default run to DEBUG_RUN_STEPS steps (`python -m launch
+    run`, real vLLM and trainer), made once per session and shared by the tests that only read a finished
+    run (tests/integration/test_local_run.py, test_report.py): each run costs about a minute here."""
+    import os
+    import subprocess
+    pytest.importorskip("vllm")
+    run_dir = tmp_path_factory.mktemp("debug_run") / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-m", "launch", "run", f"run_dir={run_dir}",
+                        f"trainer.max_steps={DEBUG_RUN_STEPS}"], cwd=Path(__file__).resolve().parents[1],
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-5000:]
+    return run_dir, r.stdout

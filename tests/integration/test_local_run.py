@@ -47,10 +47,9 @@ def _newest_state(run_dir: Path) -> dict:
     return json.loads((exchange.step_dir(run_dir, "checkpoints", step) / "trainer_state.json").read_text())
 
 
-def test_debug_run_learns_and_leaves_a_consistent_run_dir(tmp_path):
-    steps = 16
-    run_dir = tmp_path / "run"
-    out = _finish(_launch(run_dir, f"trainer.max_steps={steps}"), timeout=900)
+def test_debug_run_learns_and_leaves_a_consistent_run_dir(debug_run):
+    from conftest import DEBUG_RUN_STEPS as steps
+    run_dir, out = debug_run
     assert "done:" in out
     ms = read_metrics(run_dir, final_eval=True)
     # one line per trained step, then the final version's evaluation (eval.every=2 by default)

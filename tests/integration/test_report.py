@@ -86,15 +86,9 @@ def _points(page: _Page, caption: str, label: str) -> dict[float, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
-    pytest.importorskip("vllm")
-    run_dir = tmp_path_factory.mktemp("report") / "run"
-    r = subprocess.run([sys.executable, "-m", "launch", "run", f"run_dir={run_dir}", "trainer.max_steps=4",
-                        "trainer.warm_start.steps=20"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:]
-    return run_dir
+@pytest.fixture
+def local_run(debug_run):
+    return debug_run[0]   # the session's finished embedded run (tests/conftest.py), read only
 
 
 @pytest.mark.slow
@@ -104,7 +98,8 @@ def test_report_of_a_finished_local_run(local_run, tmp_path):
     page = _parse(text)
     rows = read_metrics(local_run, final_eval=True)   # the final evaluation has a line of its own
     ms = [m for m in rows if "loss" in m]  # trainer steps (evaluation results may share their lines)
-    assert [m["step"] for m in ms] == [0, 1, 2, 3]
+    from conftest import DEBUG_RUN_STEPS
+    assert [m["step"] for m in ms] == list(range(DEBUG_RUN_STEPS))
     # every quantity the issue names has a chart, with the logged values
     for caption, label, key in [("Reward", "reward mean", "reward_mean"),
                                 ("Mismatch KL (inference vs trainer logprobs)", "mismatch KL", "mismatch_kl"),
@@ -115,8 +110,9 @@ def test_report_of_a_finished_local_run(local_run, tmp_path):
                                 ("Idle fraction", "inference", "orchestrator/inference_idle_fraction"),
                                 ("Dropped and wasted work per step", "dropped groups", "orchestrator/dropped_groups")]:
         assert _points(page, caption, label) == {float(m["step"]): fmt(m[key]) for m in ms}, (caption, label)
-    assert _points(page, "Restarts", "incarnation that trained the step") == {0.0: "0", 1.0: "0", 2.0: "0", 3.0: "0"}
-    assert "finished (DONE)" in text and "4 of 4" in text
+    assert _points(page, "Restarts", "incarnation that trained the step") == {float(s): "0" for s in
+                                                                               range(DEBUG_RUN_STEPS)}
+    assert "finished (DONE)" in text and f"{DEBUG_RUN_STEPS} of {DEBUG_RUN_STEPS}" in text
     # evaluation results, when the run evaluated, per evaluated policy version
     evals = [m for m in rows if "eval/reward_mean" in m]
     assert _points(page, "eval: reward_mean", "eval/reward_mean") == {
