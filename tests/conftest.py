@@ -40,3 +40,27 @@ def debug_run(tmp_path_factory):
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-5000:]
     return run_dir, r.stdout
+
+
+USR1_RUN_STEPS = 6
+
+
+@pytest.fixture(scope="session")
+def usr1_requeued_run(slurm_cluster, tmp_path_factory):
+    """The debug config on the localhost Slurm cluster to USR1_RUN_STEPS steps, its batch shell sent USR1
+    after 2 steps (the roles checkpoint, the job requeues), awaited until it ended:
+    {run_dir, job, out, state}. Made once per session and only read by its users
+    (tests/integration/test_slurm_rl.py, test_report.py): each such run costs about two minutes here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))
+    from test_slurm_rl import FAST, _job_ended, _launch, _wait
+
+    from launch import slurm as ls
+    from rl.metrics import read_metrics
+    slurm_cluster.cancel_all()
+    run_dir = tmp_path_factory.mktemp("usr1") / "run"
+    out = _launch(f"run_dir={run_dir}", f"trainer.max_steps={USR1_RUN_STEPS}", *FAST)
+    job = ls.current_job(run_dir)
+    _wait(lambda: len(read_metrics(run_dir)) >= 2, 600, "2 trainer steps", run_dir)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    state = _wait(lambda: _job_ended(job), 900, "the job to finish after requeue", run_dir)
+    return {"run_dir": run_dir, "job": job, "out": out, "state": state}

@@ -143,30 +143,23 @@ def test_report_of_a_finished_local_run(local_run, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_report_of_a_slurm_run_that_requeued(slurm, tmp_path):
-    from test_slurm_rl import FAST, _job_ended, _launch, _wait
-
-    from launch import slurm as ls
-    run_dir = tmp_path / "run"
-    _launch(f"run_dir={run_dir}", "trainer.max_steps=4", *FAST)
-    job = ls.current_job(run_dir)
-    _wait(lambda: len(read_metrics(run_dir)) >= 2, 600, "2 trainer steps", run_dir)
-    slurm.run("scancel", "--signal=USR1", "--batch", job)
-    st = _wait(lambda: _job_ended(job), 900, "the job to finish after requeue", run_dir)
-    assert st["state"] in ("COMPLETED", "GONE"), st
+def test_report_of_a_slurm_run_that_requeued(usr1_requeued_run, tmp_path):
+    from conftest import USR1_RUN_STEPS
+    run_dir, job = usr1_requeued_run["run_dir"], usr1_requeued_run["job"]
+    assert usr1_requeued_run["state"]["state"] in ("COMPLETED", "GONE"), usr1_requeued_run["state"]
     text = _report(run_dir, tmp_path / "r.html")
     page = _parse(text)
     consumed = exchange.ConsumedLog(run_dir, "rollouts", "trainer")
     lines = [json.loads(ln) for ln in (run_dir / "rollouts" / "consumed.jsonl").read_text().splitlines()]
     first_after = min(c["step"] for c in lines if c["restart"] == 1)
-    assert consumed.steps() == [0, 1, 2, 3]
+    assert consumed.steps() == list(range(USR1_RUN_STEPS))
     assert f"restart 1: resumed, first trained step {first_after}" in text
     assert _points(page, "Restarts", "incarnation that trained the step") == {
         float(c["step"]): str(c["restart"]) for c in lines}
     rows = re.findall(r"<tr><td>(\d)</td><td>[^<]+</td><td>(\d+)</td><td>(\d+|-)</td><td>([^<]*)</td></tr>", text)
     assert [r[0] for r in rows] == ["0", "1"] and {r[1] for r in rows} == {job}
     assert all("trainer@" in r[3] and "orchestrator@" in r[3] for r in rows), rows
-    assert "<summary>step 3:" in text  # the trajectory view reads the Slurm run's batches too
+    assert f"<summary>step {USR1_RUN_STEPS - 1}:" in text  # the trajectory view reads the Slurm run's batches too
 
 
 def test_multi_turn_episode_shows_turns_tool_calls_outputs_and_versions(tmp_path):

@@ -82,15 +82,10 @@ def _assert_placement(run_dir: Path) -> None:
         assert same and all(o["slurm_nodename"] != t["slurm_nodename"] for o in same)
 
 
-def test_debug_on_slurm_checkpoints_on_usr1_requeues_and_completes(slurm, tmp_path):
-    steps = 6
-    run_dir = tmp_path / "run"
-    out = _launch(f"run_dir={run_dir}", f"trainer.max_steps={steps}", *FAST)
-    job = ls.current_job(run_dir)
+def test_debug_on_slurm_checkpoints_on_usr1_requeues_and_completes(usr1_requeued_run):
+    from conftest import USR1_RUN_STEPS as steps
+    run_dir, job, out, st = (usr1_requeued_run[k] for k in ("run_dir", "job", "out", "state"))
     assert job and job in out and str(run_dir) in out
-    _wait(lambda: len(read_metrics(run_dir)) >= 2, 600, "2 trainer steps", run_dir)
-    slurm.run("scancel", "--signal=USR1", "--batch", job)
-    st = _wait(lambda: _job_ended(job), 900, "the job to finish after requeue", run_dir)
     assert st["state"] in ("COMPLETED", "GONE"), st
     _assert_complete_once(run_dir, steps)
     _assert_placement(run_dir)
