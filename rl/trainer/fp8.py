@@ -159,7 +159,10 @@ class _ScaledMM(torch.autograd.Function):
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qkv=None) -> torch.Tensor:
     """The FP8 GEMM x W^T: real (torch._scaled_mm) on FP8-capable GPUs, emulated elsewhere."""
-    if _cuda_fp8_ok(x) and qkv is None and real_fp8_shape_ok(x.shape[-1]) and w.shape[0] % 16 == 0:
+    # an expert routed no tokens has an empty x: nothing for cuBLAS to do (and M = 0 is not a shape it
+    # was measured to take), the emulated path returns the empty product
+    if (_cuda_fp8_ok(x) and qkv is None and real_fp8_shape_ok(x.shape[-1]) and w.shape[0] % 16 == 0
+            and x.numel() > 0):
         lead = x.shape[:-1]
         return _ScaledMM.apply(x.reshape(-1, x.shape[-1]), w, qkv).reshape(*lead, w.shape[0])
     return emulated_gemm(x, w, qkv)
