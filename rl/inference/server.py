@@ -33,7 +33,8 @@ starts this role once per node of the replica (one Slurm task per node, so the n
    `/health` nor write a server record, and log to their own `inference_<I>.node<k>.vllm.log`.
 
 Every node then stays up until `D/DONE` appears or it is signalled, and stops its child (terminate, wait,
-kill); the child also gets PR_SET_PDEATHSIG, so a role killed with SIGKILL takes its vLLM with it. Later
+kill) through rl.inference.guard, a small process that outlives a role killed by SIGKILL and takes the
+whole server (API server, engine core, workers) down with it. Later
 policy versions are loaded in flight by the orchestrator (pause / collective_rpc / resume), never by a
 restart. Model directories of earlier runs left on the node are removed only if this code created them
 (they hold owner records) and every process that owned them on this host is gone.
@@ -45,6 +46,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +58,7 @@ from rl.contract import paths
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
+from rl.inference import guard
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.model_dir import claim, clean_stale, materialize
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
@@ -234,39 +237,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Pat
                        f"(inference.startup_timeout_s); see {log_path}")
 
 
-def _die_with_parent() -> None:
-    """In the vLLM child before exec: SIGTERM it when this role dies, even by SIGKILL, so a killed
-    role never leaves an orphan server holding the port and the node's memory (Linux prctl)."""
-    import ctypes
-    import signal
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-
-
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1" if host in WILDCARD_HOSTS else host, port)) == 0
-
-
-def stop_child(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
-    """SIGTERM; then SIGINT, uvicorn's force quit (after the first signal it waits for background tasks,
-    measured: sometimes until killed); then SIGKILL to the child's whole process group (it is a session
-    leader: the engine core and workers go with it), each after `grace` seconds."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-    return proc.returncode
 
 
 # -- the role ------------------------------------------------------------------------------------------
@@ -327,9 +301,12 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         raise RuntimeError(f"inference.port: {replica.host}:{replica.port} is already in use (another server, "
                            f"or a leftover of an earlier run?); pick another inference.port or stop that process")
     log(f"{name}: starting vLLM {'on ' + url if head else '(headless data-parallel ranks)'} (log: {log_path})")
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(node_dir),
-                                start_new_session=True, preexec_fn=_die_with_parent)
+    with open(log_path, "ab") as logf:   # through rl.inference.guard: a dead role leaves no server behind
+        proc = subprocess.Popen([sys.executable, "-m", "rl.inference.guard", "--", *argv],
+                                env={**env, guard.PARENT_ENV: str(os.getpid())}, stdout=logf,
+                                stderr=subprocess.STDOUT, cwd=str(node_dir), start_new_session=True,
+                                preexec_fn=guard.die_with_parent)
+    vllm_pid = guard.server_pid(proc.pid) or proc.pid
     try:
         if head:
             t0 = time.monotonic()
@@ -338,9 +315,9 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
                        headers=bearer(secret) if secret else {},
                        timeout=30.0).raise_for_status()
             log(f"vLLM healthy after {time.monotonic() - t0:.0f} s, policy version {version}")
-            ServerRecord(url=url, version=version, host=socket.gethostname(), pid=proc.pid, index=index,
+            ServerRecord(url=url, version=version, host=socket.gethostname(), pid=vllm_pid, index=index,
                          fp8=fp8, log=str(log_path), nodes=replica.nodes).write(run_dir)
-        runtime.record_role(run_dir, name, url=url if head else None, vllm_pid=proc.pid, node_rank=rank)
+        runtime.record_role(run_dir, name, url=url if head else None, vllm_pid=vllm_pid, node_rank=rank)
         while not stop.is_set() and not runtime.is_done(run_dir):
             if proc.poll() is not None:
                 raise RuntimeError(f"vLLM ({name}) exited with status {proc.returncode}; see {log_path}")
@@ -349,7 +326,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     except InterruptedError as e:
         log(str(e))
     finally:
-        rc = stop_child(proc)
+        rc = guard.stop_child(proc, grace=3 * guard.GRACE_S)   # the guard escalates within 2 x GRACE_S
         log(f"{name}: vLLM stopped (status {rc})")
     return runtime.EXIT_PREEMPTED if stop.is_set() else 0
 

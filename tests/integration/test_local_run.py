@@ -102,12 +102,15 @@ def test_debug_run_learns_and_leaves_a_consistent_run_dir(debug_run):
     assert json.loads((run_dir / "roles" / "trainer.json").read_text())["extra"]["torch_threads"] == threads
 
 
-def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL the launcher and every role process group, as a node crash would."""
-    pids = [launcher.pid]
+def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> list[int]:
+    """SIGKILL the launcher and every role's process group at once (the roles die as on a lost node or
+    under the OOM killer); returns the pids of the roles' vLLM servers, which are not killed here: a
+    dead role must take its server down itself (rl.inference.guard)."""
+    pids, servers = [launcher.pid], []
     for p in (run_dir / "roles").glob("*.json"):
         r = json.loads(p.read_text())
-        pids += [r["pid"], r.get("vllm_pid")]
+        pids.append(r["pid"])
+        servers.append(r.get("extra", {}).get("vllm_pid"))
     for pid in filter(None, pids):
         for kill in (os.killpg, os.kill):
             try:
@@ -115,6 +118,14 @@ def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
     launcher.wait()
+    return [s for s in servers if s]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 DRAIN_S = 5.0
@@ -158,9 +169,15 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
         assert time.monotonic() < deadline, "run too slow to reach the kill step"
         time.sleep(0.2)
     time.sleep(rng.uniform(0.0, 2.0))
-    _kill_everything(p, run_dir)
+    servers = _kill_everything(p, run_dir)
     killed_at = len(read_metrics(run_dir))
-    time.sleep(1)
+    assert servers, "no vLLM server recorded before the kill"
+    # measured before rl.inference.guard: a server SIGTERMed with requests in flight hung in its shutdown
+    # for over 15 minutes; now the guard escalates to SIGINT and SIGKILL within 2 x 5 s
+    t_kill = time.monotonic()
+    while any(map(_alive, servers)) and time.monotonic() - t_kill < 30:
+        time.sleep(0.2)
+    assert not any(map(_alive, servers)), f"vLLM server(s) {servers} outlived their killed role by 30 s"
     # `launch resume RUN_DIR` is the explicit form of running the same command again (same code path)
     out = _finish(_launch(run_dir, resume=True), timeout=900)
     ended = time.time()
