@@ -13,8 +13,9 @@ one fault at the Slurm level; the run must then end DONE through Slurm's own req
                         and HETRL_FAULT_LOG, so the harness knows it is in there and which pid), either
                         the first incarnation's prepare or, after `scontrol requeue` of a job that has
                         trained some steps, the second one's; resume.
-  slurm_requeue_dying   SIGTERM to one role's step task (it starts checkpointing and exiting), then at
-                        once `scontrol requeue` while that role is still alive: Slurm kills everything and
+  slurm_requeue_dying   SIGTERM to one role's step task (it starts checkpointing and exiting), frozen there
+                        with SIGSTOP until `scontrol requeue` has returned (so it is provably still alive,
+                        dying, when the requeue lands), then SIGCONT: Slurm kills everything and
                         starts the job again (SLURM_RESTART_COUNT=1), which must finish the run.
 
 Each records its proof that the fault landed (`trial.proof`) or why it did not (`trial.not_landed`).
@@ -320,9 +321,23 @@ def _inject(trial, rng, cluster: Cluster, job: str, nth: int | None, fault_log: 
     elif kind == "slurm_requeue_dying":
         role = rng.choice(sorted(tasks))
         t = tasks[role]
-        os.kill(t["pid"], signal.SIGTERM)  # the step's task: it starts checkpointing and exiting (dying)
-        r = cluster.run("scontrol", "requeue", job)
-        dying = alive(t["pid"])
+        # The step's task starts checkpointing and exiting (dying) and is frozen there (SIGSTOP) until the
+        # requeue has returned: a role with little to save exited before `scontrol requeue` came back (a
+        # trainer at step 0, measured: the fault did not land). Slurm's own kill (SIGCONT, SIGTERM, then
+        # SIGKILL after KillWait) or our SIGCONT below lets it go on dying beside the requeue.
+        os.kill(t["pid"], signal.SIGTERM)
+        try:
+            os.kill(t["pid"], signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        try:
+            r = cluster.run("scontrol", "requeue", job)
+            dying = alive(t["pid"])
+        finally:
+            try:
+                os.kill(t["pid"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         trial.detail += (f": SIGTERM to {role} (task of step {t['job']}.{t['step']}), scontrol requeue at step "
                          f"{done_before}")
         if r.returncode != 0:

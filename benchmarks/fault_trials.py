@@ -56,7 +56,7 @@ Fault kinds (`--kinds`, default all):
   slurm_kill_step       one role's step killed (scancel --signal=KILL JOB.STEP, or SIGKILL to its task)
   slurm_cancel_prepare  scancel while rl.prepare stalls inside prepare.mid (the first incarnation's, or
                         after `scontrol requeue` of a job that trained some steps, the second one's)
-  slurm_requeue_dying   SIGTERM to one role's step task, then `scontrol requeue` while it is still alive;
+  slurm_requeue_dying   SIGTERM to one role's step task, frozen (SIGSTOP) until `scontrol requeue` returned;
                         Slurm's requeue must finish the run
 (benchmarks/_fault_slurm.py has the Slurm kinds.)
 

@@ -190,6 +190,9 @@ def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str
                     # every path but /health needs the run's secret (vLLM's --api-key guards only /v1-style
                     # ones); the launcher gives every run a secret, and launch imports no role: its name here
                     "--middleware", AUTH_MIDDLEWARE]
+            if cfg.orchestrator.slot_order == "oldest":
+                # requests carry their group's start version as priority: the oldest is served first
+                args += ["--scheduling-policy", "priority"]
             if gpn:
                 args += ["--gpu-memory-utilization", str(i.gpu_memory_utilization)]
             if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids

@@ -195,6 +195,9 @@ class OrchestratorConfig:
     # mask 0; `admit` is mask plus admission control (a group starts only when its predicted duration lets
     # it finish within the bound).
     stale_policy: str = "mask"
+    # Who gets a freed request or environment slot (rl/orchestrator/slots.py): `oldest` serves the waiter
+    # whose group started at the oldest policy version first (it goes stale first); `fifo` first come.
+    slot_order: str = "oldest"
     drain_timeout_s: float = 30.0              # at max_steps or a stop: in-flight work cancelled within this
 
 

@@ -143,6 +143,7 @@ def validate(cfg: DictConfig | dict) -> None:
          "(or null for prompts_per_step * group_size * (max_off_policy + 1))")
     need(o.stale_policy in ("drop", "mask", "admit"), "orchestrator.stale_policy",
          "must be drop, mask or admit")
+    need(o.slot_order in ("oldest", "fifo"), "orchestrator.slot_order", "must be oldest or fifo")
     need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
     dg = cfg.env.digits
     need(dg.latency_median_s >= 0, "env.digits.latency_median_s", "must be >= 0")

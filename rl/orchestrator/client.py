@@ -164,15 +164,17 @@ class InferenceClient:
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, seed: int | None = None, request_id: str | None = None,
                        *, ignore_eos: bool = False, endpoint: str = "generate",
-                       extra: dict | None = None) -> Completion:
+                       extra: dict | None = None, priority: int | None = None) -> Completion:
         """Sample one completion. endpoint="generate" (token-in/token-out, per-token versions) or
-        "completions" (OpenAI /v1/completions, versions from update_weights counts)."""
+        "completions" (OpenAI /v1/completions, versions from update_weights counts). `priority`: vLLM's
+        request priority (lower is served first; the server must run `--scheduling-policy priority`)."""
         request_id = request_id or uuid.uuid4().hex
+        prio = {"priority": int(priority)} if priority is not None else {}
         sp = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {}), **(extra or {})}
         if endpoint == "generate":
             body = {"request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": sp,
-                    "model": MODEL_NAME}
+                    "model": MODEL_NAME, **prio}
             data = await self._post("/inference/v1/generate", body)
             ch = data["choices"][0]
             ids = ch["token_ids"] or []
@@ -182,7 +184,7 @@ class InferenceClient:
             key = generate_key(request_id)
         elif endpoint == "completions":
             body = {"model": MODEL_NAME, "prompt": list(prompt_ids), "return_token_ids": True,
-                    "request_id": request_id, **sp}
+                    "request_id": request_id, **sp, **prio}
             data = await self._post("/v1/completions", body)
             ch = data["choices"][0]
             ids = ch["token_ids"] or []

@@ -26,7 +26,7 @@ import numpy as np
 
 from rl.contract.batch import Sample, routed_per_token
 from rl.envs.base import is_multi_turn, prompt_ids
-from rl.orchestrator import accounting, multiturn
+from rl.orchestrator import accounting, multiturn, slots
 from rl.orchestrator.accounting import IdleClock
 from rl.orchestrator.client import SESSION as ROUTER_SESSION
 from rl.orchestrator.client import InferenceClient, InferenceError
@@ -70,8 +70,11 @@ class Sampler:
         self.gate = asyncio.Event()   # cleared while the servers reload weights
         self.gate.set()
         self.idle = IdleClock()
-        self.request_sem = asyncio.Semaphore(int(self.o.max_concurrency))
-        self.env_sem = asyncio.Semaphore(int(self.o.env_concurrency))
+        # oldest group first (rl/orchestrator/slots.py): the group nearest its staleness bound
+        order = str(getattr(self.o, "slot_order", "oldest"))
+        self.prioritize = order == "oldest"   # and the servers schedule by the same key (launch.plan)
+        self.request_sem = slots.make(int(self.o.max_concurrency), order)
+        self.env_sem = slots.make(int(self.o.env_concurrency), order)
         self._bridge: multiturn.ChatBridge | None = None
         self._ids = itertools.count(1)   # request ids, unique across views (one tracker)
 
@@ -105,9 +108,11 @@ class Sampler:
         self.tracker.start(rid)
         self.idle.enter()
         try:
+            # the servers queue by the group's start version as well: the oldest group goes stale first
+            prio = {"priority": slots.group_key()[0]} if self.prioritize and accounting.GROUP.get() else {}
             c = await client.generate(ids, max_tokens=max_tokens or self.o.max_tokens,
                                       temperature=self.o.temperature, top_p=self.o.top_p, seed=seed,
-                                      request_id=rid)
+                                      request_id=rid, **prio)
         except BaseException:
             self.tracker.forget(rid)
             raise

@@ -195,6 +195,23 @@ def test_server_runs_the_planned_command_behind_the_secret(setup):
     assert ok.status_code == 200, ok.text
 
 
+def test_server_schedules_by_the_group_priority_the_orchestrator_sends(setup):
+    """The plan runs vLLM with `--scheduling-policy priority` (orchestrator.slot_order=oldest) and the
+    orchestrator sends each request its group's start version as priority: the real server takes both
+    endpoints' priorities, and a priority changes when a request is served, never what it samples."""
+    assert "--scheduling-policy" in setup["plan"].replica(0).vllm_argv(0)
+
+    async def go():
+        async with _client(setup) as c:
+            outs = await asyncio.gather(*(c.generate(PROMPTS[1], 8, seed=7, priority=p) for p in (0, 3, 9)))
+            plain = await c.generate(PROMPTS[1], 8, seed=7)
+            comp = await c.generate(PROMPTS[1], 8, seed=7, endpoint="completions", priority=4)
+            return outs, plain, comp
+    outs, plain, comp = _run(go())
+    assert all(o.ids == plain.ids and len(o.ids) == 8 for o in outs)
+    assert comp.ids == plain.ids
+
+
 def _descendants(pid: int) -> list[int]:
     """`pid` and every process below it, from /proc."""
     kids: dict[int, list[int]] = {}
