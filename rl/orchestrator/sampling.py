@@ -109,7 +109,8 @@ class Sampler:
         self.idle.enter()
         try:
             # the servers queue by the group's start version as well: the oldest group goes stale first
-            prio = {"priority": slots.group_key()[0]} if self.prioritize and accounting.GROUP.get() else {}
+            g = accounting.GROUP.get() if self.prioritize else None
+            prio = {"priority": int(g.start_version)} if g is not None else {}
             c = await client.generate(ids, max_tokens=max_tokens or self.o.max_tokens,
                                       temperature=self.o.temperature, top_p=self.o.top_p, seed=seed,
                                       request_id=rid, **prio)

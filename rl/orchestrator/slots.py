@@ -48,15 +48,11 @@ class SlotSemaphore:
         self._waiters: list[tuple[Any, int, asyncio.Future]] = []
         self._seq = itertools.count()
 
-    @property
-    def waiting(self) -> int:
-        return sum(not f.done() for _, _, f in self._waiters)
-
     def locked(self) -> bool:
         return self._free == 0
 
     async def acquire(self) -> None:
-        if self._free > 0 and not self.waiting:
+        if self._free > 0:   # release hands a slot to a live waiter before freeing one: none waits now
             self._free -= 1
             return
         fut = asyncio.get_running_loop().create_future()

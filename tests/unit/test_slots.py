@@ -17,40 +17,34 @@ def _in_group(version, gid, coro):
     return asyncio.ensure_future(body())
 
 
-def test_freed_slots_go_to_the_oldest_group_first():
+def _served(order, groups):
+    """The order in which tasks of pool groups `groups` [(version, gid)] get one held slot of `order`."""
     async def main():
-        sem = slots.make(1, "oldest")
-        order = []
+        sem = slots.make(1, order)
+        served = []
 
         async def use(tag):
             async with sem:
-                order.append(tag)
+                served.append(tag)
                 await asyncio.sleep(0)
 
         await sem.acquire()  # held: everyone below waits
-        tasks = [_in_group(v, g, use((v, g))) for v, g in [(3, 30), (1, 12), (2, 20), (1, 11), (3, 31)]]
+        tasks = [_in_group(v, g, use((v, g))) for v, g in groups]
         await asyncio.sleep(0.01)
         sem.release()
         await asyncio.gather(*tasks)
-        return order
-    assert asyncio.run(main()) == [(1, 11), (1, 12), (2, 20), (3, 30), (3, 31)]
+        return served
+    return asyncio.run(main())
+
+
+def test_freed_slots_go_to_the_oldest_group_first():
+    groups = [(3, 30), (1, 12), (2, 20), (1, 11), (3, 31)]
+    assert _served("oldest", groups) == [(1, 11), (1, 12), (2, 20), (3, 30), (3, 31)]
 
 
 def test_fifo_order_is_first_come():
-    async def main():
-        sem = slots.make(1, "fifo")
-        order = []
-
-        async def use(tag):
-            async with sem:
-                order.append(tag)
-        await sem.acquire()
-        tasks = [_in_group(v, v, use(v)) for v in (3, 1, 2)]
-        await asyncio.sleep(0.01)
-        sem.release()
-        await asyncio.gather(*tasks)
-        return order
-    assert asyncio.run(main()) == [3, 1, 2]
+    groups = [(3, 3), (1, 1), (2, 2)]
+    assert _served("fifo", groups) == groups
 
 
 def test_outside_a_pool_group_the_order_is_first_come():
