@@ -9,6 +9,7 @@ same command again on the same run_dir resumes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,29 @@ def _tail(path: Path, n: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
         return "(no log)"
+
+
+_EXC = re.compile(r"\] ([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*)")
+
+
+def engine_deaths(logs: Path) -> list[str]:
+    """One line per vLLM server whose engine core died: its exception and where the traceback is.
+
+    A dead engine core answers every request with HTTP 500 "EngineCore encountered an issue", so the
+    role that fails first (the orchestrator) shows only the symptom; the cause is in the server's own
+    log, after vLLM's "EngineCore encountered a fatal error" line: the last exception line of it."""
+    out = []
+    for log in sorted(logs.glob("*.vllm.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        start = next((k for k, ln in enumerate(lines) if "EngineCore encountered a fatal error" in ln), None)
+        if start is None:
+            continue
+        tag = lines[start].split(" ERROR ")[0]  # "(EngineCore pid=N)": that process's traceback lines
+        found = [(k, m.group(1)) for k in range(start, len(lines)) if lines[k].startswith(tag)
+                 and (m := _EXC.search(lines[k]))]
+        k, exc = found[-1] if found else (start, "(no exception line)")
+        out.append(f"{log.name.split('.')[0]}: vLLM engine core died: {exc[:300]} ({log}:{k + 1})")
+    return out
 
 
 def _last_line(path: Path) -> str:
@@ -274,6 +298,8 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
         role, rc = failed
         print(f"error: role {role} exited with status {rc}; last lines of {logs / (role + '.log')}:\n"
               f"{_tail(logs / f'{role}.log')}", file=sys.stderr, flush=True)
+        for line in engine_deaths(logs):
+            print(f"error: {line}", file=sys.stderr, flush=True)
         return 1
     if stopping["reason"]:
         print(f"stopped ({stopping['reason']}); resume with: python -m launch resume {run_dir}", flush=True)

