@@ -65,7 +65,10 @@ agentic model (the grading model's with a `grading_` prefix), per-mode medians f
 side by side, and the checks, paired medians over seeds with their `_min`/`_max`:
 `continuous_vs_sync`, `continuous_vs_oversample` (the default's steps/h over the baseline's),
 `reward_vs_drop` and `policy_reward_vs_drop` (the default's minus drop's, with `_wins` = seeds where
-it is >= 0), and `max_trained_lag`.
+it is >= 0), and `max_trained_lag`; with the sim backend also, per mode, `sim_ratio_<mode>` (launch.simulate's
+steps/h fed this run's component times, over the measured) and `sim_sibling_wait_waste_<mode>` (the
+simulator's share of tokens masked in rollouts that had already finished and waited for a sibling: a
+group is trained whole, so its short rollouts age while its longest one runs).
 """
 from __future__ import annotations
 
@@ -263,7 +266,8 @@ def predict(run_dir: Path, cfg, out: dict, model: str, a) -> dict:
         return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * stretch + per_turn)] for _ in range(G)]
     r = simulate(SimConfig.from_config(cfg, train_s=train_s, token_s=token_s), source)
     return {"steps_per_hour": r.steps_per_hour, "trainer_idle": r.trainer_idle, "train_s": train_s,
-            "token_s": token_s, "wasted_fraction": r.wasted_fraction}
+            "token_s": token_s, "wasted_fraction": r.wasted_fraction, "waiting_fraction": r.waiting_fraction,
+            "sibling_wait_s": r.sibling_wait_s}
 
 
 # ============================================================================ embedded runs
@@ -376,6 +380,8 @@ def main(argv=None) -> int:
                         pred = predict(run_dir, cfg, out, model, a)
                         res["predicted_steps_per_hour"] = pred["steps_per_hour"]
                         res["sim_ratio"] = pred["steps_per_hour"] / max(res["steps_per_hour"], 1e-9)
+                        res["sim_wasted"], res["sim_sibling_wait_waste"] = pred["wasted_fraction"], pred["waiting_fraction"]
+                        res["sim_sibling_wait_s"] = pred["sibling_wait_s"]
                     else:
                         res = run_embedded(mode, ov, run_dir, a)
                     results.setdefault((model, mode), []).append(res)
@@ -397,7 +403,10 @@ def main(argv=None) -> int:
                         print(f"{'':25s} policy curve {' '.join(f'{x:.2f}' for x in res['policy_rewards'])}", flush=True)
                     if "predicted_steps_per_hour" in res:
                         print(f"{'':25s} launch.simulate: {res['predicted_steps_per_hour']:.0f} steps/h predicted, "
-                              f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f})", flush=True)
+                              f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f}); wasted "
+                              f"{res['sim_wasted']:.1%} predicted, {res['sim_sibling_wait_waste']:.1%} of the tokens "
+                              f"masked in rollouts that had finished and waited for a sibling (waits median "
+                              f"{res['sim_sibling_wait_s'][0]:.2f} s, p90 {res['sim_sibling_wait_s'][1]:.2f} s)", flush=True)
     med = {key: {f: statistics.median(x[f] for x in rs) for f in rs[0] if isinstance(rs[0][f], (int, float))}
            for key, rs in results.items()}
     keys = ("steps_per_hour", "trainer_idle", "wasted_token_fraction", "length_ratio", "dropped_fraction",
@@ -455,6 +464,8 @@ def main(argv=None) -> int:
     line.append(f"max_trained_lag={max(int(m['max_trained_lag']) for m in med.values())}")
     line += [f"{'' if model == 'agentic' else model + '_'}sim_ratio_{mode}={m['sim_ratio']:.3f}"
              for (model, mode), m in med.items() if "sim_ratio" in m]
+    line += [f"{'' if model == 'agentic' else model + '_'}sim_sibling_wait_waste_{mode}={m['sim_sibling_wait_waste']:.4f}"
+             for (model, mode), m in med.items() if "sim_sibling_wait_waste" in m]
     print(" ".join(line))
     return 0
 

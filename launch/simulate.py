@@ -89,6 +89,12 @@ class SimResult:
     dropped_groups: int
     masked_tokens: int
     step_times: list
+    # masked tokens of rollouts that had finished and waited for a sibling (the group barrier: a group is
+    # trained whole, so its short rollouts age while its longest one runs), and the wall seconds each
+    # trained rollout waited after it finished (median, p90)
+    masked_waiting: int = 0
+    sibling_wait_s: tuple = (0.0, 0.0)
+    waiting_fraction: float = 0.0       # masked_waiting over the tokens wasted_fraction counts against
 
     @property
     def lag_mean(self) -> float:
@@ -100,6 +106,7 @@ class _Rollout:
     def __init__(self, group, turns):
         self.group, self.turns = group, turns
         self.turn, self.versions, self.done, self.cancelled = 0, {}, False, False
+        self.done_at = None
         self.gen_start = self.gen_end = None     # the running generation (None: not generating)
         self.queued = None                       # "gen" | "env" while waiting for a slot
         self.handle = None                       # the pending event's token (a stale event is ignored)
@@ -137,6 +144,7 @@ class Simulation:
         self.ready: list[_Group] = []
         self.next_gid, self.tick_token, self.waiting = 0, 0, False
         self.generated, self.trained, self.masked, self.dropped, self.lost = 0, 0, 0, 0, 0
+        self.masked_waiting, self.sibling_waits = 0, []
         self.lags: dict[int, int] = {}
         self.metric_times: list[float] = []
         self.waits: list[float] = []
@@ -264,7 +272,7 @@ class Simulation:
         return g
 
     def _rollout_done(self, r: _Rollout) -> None:
-        r.done = True
+        r.done, r.done_at = True, self.now
         g = r.group
         if g.open == 0 and g.finished is None:
             g.finished = self.now
@@ -294,9 +302,12 @@ class Simulation:
         k, masking = self.c.max_off_policy, self.c.stale_policy != "drop"
         for g in groups:
             for r in g.rollouts:
+                waited = g.finished - r.done_at
+                self.sibling_waits.append(waited)
                 for v, c in r.versions.items():
                     if masking and v < n - k:
                         self.masked += c
+                        self.masked_waiting += c if waited > 0 else 0
                         continue
                     self.trained += c
                     self.lags[n - v] = self.lags.get(n - v, 0) + c
@@ -451,8 +462,16 @@ class Simulation:
         return SimResult(steps_per_hour=(len(ts) - 1) / span * 3600, trainer_idle=sum(self.waits[1:]) / span,
                          inference_idle=gen_idle / max(self.now, 1e-9), lags=dict(sorted(self.lags.items())),
                          wasted_fraction=max(0.0, (self.generated - self.lost - self.trained) / denom),
-                         dropped_groups=self.dropped, masked_tokens=self.masked,
+                         dropped_groups=self.dropped, masked_tokens=self.masked, masked_waiting=self.masked_waiting,
+                         sibling_wait_s=_median_p90(self.sibling_waits), waiting_fraction=self.masked_waiting / denom,
                          step_times=[b - a for a, b in zip(ts, ts[1:])])
+
+
+def _median_p90(xs: list) -> tuple:
+    if not xs:
+        return (0.0, 0.0)
+    s = sorted(xs)
+    return (s[len(s) // 2], s[min(len(s) - 1, int(0.9 * len(s)))])
 
 
 def simulate(cfg: SimConfig, source: GroupSource) -> SimResult:

@@ -106,3 +106,22 @@ def test_simulator_reproduces_the_async_benchmark_measured_here(capsys):
     assert set(ratios) == set(modes.split(",")), last
     for mode, r in ratios.items():
         assert 0.75 <= float(r) <= 1.25, f"{mode}: simulated / measured steps/h = {r} ({last})"
+    waits = dict(re.findall(r"sim_sibling_wait_waste_(\w+)=([\d.]+)", last))
+    assert set(waits) == set(modes.split(",")) and all(0 <= float(x) < 1 for x in waits.values()), last
+
+
+def test_the_group_barrier_is_counted_apart():
+    """A group is trained whole: its short rollouts age while the longest runs. Half the groups here have
+    one rollout of 20 turns (0.2 s of tool each) beside three of one turn; the short groups keep the
+    trainer stepping, so the waiting siblings' tokens pass the bound and are masked, and counted as
+    masked while waiting. Rollouts of equal length never wait."""
+    def source(key):
+        gid = int(key.split("-")[1])
+        long = [Turn(2, 0.2) for _ in range(20)] if gid % 2 else [Turn(2, 0.01)]
+        return [long] + [[Turn(10, 0.01)] for _ in range(3)]
+    r = simulate(sim(steps=30, max_off_policy=1, stale_policy="mask", train_s=0.3), source)
+    assert 0 < r.masked_waiting <= r.masked_tokens
+    assert r.masked_waiting >= 0.5 * r.masked_tokens   # the siblings' 30 tokens, against the long one's first few
+    assert r.waiting_fraction <= r.wasted_fraction and r.sibling_wait_s[1] > 2.0
+    even = simulate(sim(steps=30, max_off_policy=1, stale_policy="mask", train_s=0.3), const(0.5))
+    assert even.masked_waiting == 0 and even.sibling_wait_s == (0.0, 0.0)
