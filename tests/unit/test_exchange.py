@@ -372,8 +372,11 @@ def test_a_stale_incarnation_cannot_record_or_log_either(tmp_path, monkeypatch):
     with pytest.raises(exchange.Fenced, match="consumed.jsonl: step 1: refused"):
         log.record(1)
     from rl.contract.config import load
+    from omegaconf import OmegaConf
+    # the fence is on metrics.jsonl; a wandb run started here would outlive the test (its teardown at exit)
+    cfg = OmegaConf.merge(load(run), {"wandb": {"mode": "disabled"}})
     with pytest.raises(exchange.Fenced, match="metrics.jsonl: step 1: refused"):
-        MetricsLogger(run, load(run), "trainer").log(1, {"loss": 0.0})
+        MetricsLogger(run, cfg, "trainer").log(1, {"loss": 0.0})
     assert log.steps() == [0] and not (run / "metrics.jsonl").exists()
     with pytest.raises(exchange.Fenced, match="training on rollouts/step_000001: refused"):
         exchange.check_fence(run, "training on rollouts/step_000001")
