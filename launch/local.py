@@ -9,7 +9,6 @@ same command again on the same run_dir resumes.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -90,26 +89,14 @@ def _tail(path: Path, n: int = 25) -> str:
         return "(no log)"
 
 
-_EXC = re.compile(r"\] ([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*)")
-
-
 def engine_deaths(logs: Path) -> list[str]:
-    """One line per vLLM server whose engine core died: its exception and where the traceback is.
-
-    A dead engine core answers every request with HTTP 500 "EngineCore encountered an issue", so the
-    role that fails first (the orchestrator) shows only the symptom; the cause is in the server's own
-    log, after vLLM's "EngineCore encountered a fatal error" line: the last exception line of it."""
+    """One line per vLLM server of the run whose engine core died: its exception and where (the
+    orchestrator, failing first on HTTP 500, shows only the symptom)."""
+    from rl.inference.vllm_log import engine_death  # standard library only
     out = []
     for log in sorted(logs.glob("*.vllm.log")):
-        lines = log.read_text(errors="replace").splitlines()
-        start = next((k for k, ln in enumerate(lines) if "EngineCore encountered a fatal error" in ln), None)
-        if start is None:
-            continue
-        tag = lines[start].split(" ERROR ")[0]  # "(EngineCore pid=N)": that process's traceback lines
-        found = [(k, m.group(1)) for k in range(start, len(lines)) if lines[k].startswith(tag)
-                 and (m := _EXC.search(lines[k]))]
-        k, exc = found[-1] if found else (start, "(no exception line)")
-        out.append(f"{log.name.split('.')[0]}: vLLM engine core died: {exc[:300]} ({log}:{k + 1})")
+        if (d := engine_death(log)) is not None:
+            out.append(f"{log.name.split('.')[0]}: vLLM engine core died: {d[1]} ({log}:{d[0]})")
     return out
 
 

@@ -60,6 +60,7 @@ from rl.contract.records import RecordError, ReplicaStart, ServerRecord
 from rl.inference import guard
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.model_dir import claim, clean_stale, materialize
+from rl.inference.vllm_log import engine_death
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"
@@ -317,9 +318,16 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
             ServerRecord(url=url, version=version, host=socket.gethostname(), pid=vllm_pid, index=index,
                          fp8=fp8, log=str(log_path), nodes=replica.nodes).write(run_dir)
         runtime.record_role(run_dir, name, url=url if head else None, vllm_pid=vllm_pid, node_rank=rank)
+        next_health = time.monotonic() + HEALTH_EVERY_S
         while not stop.is_set() and not runtime.is_done(run_dir):
             if proc.poll() is not None:
+                if death := engine_death(log_path):   # vLLM may shut its API server down after it
+                    raise RuntimeError(f"vLLM ({name}): engine core died: {death[1]} ({log_path}:{death[0]}); "
+                                       f"the server exited with status {proc.returncode}")
                 raise RuntimeError(f"vLLM ({name}) exited with status {proc.returncode}; see {log_path}")
+            if head and time.monotonic() >= next_health:
+                check_engine_alive(url, name, log_path)
+                next_health = time.monotonic() + HEALTH_EVERY_S
             time.sleep(0.5)
         log(f"{name}: " + ("DONE" if not stop.is_set() else f"stopping ({stop.reason})"))
     except InterruptedError as e:
@@ -328,6 +336,25 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         rc = guard.stop_child(proc, grace=3 * guard.GRACE_S)   # the guard escalates within 2 x GRACE_S
         log(f"{name}: vLLM stopped (status {rc})")
     return runtime.EXIT_PREEMPTED if stop.is_set() else 0
+
+
+HEALTH_EVERY_S = 5.0
+
+
+def check_engine_alive(url: str, name: str, log_path: Path) -> None:
+    """Raise, naming the cause from the log, when the server's engine core is dead.
+
+    A dead engine core does not end vLLM's API server: it answers /health with 503 and every request
+    with HTTP 500 until it is stopped, which leaves a server that looks alive to the process table.
+    Only a 503 counts; a slow or refused /health (a loaded host, a restart) is left to the next look."""
+    try:
+        status = httpx.get(f"{url}/health", timeout=10.0).status_code
+    except httpx.HTTPError:
+        return
+    if status == 503:
+        death = engine_death(log_path)
+        cause = f"{death[1]} ({log_path}:{death[0]})" if death else f"/health answered 503; see {log_path}"
+        raise RuntimeError(f"vLLM ({name}): engine core died: {cause}")
 
 
 def main(argv=None) -> int:

@@ -499,6 +499,42 @@ def test_server_stops_on_done(setup):
     assert paths.vllm_log_file(run_dir, 0).stat().st_size > 0 and info.log == str(paths.vllm_log_file(run_dir, 0))
 
 
+
+def test_a_dead_engine_ends_the_role_naming_the_cause(tmp_path):
+    """vLLM's engine core dies and its API server stays up (503 on /health, 500 on every request): the
+    role must not look alive. Killed here by what killed CI's run, chunked prefill of seeded requests on
+    the CPU (argparse takes the last flag: the plan's --no-enable-chunked-prefill, then this one). If
+    this vLLM stops dying on it, the plan's workaround (launch/plan.py, docs/cpu.md) can go."""
+    run_dir, plan = make_run_dir(tmp_path, "inference.startup_timeout_s=400",
+                                 "inference.extra_args=[--enable-chunked-prefill]")
+    assets = exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, MODEL), producer="test").path
+    _publish_weights(run_dir, 0, random_hf_state_dict(assets, 1))
+    out = tmp_path / "inference.out"
+    with open(out, "w") as log:
+        proc = start_role(run_dir, plan, log)
+        try:
+            info = wait_server(run_dir, proc, 450, out)
+            secret = paths.secret_file(run_dir).read_text().strip()
+            prompts = [[int(x) for x in torch.randint(10, 500, (500,), generator=torch.Generator().manual_seed(k))]
+                       for k in range(8)]   # 4000 prompt tokens against a 2048-token step: chunked
+
+            async def go():
+                async with InferenceClient(info.url, secret=secret) as c:
+                    return await asyncio.gather(*(c.generate(p, 4, seed=k) for k, p in enumerate(prompts)),
+                                                return_exceptions=True)
+            errors = [r for r in _run(go()) if isinstance(r, InferenceError)]
+            assert errors and "500" in str(errors[0]), "vLLM no longer dies here: the plan's workaround can go"
+            rc = proc.wait(60)   # the role looks at /health every 5 s
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    text = out.read_text(errors="replace")
+    assert rc != 0
+    assert "engine core died: RuntimeError: Worker failed with error 'CPU Generator does not use offset'" in text, text[-3000:]
+    with pytest.raises(ProcessLookupError):   # and the server went with it
+        os.kill(info.pid, 0)
+
 # -- materialize's config.json (no vLLM started) ---------------------------------------------------------
 def test_fp8_quant_config_derivation():
     from rl.inference.model_dir import FP8_QUANT_CONFIG, fp8_quant_config

@@ -9,9 +9,7 @@ import os
 
 import httpx
 import pytest
-from omegaconf import OmegaConf
 
-from rl.contract.config import InferenceConfig
 from rl.orchestrator import client as C
 from rl.inference.worker_ext import external_request_id
 
@@ -306,3 +304,41 @@ def test_every_workers_reload_result_is_collected_and_one_failure_fails_the_relo
         "worker dp0002-rank0000: refused step_000004: x does not match its sha256"]
     with pytest.raises(InferenceError, match="disagree"):
         merge_results(results)
+
+
+def test_a_server_whose_engine_died_is_named_dead_with_its_cause(tmp_path):
+    """vLLM's API server outlives its engine core while a client holds a connection (its watchdog's
+    uvicorn shutdown waits for them): /health answers 503. That state depends on timing in a real
+    server (tests/integration/test_inference_server.py kills one; there it exits), so here a standard
+    library server answers /health as vLLM's does, and the log is in vLLM 0.32's format."""
+    import http.server
+    import threading
+    from rl.inference.server import check_engine_alive
+
+    status = {"code": 200}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status["code"])
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    log = tmp_path / "inference_0.vllm.log"
+    e = "(EngineCore pid=5) ERROR 12-04 18:39:58 [core.py:1512]"
+    log.write_text(f"{e} EngineCore encountered a fatal error.\n{e} Traceback (most recent call last):\n"
+                   f"{e} RuntimeError: Worker failed with error 'CPU Generator does not use offset'\n")
+    try:
+        check_engine_alive(url, "inference_0", log)           # healthy: nothing to say
+        status["code"] = 500
+        check_engine_alive(url, "inference_0", log)           # not vLLM's dead-engine answer
+        status["code"] = 503
+        with pytest.raises(RuntimeError, match=r"inference_0\): engine core died: RuntimeError: Worker failed "
+                                               r"with error 'CPU Generator does not use offset' \(.*vllm.log:3\)"):
+            check_engine_alive(url, "inference_0", log)
+    finally:
+        srv.shutdown()
+    check_engine_alive(url, "inference_0", log)               # refused: left to the next look
