@@ -29,7 +29,6 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from rl.contract.config import Config  # noqa: E402
 from rl.exchange import layout  # noqa: E402
-from rl.exchange import weights as wire  # noqa: E402
 from rl import fp8  # noqa: E402
 from rl.models import replay  # noqa: E402
 from rl.models.common import hf_state_dict, load_hf_state_dict, logits  # noqa: E402

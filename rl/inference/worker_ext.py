@@ -54,7 +54,6 @@ may hold placeholder tokens for a step whose output is not yet processed: counts
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time

@@ -26,7 +26,6 @@ version it loaded. Then DONE stops both nodes' roles and their vLLM processes.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time

@@ -86,7 +86,6 @@ def test_deepseek_with_yarn_rope_group_routing_and_no_q_lora_matches_transformer
 def test_block_fp8_checkpoint_loads_dequantized_slice_by_slice(tmp_path, twin):
     """A checkpoint in the block-FP8 format (e4m3 + weight_scale_inv per 128x128 block) loads to exactly
     the dequantized values; a rank reading a slice reads that slice's bytes only."""
-    from rl import fp8
     from rl.exchange.weights import iter_tensors, write_shards
     from safetensors.torch import load_file
     src = twin("kimi_k2_7")

@@ -566,7 +566,6 @@ def test_role_from_run_dir_writes_router_json_and_stops_on_done(tmp_path):
     import time
 
     import aiohttp
-    from omegaconf import OmegaConf
 
     from rl.orchestrator.client import wait_for_router
 

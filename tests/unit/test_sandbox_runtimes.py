@@ -10,7 +10,6 @@ and apptainer (not packaged in Debian 12); see docs/sandboxes.md."""
 import json
 import os
 import socket
-import stat
 import sys
 import threading
 import time
@@ -305,7 +304,7 @@ def test_apptainer_argv_isolates():
     a = apt.apptainer_argv("/usr/bin/apptainer", "/c/x.sif", "/t/tree", "/testbed",
                            Limits(cpu_s=7, memory_bytes=1 << 30), {"K": "v"}, ["pytest"], nproc=True)
     cut = a.index("--")
-    assert {f"--cpu=7:8", f"--as={1 << 30}", "--core=0", f"--nproc={Limits().nproc}"} <= set(a[:cut])
+    assert {"--cpu=7:8", f"--as={1 << 30}", "--core=0", f"--nproc={Limits().nproc}"} <= set(a[:cut])
     ex = a[cut + 1:]
     assert ex[:2] == ["/usr/bin/apptainer", "exec"]
     for opt in ("--containall", "--no-privs", "--no-home"):

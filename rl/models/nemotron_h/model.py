@@ -40,7 +40,6 @@ semantics. Nothing here imports rl.trainer.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
