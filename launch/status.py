@@ -77,6 +77,10 @@ def status(run_dir: str | os.PathLike) -> dict:
     out["restart"] = resume.restart if resume else None
     out["roles"] = {r.role: {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
                              "restart": r.slurm_restart_count} for r in RoleRecord.read_all(run_dir)}
+    from rl.inference.vllm_log import engine_death  # standard library only
+    out["engine_deaths"] = {log.name.split(".")[0]: f"{d[1]} ({log}:{d[0]})"
+                            for log in sorted(paths.logs_dir(run_dir).glob("*.vllm.log"))
+                            if (d := engine_death(log)) is not None}
     m = _last_metrics(run_dir)
     out["step"] = m["step"] + 1 if m and "step" in m else 0
     out["reward"] = m.get("reward_mean") if m else None
@@ -103,6 +107,8 @@ def render(st: dict, console=None) -> None:
         t.add_row(f"newest {kind}", str(st.get(f"latest_{kind}")))
     for role, r in sorted(st["roles"].items()):
         t.add_row(f"role {role}", f"{r['state']} (pid {r['pid']} on {r['host']})")
+    for server, death in sorted(st.get("engine_deaths", {}).items()):
+        t.add_row(f"{server} engine", f"died: {death}")
     m = st.get("last_metrics")
     if m:
         t.add_row("last metrics", "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
