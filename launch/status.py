@@ -3,7 +3,8 @@
 Works on every run, local or Slurm, running or finished: the job state (Slurm: squeue / scontrol, never
 sacct; local: whether the launcher process recorded in `local.json` is alive), the step and reward of
 the newest metrics line, the newest complete rollouts / weights / checkpoint, and every role's record
-(where it ran, whether its process is alive when it ran on this host). Records of another layout or a
+(where it ran, whether its process is alive when it ran on this host), and every vLLM server whose
+engine core died, with its exception and log line. Records of another layout or a
 half-written file are skipped, never a traceback. Torch-free.
 """
 from __future__ import annotations
