@@ -92,7 +92,7 @@ def _tail(path: Path, n: int = 25) -> str:
 def engine_deaths(logs: Path) -> list[str]:
     """One line per vLLM server of the run whose engine core died: its exception and where (the
     orchestrator, failing first on HTTP 500, shows only the symptom)."""
-    from rl.inference.vllm_log import engine_death  # standard library only
+    from rl.contract.vllm_log import engine_death  # standard library only
     out = []
     for log in sorted(logs.glob("*.vllm.log")):
         if (d := engine_death(log)) is not None:

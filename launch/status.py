@@ -78,7 +78,7 @@ def status(run_dir: str | os.PathLike) -> dict:
     out["restart"] = resume.restart if resume else None
     out["roles"] = {r.role: {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
                              "restart": r.slurm_restart_count} for r in RoleRecord.read_all(run_dir)}
-    from rl.inference.vllm_log import engine_death  # standard library only
+    from rl.contract.vllm_log import engine_death  # standard library only
     out["engine_deaths"] = {log.name.split(".")[0]: f"{d[1]} ({log}:{d[0]})"
                             for log in sorted(paths.logs_dir(run_dir).glob("*.vllm.log"))
                             if (d := engine_death(log)) is not None}

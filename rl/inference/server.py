@@ -60,7 +60,7 @@ from rl.contract.records import RecordError, ReplicaStart, ServerRecord
 from rl.inference import guard
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.model_dir import claim, clean_stale, materialize
-from rl.inference.vllm_log import engine_death
+from rl.contract.vllm_log import engine_death
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"

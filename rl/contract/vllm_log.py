@@ -1,4 +1,5 @@
-"""What a vLLM server's log says about a dead engine core (standard library only: the launcher reads it).
+"""What a vLLM server's log says about a dead engine core (standard library only: the inference role
+and the launcher both read it, so it lives in the contract).
 
 When vLLM's engine core raises, the API server stays up and answers every request with HTTP 500
 "EngineCore encountered an issue" and /health with 503, so whoever calls it first (the orchestrator)
