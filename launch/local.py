@@ -89,17 +89,6 @@ def _tail(path: Path, n: int = 25) -> str:
         return "(no log)"
 
 
-def engine_deaths(logs: Path) -> list[str]:
-    """One line per vLLM server of the run whose engine core died: its exception and where (the
-    orchestrator, failing first on HTTP 500, shows only the symptom)."""
-    from rl.contract.vllm_log import engine_death  # standard library only
-    out = []
-    for log in sorted(logs.glob("*.vllm.log")):
-        if (d := engine_death(log)) is not None:
-            out.append(f"{log.name.split('.')[0]}: vLLM engine core died: {d[1]} ({log}:{d[0]})")
-    return out
-
-
 def _last_line(path: Path) -> str:
     try:
         with open(path, "rb") as f:
@@ -285,8 +274,9 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
         role, rc = failed
         print(f"error: role {role} exited with status {rc}; last lines of {logs / (role + '.log')}:\n"
               f"{_tail(logs / f'{role}.log')}", file=sys.stderr, flush=True)
-        for line in engine_deaths(logs):
-            print(f"error: {line}", file=sys.stderr, flush=True)
+        from rl.contract.vllm_log import engine_deaths  # standard library only
+        for server, death in engine_deaths(logs).items():
+            print(f"error: {server}: vLLM engine core died: {death}", file=sys.stderr, flush=True)
         return 1
     if stopping["reason"]:
         print(f"stopped ({stopping['reason']}); resume with: python -m launch resume {run_dir}", flush=True)

@@ -78,10 +78,8 @@ def status(run_dir: str | os.PathLike) -> dict:
     out["restart"] = resume.restart if resume else None
     out["roles"] = {r.role: {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
                              "restart": r.slurm_restart_count} for r in RoleRecord.read_all(run_dir)}
-    from rl.contract.vllm_log import engine_death  # standard library only
-    out["engine_deaths"] = {log.name.split(".")[0]: f"{d[1]} ({log}:{d[0]})"
-                            for log in sorted(paths.logs_dir(run_dir).glob("*.vllm.log"))
-                            if (d := engine_death(log)) is not None}
+    from rl.contract.vllm_log import engine_deaths  # standard library only
+    out["engine_deaths"] = engine_deaths(paths.logs_dir(run_dir))
     m = _last_metrics(run_dir)
     out["step"] = m["step"] + 1 if m and "step" in m else 0
     out["reward"] = m.get("reward_mean") if m else None

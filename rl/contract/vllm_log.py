@@ -29,3 +29,15 @@ def engine_death(log: str | Path) -> tuple[int, str] | None:
              if lines[k].startswith(tag) and (m := _EXC.search(lines[k]))]
     k, exc = found[-1] if found else (start, "(no exception line)")
     return k + 1, exc[:300]
+
+
+def describe(log: str | Path) -> str | None:
+    """"<exception line> (<log>:<line>)" for a dead engine core in `log`; None if there is none."""
+    d = engine_death(log)
+    return None if d is None else f"{d[1]} ({log}:{d[0]})"
+
+
+def engine_deaths(logs_dir: str | Path) -> dict[str, str]:
+    """Every vLLM server of a run (`<name>.vllm.log` in its logs directory) whose engine core died."""
+    return {log.name.split(".")[0]: d for log in sorted(Path(logs_dir).glob("*.vllm.log"))
+            if (d := describe(log)) is not None}

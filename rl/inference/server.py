@@ -57,10 +57,10 @@ from rl.contract import paths
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
+from rl.contract.vllm_log import describe as engine_death
 from rl.inference import guard
 from rl.inference.auth import SECRET_ENV, UNAUTHENTICATED_ENV, bearer
 from rl.inference.model_dir import claim, clean_stale, materialize
-from rl.contract.vllm_log import engine_death
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"
@@ -322,7 +322,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         while not stop.is_set() and not runtime.is_done(run_dir):
             if proc.poll() is not None:
                 if death := engine_death(log_path):   # vLLM may shut its API server down after it
-                    raise RuntimeError(f"vLLM ({name}): engine core died: {death[1]} ({log_path}:{death[0]}); "
+                    raise RuntimeError(f"vLLM ({name}): engine core died: {death}; "
                                        f"the server exited with status {proc.returncode}")
                 raise RuntimeError(f"vLLM ({name}) exited with status {proc.returncode}; see {log_path}")
             if head and time.monotonic() >= next_health:
@@ -352,8 +352,7 @@ def check_engine_alive(url: str, name: str, log_path: Path) -> None:
     except httpx.HTTPError:
         return
     if status == 503:
-        death = engine_death(log_path)
-        cause = f"{death[1]} ({log_path}:{death[0]})" if death else f"/health answered 503; see {log_path}"
+        cause = engine_death(log_path) or f"/health answered 503; see {log_path}"
         raise RuntimeError(f"vLLM ({name}): engine core died: {cause}")
 
 

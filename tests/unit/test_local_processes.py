@@ -169,7 +169,7 @@ def test_cpu_split_gives_servers_and_trainer_their_own_cores(tmp_path):
 def test_a_dead_engine_core_is_named_with_its_cause(tmp_path):
     """A dead vLLM engine answers HTTP 500 to the orchestrator, which fails first; the launcher names the
     cause from the server's log (lines in vLLM 0.32's format, as a CPU engine died in CI)."""
-    from launch.local import engine_deaths
+    from rl.contract.vllm_log import engine_deaths
     w, e = "(Worker pid=7) ERROR 12-04 18:39:58 [multiproc_executor.py:1063]", "(EngineCore pid=5) ERROR 12-04 18:39:58 [core.py:1512]"
     (tmp_path / "inference_0.vllm.log").write_text("\n".join([
         "INFO:     127.0.0.1:1 - \"POST /inference/v1/generate HTTP/1.1\" 200 OK",
@@ -180,6 +180,7 @@ def test_a_dead_engine_core_is_named_with_its_cause(tmp_path):
         "(APIServer pid=3) ERROR 12-04 18:39:58 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: x",
     ]) + "\n")
     (tmp_path / "inference_1.vllm.log").write_text("INFO all well\n")
-    (line,) = engine_deaths(tmp_path)
-    assert line.startswith("inference_0: vLLM engine core died: RuntimeError: Worker failed with error "
-                           "'CPU Generator does not use offset'") and line.endswith("inference_0.vllm.log:7)")
+    ((server, line),) = engine_deaths(tmp_path).items()
+    assert server == "inference_0"
+    assert line.startswith("RuntimeError: Worker failed with error 'CPU Generator does not use offset'") \
+        and line.endswith("inference_0.vllm.log:7)")
