@@ -36,7 +36,8 @@ Modes:
                     version n, the first prompts_per_step groups to finish make batch n, the stragglers are
                     cancelled (biased against long episodes by construction);
 - batch_pipelined:  schedule=batch, max_off_policy=K: up to K+1 batches built at once, each awaited whole;
-- drop, mask, admit: the continuous pool, max_off_policy=K, with that orchestrator.stale_policy.
+- drop, mask, admit, release: the continuous pool, max_off_policy=K, with that orchestrator.stale_policy
+                    (release: a group's finished rollouts trained before their straggling siblings).
 
 The seed changes with every `--repeat`, and odd repeats run the modes in reverse order (a drift in the
 machine's load falls on every mode alike). Speed and learning are compared per seed, paired: each mode
@@ -90,7 +91,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _async_world import sim_config, sim_run  # noqa: E402  (the simulated world: toy policy, servers, trainer)
 
-MODES = ("sync", "sync_oversample", "batch_pipelined", "drop", "mask", "admit")
+MODES = ("sync", "sync_oversample", "batch_pipelined", "drop", "mask", "admit", "release")
 
 
 def mode_overrides(mode: str, k: int, budget: int) -> list[str]:
@@ -144,15 +145,17 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
             lags[int(lag)] = lags.get(int(lag), 0) + int(c)
         trained_tokens += int(b.loss_mask.sum())
         masked += int(b.meta.get("masked_tokens", 0))
-        gids = list(b.meta.get("group_ids") or [])
-        trained_groups += gids
+        # per entry (dense group number): its group and rollout indices (a part of a group under release)
+        ents = b.meta.get("entries") or [[g, None] for g in b.meta.get("group_ids") or []]
+        trained_groups += [g for g, _ in ents]
         seen: dict[int, int] = {}
-        for si in range(b.num_samples):  # samples of a group are its rollouts in order
+        for si in range(b.num_samples):  # samples of an entry are its rollouts in order
             gi = int(b.groups[si])
-            i = seen.get(gi, 0)
-            seen[gi] = i + 1
-            if gids and b.loss_mask[b.sample_slice(si)].any():
-                trained_rollouts.add((gids[gi], i))
+            j = seen.get(gi, 0)
+            seen[gi] = j + 1
+            if ents and b.loss_mask[b.sample_slice(si)].any():
+                g, idx = ents[gi]
+                trained_rollouts.add((g, j if idx is None else idx[j]))
     # the toy's answer tokens only carry versions; filler/eos tokens are policy tokens too (all mask 1)
     events = GroupLog.read(run_dir)
     drops = [e for e in events if e["event"] == "drop"]
@@ -177,7 +180,8 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
         drained = {e["group"] for e in drops if e["reason"] == "drain"}
         started = [x for g, xs in plans.items() if g not in drained for x in xs]
         # a rollout masked whole is as good as dropped: trained = at least one token trained
-        trained = [x for g in trained_groups for i, x in enumerate(plans.get(g, [])) if (g, i) in trained_rollouts]
+        trained = [x for g in dict.fromkeys(trained_groups) for i, x in enumerate(plans.get(g, []))
+                   if (g, i) in trained_rollouts]
         dropped_groups = len({e["group"] for e in drops if e["reason"] != "drain"})
         res["dropped_fraction"] = dropped_groups / max(len(plans) - len(drained), 1)
     else:  # batch mode: every group it samples is awaited; lengths from the trained groups' tasks
@@ -428,7 +432,7 @@ def main(argv=None) -> int:
     pairs: dict[str, list[float]] = {}
     for model in models:
         pre = "" if model == "agentic" else f"{model}_"
-        for mode in [m for m in modes if m in ("mask", "admit")]:
+        for mode in [m for m in modes if m in ("mask", "admit", "release")]:
             for f, name in (("reward_per_step", "reward"), ("policy_reward_per_step", "policy_reward")):
                 ds = paired(results, model, mode, "drop", f)
                 if ds:

@@ -141,8 +141,8 @@ def validate(cfg: DictConfig | dict) -> None:
     need(o.max_inflight is None or o.max_inflight >= o.group_size, "orchestrator.max_inflight",
          f"counts rollouts (not groups, since issue 25): must be at least group_size={o.group_size} "
          "(or null for prompts_per_step * group_size * (max_off_policy + 1))")
-    need(o.stale_policy in ("drop", "mask", "admit"), "orchestrator.stale_policy",
-         "must be drop, mask or admit")
+    need(o.stale_policy in ("drop", "mask", "admit", "release"), "orchestrator.stale_policy",
+         "must be drop, mask, admit or release")
     need(o.slot_order in ("oldest", "fifo"), "orchestrator.slot_order", "must be oldest or fifo")
     need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
     dg = cfg.env.digits

@@ -11,6 +11,7 @@ so the pool keeps to scheduling.
 from __future__ import annotations
 
 import contextvars
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -61,15 +62,19 @@ def count_generated(n: int) -> None:
 def rollout_begin(i: int) -> None:
     """Called by the group sampler at the start of rollout i (inside its own task)."""
     g = GROUP.get()
-    if g is not None and 0 <= i < len(g.rollouts):
+    if g is not None and i in g.rollouts:
         ROLLOUT.set(g.rollouts[i])
 
 
-def rollout_end(i: int) -> None:
-    """Called by the group sampler when rollout i has its reward: its slot frees now."""
+def rollout_end(i: int, sample: Sample | None = None) -> None:
+    """Called by the group sampler when rollout i has its reward: its slot frees now. With its `sample`,
+    the pool may train the rollout before its siblings finish (stale_policy=release)."""
     g = GROUP.get()
-    if g is not None and 0 <= i < len(g.rollouts) and g.rollouts[i].seconds is None:
-        g.rollouts[i].seconds = time.monotonic() - g.started
+    r = g.rollouts.get(i) if g is not None else None
+    if r is not None and r.seconds is None:
+        r.seconds = time.monotonic() - g.started
+        if sample is not None:
+            g.done[i] = sample
         if g.on_rollout_done is not None:
             g.on_rollout_done()
 
@@ -84,6 +89,20 @@ def min_version(samples: list[Sample], fallback: int) -> int:
     vs = [v for s in samples for v, m in zip(s.completion_versions, s.completion_mask or
                                              [1] * len(s.completion_versions)) if m and v >= 0]
     return min(vs) if vs else fallback
+
+
+def check_finite(samples: list[Sample]) -> str | None:
+    """None when every reward and every trained token's logprob is finite as a float32, else why not
+    (one NaN reward would make its whole group's advantages NaN; the trainer sets such a batch aside)."""
+    f32_max = 3.4028234663852886e38
+    for i, s in enumerate(samples):
+        if not (math.isfinite(s.reward) and abs(s.reward) <= f32_max):
+            return f"sample {i}: reward {s.reward!r} is not finite (float32)"
+        mask = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_logprobs)
+        for j, (lp, m) in enumerate(zip(s.completion_logprobs, mask)):
+            if m and not (math.isfinite(lp) and abs(lp) <= f32_max):
+                return f"sample {i}: logprob {lp!r} of completion token {j} is not finite (float32)"
+    return None
 
 
 def mask_stale(samples: list[Sample], oldest: int) -> int:
@@ -106,6 +125,7 @@ class PoolStats:
     dropped: int = 0         # ready groups that went stale
     cancelled: int = 0       # in-flight groups that went stale (requests aborted)
     failed: int = 0          # the environment failed
+    parts: int = 0           # parts of in-flight groups trained before their siblings (stale_policy=release)
     tokens: dict = field(default_factory=lambda: dict.fromkeys(WASTE + ("generated", "trained"), 0))
     occupancy_area: float = 0.0
     idle0: float = 0.0       # the servers' idle seconds so far, at the start

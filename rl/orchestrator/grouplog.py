@@ -43,30 +43,60 @@ class GroupLog:
         return exchange.read_jsonl(Path(run_dir) / paths.ROLLOUTS / GROUPS_LOG)  # torn last line skipped
 
 
-def trained_group_ids(run_dir: Path) -> dict[int, int]:
-    """{group id: batch step} over the published rollout batches (those `rl.prepare` kept)."""
-    out: dict[int, int] = {}
+def _metas(run_dir: Path):
+    """(step, meta) of every published rollout batch (those `rl.prepare` kept)."""
     for s in exchange.list_steps(run_dir, paths.ROLLOUTS):
         try:  # never through a link: a step symlinked from another run is not this run's batch
-            meta = json.loads(exchange.read_in_step(exchange.step_dir(run_dir, paths.ROLLOUTS, s), "meta.json"))
+            yield s, json.loads(exchange.read_in_step(exchange.step_dir(run_dir, paths.ROLLOUTS, s), "meta.json"))
         except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, exchange.CorruptStep):
             continue  # quarantined, being re-published or not a real step: its groups are not trained
-        for g in meta.get("group_ids") or []:
-            out[int(g)] = s
-    return out
 
 
-def unresolved(run_dir: Path, exclude: set[int] = frozenset()) -> list[int]:
-    """Ids started but neither dropped nor in a published batch (nor in `exclude`), oldest first."""
+def trained_group_ids(run_dir: Path) -> dict[int, int]:
+    """{group id: batch step} over the published rollout batches: the groups they complete."""
+    return {int(g): s for s, meta in _metas(run_dir) for g in meta.get("group_ids") or []}
+
+
+def _covered(run_dir: Path, group_size: int) -> tuple[dict[int, dict[int, float]], dict[int, set[int]], set[int]]:
+    """Per group: rollouts trained in a published batch's part ({index: reward}), rollouts recorded
+    dropped, and the groups a published batch completes."""
+    parts: dict[int, dict[int, float]] = {}
+    complete: set[int] = set()
+    for _, meta in _metas(run_dir):
+        complete.update(int(g) for g in meta.get("group_ids") or [])
+        for g, part in (meta.get("partial_groups") or {}).items():
+            parts.setdefault(int(g), {}).update(zip(map(int, part["rollouts"]), map(float, part["rewards"])))
+    dropped: dict[int, set[int]] = {}
+    for e in GroupLog.read(run_dir):
+        if e.get("event") == "drop":   # a drop without `rollouts` drops the whole group
+            dropped.setdefault(int(e["group"]), set()).update(e.get("rollouts") or range(group_size))
+    return parts, dropped, complete
+
+
+def partial_rollouts(run_dir: Path, group_size: int) -> dict[int, tuple[dict[int, float], set[int]]]:
+    """{group: (rollouts trained in parts {index: reward}, rollouts dropped)} for the groups to play
+    again that are partly trained or dropped (stale_policy=release): a resumed group plays only its
+    other rollouts, with the trained ones' rewards in its baseline."""
+    parts, dropped, complete = _covered(run_dir, group_size)
+    return {g: (parts.get(g, {}), dropped.get(g, set())) for g in set(parts) | set(dropped)
+            if g not in complete and set(parts.get(g, {})) | dropped.get(g, set()) != set(range(group_size))}
+
+
+def unresolved(run_dir: Path, exclude: set[int] = frozenset(), group_size: int | None = None) -> list[int]:
+    """Ids started but neither dropped nor completed by a published batch (nor in `exclude`), oldest
+    first. With `group_size`, per rollout: a group some of whose rollouts are neither trained in a
+    published part nor dropped (a part's batch discarded by `rl.prepare` after the rest was dropped)."""
     events = GroupLog.read(run_dir)
     started = {int(e["group"]) for e in events if e.get("event") == "start"}
     dropped = {int(e["group"]) for e in events if e.get("event") == "drop"}
+    if group_size is not None:
+        dropped -= set(partial_rollouts(run_dir, group_size))
     return sorted(started - dropped - set(trained_group_ids(run_dir)) - set(exclude))
 
 
-def resume_order(run_dir: Path) -> tuple[list[int], int]:
+def resume_order(run_dir: Path, group_size: int | None = None) -> tuple[list[int], int]:
     """(ids to start again first, oldest first; the next fresh id) from the log and the batches."""
     events = GroupLog.read(run_dir)
     started = {int(e["group"]) for e in events if e.get("event") == "start"}
     trained = set(trained_group_ids(run_dir))
-    return unresolved(run_dir), max(started | trained, default=-1) + 1
+    return unresolved(run_dir, group_size=group_size), max(started | trained, default=-1) + 1

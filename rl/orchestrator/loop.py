@@ -202,15 +202,18 @@ class Orchestrator:
             "dropped_groups_total": self.stats["dropped_groups"], "schedule": "batch", "masked_tokens": masked,
             "stale_policy": stale_policy(self.o)})
 
-    def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict) -> RolloutBatch:
-        """Group-relative advantages and the batch metadata (lags, versions, throughput) of `kept`."""
+    def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict,
+                     baselines: list[list[float]] | None = None) -> RolloutBatch:
+        """Group-relative advantages and the batch metadata (lags, versions, throughput) of `kept`.
+        `baselines[j]`: rewards of entry j's siblings trained earlier (a part of a group, rl.orchestrator.groups)."""
         samples = [s for g in kept for s in g]
         for gi, g in enumerate(kept):  # renumber groups densely
             for s in g:
                 s.group = gi
         rewards = np.array([s.reward for s in samples], np.float32)
         groups = np.array([s.group for s in samples], np.int32)
-        adv = group_advantages(rewards, groups, self.o.advantage)
+        adv = group_advantages(rewards, groups, self.o.advantage,
+                               baselines={j: b for j, b in enumerate(baselines or []) if b})
         for s, a in zip(samples, adv):
             s.advantage = float(a)
         gen_s = meta["gen_s"]
@@ -299,7 +302,8 @@ class Orchestrator:
         """schedule=continuous: the pool plays groups on this orchestrator's sampler and hands each batch
         back to be finished (advantages, meta) and published here."""
         return ContinuousPool(self.sampler, self.run_dir, first, max_steps, restart, stop=self.stop,
-                              publish=lambda n, groups, meta: self.publish_batch(n, self.finish_batch(n, groups, meta)),
+                              publish=lambda n, groups, meta, baselines=None: self.publish_batch(
+                                  n, self.finish_batch(n, groups, meta, baselines)),
                               check=self.check_watcher)
 
     async def run(self) -> int:

@@ -249,10 +249,11 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             await call(close)
 
 
-async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: int) -> list[Sample]:
-    """`orchestrator.group_size` episodes of one task, played by `sampler` (rl.orchestrator.sampling):
-    its clients, request and environment semaphores and `sample_one`. All turns of an episode go to the
-    same server, so its prefix cache holds the conversation."""
+async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: int,
+                       rollouts: list[int] | None = None) -> list[Sample]:
+    """`orchestrator.group_size` episodes of one task (or the episodes `rollouts`), played by `sampler`
+    (rl.orchestrator.sampling): its clients, request and environment semaphores and `sample_one`. All
+    turns of an episode go to the same server, so its prefix cache holds the conversation."""
     client = sampler.client_for(group)
     limits = RolloutLimits.from_config(sampler.cfg)
 
@@ -264,11 +265,11 @@ async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: 
                 seed = hash((sampler.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
                 return await sampler.sample_one(client, ids, seed, max_tokens=max_tokens)
         r = await run_episode(sampler.env, task, generate, sampler.bridge, limits, sampler.env_sem)
-        accounting.rollout_end(i)
-        return r
+        s = r.sample(group)
+        accounting.rollout_end(i, s)
+        return s
 
-    rollouts = await asyncio.gather(*(one(i) for i in range(sampler.o.group_size)))
-    return [r.sample(group) for r in rollouts]
+    return list(await asyncio.gather(*(one(i) for i in (rollouts or range(sampler.o.group_size)))))
 
 
 def batch_metrics(samples: list[Sample]) -> dict:

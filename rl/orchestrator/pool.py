@@ -38,6 +38,11 @@ What happens at the bound is `orchestrator.stale_policy` (docs/async.md has the 
   after the current version appeared). A group predicted never to fit starts anyway (its stale tokens
   are masked); groups are never skipped, so the order and exactly-once below are unchanged.
 
+- `release`: `mask`, and the group barrier lifted: the finished rollouts of an in-flight group for
+  which batch n is the last within the bound are trained in n as a part of it, with the siblings
+  finished by then as baseline; the others when they finish (rl/orchestrator/groups.py). A batch then
+  takes entries (whole groups, parts, rests) until it holds prompts_per_step * group_size rollouts.
+
 Slots are rollouts (`orchestrator.max_inflight` counts rollouts): a rollout frees its slot when it
 finishes, not when its group does, so a group with one straggler holds one slot, not group_size.
 
@@ -56,26 +61,23 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import random
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from rl import exchange, runtime
 from rl.contract import offpolicy, paths
-from rl.contract.batch import Sample
 from rl.orchestrator.accounting import (GROUP, WASTE, PoolStats, RolloutAcct, length_stats, mask_stale,
                                         min_version, policy_tokens)
-from rl.orchestrator.grouplog import GroupLog, resume_order, unresolved
+from rl.orchestrator.grouplog import GroupLog, partial_rollouts, resume_order, unresolved
+from rl.orchestrator.groups import DurationModel, Group, entries_meta, task_key
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
 
 
-STALE_POLICIES = ("drop", "mask", "admit")
+STALE_POLICIES = ("drop", "mask", "admit", "release")
 
 
 def default_max_inflight(o: Any) -> int:
@@ -90,63 +92,6 @@ def stale_policy(o: Any) -> str:
     if p not in STALE_POLICIES:
         raise ValueError(f"orchestrator.stale_policy={p!r}: must be one of {', '.join(STALE_POLICIES)}")
     return p
-
-
-def task_key(task: Any) -> str:
-    try:
-        return json.dumps(task, sort_keys=True, default=str)
-    except (TypeError, ValueError):
-        return repr(task)
-
-
-class DurationModel:
-    """Running distribution of group durations: per task where the task has history, else the median of
-    the recent groups of every task."""
-
-    def __init__(self, window: int = 256):
-        self.recent: deque[float] = deque(maxlen=window)
-        self.per_task: dict[str, tuple[int, float]] = {}
-
-    def add(self, key: str, seconds: float) -> None:
-        self.recent.append(seconds)
-        n, mean = self.per_task.get(key, (0, 0.0))
-        self.per_task[key] = (n + 1, mean + (seconds - mean) / (n + 1))
-
-    def predict(self, key: str) -> float | None:
-        if key in self.per_task:
-            return self.per_task[key][1]
-        if len(self.recent) < 8:
-            return None
-        xs = sorted(self.recent)
-        return xs[len(xs) // 2]
-
-
-@dataclass
-class Group:
-    gid: int
-    task: Any
-    start_version: int
-    started: float
-    handle: asyncio.Task | None = None
-    samples: list[Sample] | None = None
-    finished: float | None = None
-    finish_version: int | None = None
-    oldest: int = 0          # oldest policy version among its trained tokens (start_version until done)
-    rollouts: list[RolloutAcct] = field(default_factory=list)
-    on_rollout_done: Any = None
-
-    @property
-    def open(self) -> int:
-        """Rollouts still running (the slots this group holds)."""
-        return sum(r.seconds is None for r in self.rollouts) if self.finished is None else 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for r in self.rollouts)
-
-    def lengths(self, now: float) -> list[tuple[float, int]]:
-        """(seconds, tokens) per rollout; an unfinished one counts the time it ran so far."""
-        return [(r.seconds if r.seconds is not None else now - self.started, r.tokens) for r in self.rollouts]
 
 
 class ContinuousPool:
@@ -164,9 +109,12 @@ class ContinuousPool:
         self.group_size = int(self.o.group_size)
         self.max_inflight = default_max_inflight(self.o)   # rollouts
         self.policy = stale_policy(self.o)
-        self.masking = self.policy in ("mask", "admit")
+        self.masking = self.policy in ("mask", "admit", "release")
+        self.releasing = self.policy == "release"
         self.log = GroupLog(self.run_dir, restart)
-        self.retry, self.next_gid = resume_order(self.run_dir)
+        self.retry, self.next_gid = resume_order(self.run_dir, self.group_size)
+        # {group: ({rollout: reward} trained, {rollout} dropped)} before a restart (stale_policy=release)
+        self.partials = partial_rollouts(self.run_dir, self.group_size)
         # The newest step seen published, and the steps whose going missing again was already answered:
         # a step at or below it that is missing was set aside by the trainer (a corrupt or invalid batch).
         self.high = max(exchange.list_steps(self.run_dir, paths.ROLLOUTS), default=-1)
@@ -178,6 +126,7 @@ class ContinuousPool:
         self.fail_streak = 0
         self.stats = PoolStats(idle0=sampler.idle.idle_s())
         self.totals = {"dropped": 0, "cancelled": 0, "failed": 0, "retried": len(self.retry), "admit_waits": 0,
+                       "parts": 0,
                        **{f"{k}_tokens": 0 for k in WASTE + ("generated", "trained")}}
         self.lengths: dict[str, list[tuple[float, int]]] = {"started": [], "trained": []}
         self.durations = DurationModel()
@@ -200,7 +149,7 @@ class ContinuousPool:
             return
         self.requeued_for.add(n)
         held = set(self.inflight) | {g.gid for g in self.ready} | set(self.retry)
-        lost = unresolved(self.run_dir, exclude=held)
+        lost = unresolved(self.run_dir, exclude=held, group_size=self.group_size)
         if lost:
             self.retry = sorted(set(self.retry) | set(lost))
             self.totals["retried"] += len(lost)
@@ -216,9 +165,11 @@ class ContinuousPool:
         return min(offpolicy.last_batch(version, self.k), self.max_steps - 1)
 
     def _room(self, n: int) -> int:
-        """Groups a batch still needs that a group started now could enter."""
+        """Rollouts the batches a group started now could enter still need. Counted in rollouts, not
+        groups: under release a group in flight or ready may hold only the rollouts its parts left."""
         last = self._last_batch(self.sampler.tracker.version)
-        return (last - n + 1) * self.per_batch - len(self.ready) if last >= n else 0
+        have = sum(len(g.rollouts) for g in self.ready)
+        return (last - n + 1) * self.per_batch * self.group_size - have if last >= n else 0
 
     def open_rollouts(self) -> int:
         return sum(g.open for g in self.inflight.values())
@@ -268,7 +219,7 @@ class ContinuousPool:
                  else 0)
         while True:
             room = self._room(n)
-            if room <= 0 or len(self.inflight) >= max(room, 0) + spare:
+            if room <= 0 or sum(len(g.rollouts) for g in self.inflight.values()) >= room + spare * self.group_size:
                 return
             if self.open_rollouts() + self.group_size > self.max_inflight:
                 return
@@ -287,8 +238,11 @@ class ContinuousPool:
                 self._fresh_gid()
             self._head = None
             v = self.sampler.tracker.version
-            g = Group(gid=gid, task=task, start_version=v, started=time.monotonic(), oldest=v,
-                      rollouts=[RolloutAcct() for _ in range(self.group_size)], on_rollout_done=self.wake.set)
+            # rollouts of it trained or dropped before a restart are not played again
+            prior, gone = self.partials.pop(gid, ({}, set()))
+            g = Group(gid=gid, task=task, start_version=v, started=time.monotonic(), oldest=v, released=dict(prior),
+                      rollouts={i: RolloutAcct() for i in range(self.group_size) if i not in prior and i not in gone},
+                      on_rollout_done=self.wake.set)
             self.log.started(gid, v)
             self._account()
             g.handle = asyncio.create_task(self._play(g), context=self._context(g))
@@ -321,28 +275,32 @@ class ContinuousPool:
         self.lengths["started"] += g.lengths(time.monotonic())
 
     async def _play(self, g: Group) -> None:
-        samples = await self.sampler.sample_group_or_none(g.task, g.gid, g.gid, 0)
+        played = g.indices
+        kw = {"rollouts": played} if len(played) < self.group_size else {}   # resumed: the others only
+        samples = await self.sampler.sample_group_or_none(g.task, g.gid, g.gid, 0, **kw)
         self._account()
         self.inflight.pop(g.gid, None)
         g.finished, g.finish_version = time.monotonic(), self.sampler.tracker.version
-        for i, r in enumerate(g.rollouts):
+        if samples is not None:
+            g.finish(samples, played)
+        for j, r in enumerate(g.rollouts.values()):
             if r.seconds is None:   # a sampler that does not report rollouts one by one
                 r.seconds = g.finished - g.started
-            if samples is not None and r.tokens == 0 and i < len(samples):
-                r.tokens = policy_tokens([samples[i]])   # a sampler that does not count tokens
+            if samples is not None and r.tokens == 0 and j < len(g.samples):
+                r.tokens = policy_tokens([g.samples[j]])   # a sampler that does not count tokens
         if samples is None:
             self.stats.failed += 1
             self.totals["failed"] += 1
             self.fail_streak += 1
             self._waste(g, "environment")
-            self.log.dropped(g.gid, "environment", -1, tokens=g.tokens, seconds=g.finished - g.started)
+            self.log.dropped(g.gid, "environment", -1, tokens=g.tokens, seconds=g.finished - g.started,
+                             **self._rest(g))
             if self.fail_streak > self.per_batch and self.error is None:
                 self.error = RuntimeError(f"{self.fail_streak} groups in a row failed in the environment "
                                           f"(see the log above)")
         else:
             self.fail_streak = 0
-            g.samples = samples
-            g.oldest = min_version(samples, g.start_version)
+            g.oldest = min_version(g.samples, g.start_version)
             self.durations.add(task_key(g.task), g.finished - g.started)
             self.ready.append(g)
         self.wake.set()
@@ -371,10 +329,15 @@ class ContinuousPool:
         if reason == "stale":
             self._waste(g, "cancelled")
         if reason != "stop":
-            self.log.dropped(g.gid, reason, n, where="inflight", tokens=g.tokens, seconds=now - g.started)
+            self.log.dropped(g.gid, reason, n, where="inflight", tokens=g.tokens, seconds=now - g.started,
+                             **self._rest(g))
         # A stop interrupts a group, it does not judge it: left without a drop line, the group is played
         # again first by the next incarnation (resume_order), as after a crash, so a stopped and resumed
         # run samples the same prompts as one that was never stopped.
+
+    def _rest(self, g: Group) -> dict:
+        """A drop of a group with a part already trained (release) drops only its other rollouts."""
+        return {"rollouts": g.indices} if len(g.rollouts) < self.group_size else {}
 
     async def drain(self, reason: str, n: int) -> None:
         """Cancel everything in flight; wait for the cancellations at most drain_timeout_s."""
@@ -390,15 +353,37 @@ class ContinuousPool:
     # --- batches -------------------------------------------------------------------------------
     def _take(self, n: int) -> list[Group] | None:
         """prompts_per_step ready groups for batch n, the oldest versions first (they go stale first).
-        Under mask/admit every ready group is usable: its tokens older than n - k are masked."""
-        usable = sorted((g for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)),
-                        key=lambda g: (g.oldest, g.gid))
-        if len(usable) < self.per_batch:
+        Under mask/admit every ready group is usable: its tokens older than n - k are masked. Under
+        release, the finished rollouts of in-flight groups for which n is the last batch within the
+        bound compete as parts (rl/orchestrator/groups.py), and the batch takes entries, oldest first,
+        until it holds prompts_per_step * group_size rollouts."""
+        usable = [(g, None) for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)]
+        if self.releasing:
+            for g in self.inflight.values():
+                if idx := g.releasable(n, self.k):
+                    usable.append((g, idx))
+        usable.sort(key=lambda e: (e[0].oldest if e[1] is None else min_version([e[0].done[i] for i in e[1]], 0),
+                                   e[0].gid))
+        need = self.per_batch * (self.group_size if self.releasing else 1)
+        size = (lambda e: len(e[0].rollouts) if e[1] is None else len(e[1])) if self.releasing else (lambda e: 1)
+        taken, have = [], 0
+        for e in usable:
+            if have >= need:
+                break
+            taken.append(e)
+            have += size(e)
+        if have < need:
             return None
-        taken = usable[:self.per_batch]
-        for g in taken:
-            self.ready.remove(g)
-        return taken
+        out = []
+        for g, idx in taken:
+            if idx is None:
+                self.ready.remove(g)
+                out.append(g)
+            else:
+                out.append(g.split(idx, self.sampler.tracker.version))
+                self.stats.parts += 1
+                self.totals["parts"] += 1
+        return out
 
     def _hold(self, n: int) -> bool:
         """mask/admit: while the trainer does not need batch n yet (it is still training an earlier one),
@@ -437,7 +422,8 @@ class ContinuousPool:
         self.lengths["started"] += lens
         t = self.totals
         wasted_total = sum(t[f"{k}_tokens"] for k in WASTE)
-        meta = {"group_ids": [g.gid for g in groups], "cancelled_groups": st.cancelled,
+        meta = {**entries_meta(groups), "cancelled_groups": st.cancelled,
+                "released_parts": st.parts, "released_parts_total": self.totals["parts"],
                 "dropped_groups": st.dropped, "failed_groups": st.failed,
                 "cancelled_groups_total": self.totals["cancelled"], "dropped_groups_total": self.totals["dropped"],
                 "inflight_lag_mean": sum(flight) / len(flight), "inflight_lag_max": max(flight),
@@ -474,13 +460,16 @@ class ContinuousPool:
                         await self.drain("drain", self.max_steps)
                     for g in self.ready:  # finished, but no batch is left to take them
                         self.log.dropped(g.gid, "drain", self.max_steps, where="ready", tokens=g.tokens,
-                                         seconds=g.finished - g.started)
+                                         seconds=g.finished - g.started, **self._rest(g))
                     self.ready.clear()
                     # groups of an earlier incarnation (or of a set-aside batch) queued to be played again
                     # that no batch is left to take: counted dropped, or they would be started and never
                     # trained nor dropped (the CI fault campaign left 8 such groups)
-                    for gid in self.retry:
-                        self.log.dropped(gid, "drain", self.max_steps, where="retry", tokens=0, seconds=0.0)
+                    for gid in self.retry:   # (with a part trained before a restart: its other rollouts)
+                        part, gone = self.partials.pop(gid, ({}, set()))
+                        rest = ({"rollouts": [i for i in range(self.group_size) if i not in part and i not in gone]}
+                                if part or gone else {})
+                        self.log.dropped(gid, "drain", self.max_steps, where="retry", tokens=0, seconds=0.0, **rest)
                     self.retry.clear()
                     await asyncio.sleep(0.5)
                     continue
@@ -508,7 +497,7 @@ class ContinuousPool:
                 masked = self._mask(n, groups)
                 meta = self._meta(n, groups)
                 meta["masked_tokens"] = masked
-                self.publish(n, [g.samples for g in groups], meta)
+                self.publish(n, [g.samples for g in groups], meta, [g.baseline for g in groups])
                 self.high = max(self.high, n)
                 self.requeued_for.discard(n)
                 runtime.progress()

@@ -18,11 +18,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import math
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 
 from rl.contract.batch import Sample, routed_per_token
 from rl.envs.base import is_multi_turn, prompt_ids
@@ -34,7 +32,6 @@ from rl.orchestrator.versions import VersionTracker
 from rl.runtime import log
 
 ROLE = "orchestrator"
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class UntrainableGroup(ValueError):
@@ -46,14 +43,9 @@ def check_trainable(samples: list[Sample]) -> None:
     float32 the batch stores. One NaN reward (an environment's scoring code) would make the whole group's
     advantages NaN, and the trainer sets a batch with non-finite numbers aside whole: the group is dropped
     and counted as failed instead, like an environment that raised."""
-    for i, s in enumerate(samples):
-        if not (math.isfinite(s.reward) and abs(s.reward) <= _F32_MAX):
-            raise UntrainableGroup(f"sample {i}: reward {s.reward!r} is not finite (float32)")
-        mask = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_logprobs)
-        for j, (lp, m) in enumerate(zip(s.completion_logprobs, mask)):
-            if m and not (math.isfinite(lp) and abs(lp) <= _F32_MAX):
-                raise UntrainableGroup(f"sample {i}: logprob {lp!r} of completion token {j} is not finite "
-                                       f"(float32)")
+    why = accounting.check_finite(samples)
+    if why is not None:
+        raise UntrainableGroup(why)
 
 
 class Sampler:
@@ -125,11 +117,15 @@ class Sampler:
         versions = list(c.versions) if c.versions is not None else tracked
         return c, versions
 
-    async def sample_group(self, task: Any, group: int, step: int, attempt: int) -> list[Sample]:
+    async def sample_group(self, task: Any, group: int, step: int, attempt: int,
+                           rollouts: list[int] | None = None) -> list[Sample]:
+        """The group's rollouts `rollouts` (default: all group_size of them), in that order. Rollout i's
+        seed depends on i, not on which others are played: a group resumed after a restart plays only
+        the rollouts an earlier incarnation did not train (stale_policy=release)."""
         if self.router_client is not None:  # one router session per group: its rollouts share a prompt
             ROUTER_SESSION.set(f"{step}-{attempt}-{group}")
         if self.multi_turn:  # tool-using episodes: model turns and observations, rl/orchestrator/multiturn.py
-            return await multiturn.sample_group(self, task, group, step, attempt)
+            return await multiturn.sample_group(self, task, group, step, attempt, rollouts)
         ids = prompt_ids(self.env, self.tokenizer, task)
         client = self.client_for(group)
         ascore = getattr(self.env, "ascore", None)  # grading that takes time (a test run) is awaited
@@ -147,20 +143,19 @@ class Sampler:
                     reward = await ascore(task, text)
             else:
                 reward = self.env.score(task, text)
-            accounting.rollout_end(i)
-            return c, versions, reward
-
-        outs = await asyncio.gather(*(one(i) for i in range(self.o.group_size)))
-        return [Sample(prompt_ids=ids, completion_ids=list(c.ids), completion_logprobs=list(c.logprobs),
+            s = Sample(prompt_ids=ids, completion_ids=list(c.ids), completion_logprobs=list(c.logprobs),
                        completion_versions=versions, reward=float(reward), group=group,
                        routed_experts=routed_per_token(c.routed_experts, len(ids) + len(c.ids)),
                        info={"finish_reason": c.finish_reason})
-                for c, versions, reward in outs]
+            accounting.rollout_end(i, s)
+            return s
 
-    async def sample_group_or_none(self, task: Any, group: int, step: int, attempt: int):
-        """A group, or None when the environment failed (see the module docstring)."""
+        return list(await asyncio.gather(*(one(i) for i in (rollouts or range(self.o.group_size)))))
+
+    async def sample_group_or_none(self, task: Any, group: int, step: int, attempt: int, **kw):
+        """A group, or None when the environment failed (see the module docstring). `kw`: rollouts."""
         try:
-            samples = await self.sample_group(task, group, step, attempt)
+            samples = await self.sample_group(task, group, step, attempt, **kw)
             check_trainable(samples)
             return samples
         except (InferenceError, asyncio.CancelledError):

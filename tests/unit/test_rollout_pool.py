@@ -31,23 +31,33 @@ from rl.orchestrator.versions import VersionTracker
 from rl.runtime import StopFlag, mark_done
 
 P, K = 4, 1
-POLICIES = ("drop", "mask", "admit")
+POLICIES = ("drop", "mask", "admit", "release")
 
 
-def _orchestrator(run_dir, *overrides):
+def _orchestrator(run_dir, *overrides, spread=0.0):
+    """Rollout i of a group takes the prompt's latency times (1 + spread * i): with spread > 0 the
+    rollouts of a group finish apart (stale_policy=release trains the early ones first)."""
     cfg = OmegaConf.create(compose_cfg(run_dir, f"orchestrator.prompts_per_step={P}", "orchestrator.group_size=2",
                                        f"orchestrator.max_off_policy={K}", "env.digits.latency_median_s=0.02",
                                        "env.digits.latency_sigma=0.5", *overrides))
     orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
     orch.sampler.tracker = VersionTracker(0)
+    orch.played = []   # (group, rollouts asked for) per group played
 
-    async def sample(task, group, step, attempt):
-        v = orch.sampler.tracker.version
-        await asyncio.sleep(task.get("latency_s", 0.0))
-        return [Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
-                       completion_versions=[v, orch.sampler.tracker.version], reward=float(i), group=group,
+    async def sample(task, group, step, attempt, rollouts=None):
+        orch.played.append((group, rollouts))
+
+        async def one(i):
+            accounting.rollout_begin(i)
+            v = orch.sampler.tracker.version
+            await asyncio.sleep(task.get("latency_s", 0.0) * (1 + spread * i))
+            s = Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_logprobs=[-1.0, -1.0],
+                       completion_versions=[v, orch.sampler.tracker.version], reward=float(i % 3), group=group,
                        info={"finish_reason": "stop"})
-                for i in range(2)]
+            accounting.count_generated(2)
+            accounting.rollout_end(i, s)
+            return s
+        return list(await asyncio.gather(*(one(i) for i in (rollouts or range(cfg.orchestrator.group_size)))))
     orch.sampler.sample_group_or_none = sample
     return orch
 
@@ -87,17 +97,28 @@ def _metas(run_dir):
             for s in exchange.list_steps(run_dir, "rollouts")}
 
 
-def _check_exactly_once(run_dir, max_steps):
+def _check_exactly_once(run_dir, max_steps, group_size=2):
+    """Every started group is trained (all its rollouts, once each, over one or more batches) or
+    recorded dropped (its rollouts not trained before the drop), and the bound holds per token."""
     metas = _metas(run_dir)
     assert sorted(metas) == list(range(max_steps))
     trained = [g for m in metas.values() for g in m["group_ids"]]
-    assert len(trained) == len(set(trained)) == max_steps * P  # no group in two batches
+    assert len(trained) == len(set(trained))        # no group completed in two batches
+    rollouts = [(g, i) for m in metas.values() for g, idx in m["entries"] for i in idx]
+    assert len(rollouts) == len(set(rollouts))      # no rollout in two batches
+    for m in metas.values():                         # a batch holds prompts_per_step groups' worth
+        assert sum(len(idx) for _, idx in m["entries"]) >= P * group_size or len(m["entries"]) == P
     events = GroupLog.read(run_dir)
     started = {e["group"] for e in events if e["event"] == "start"}
-    dropped = {e["group"] for e in events if e["event"] == "drop"}
-    assert started == set(trained) | dropped       # every started group trained or counted dropped
-    assert not set(trained) & dropped               # never both
-    assert started == set(range(len(started)))      # no prompt skipped
+    dropped_r = {(e["group"], i) for e in events if e["event"] == "drop"   # without `rollouts`: the group
+                 for i in e.get("rollouts") or range(group_size)}
+    dropped = {g for g, _ in dropped_r}
+    every = {(g, i) for g in started for i in range(group_size)}
+    assert every == set(rollouts) | dropped_r    # every started rollout trained or counted dropped
+    assert not set(rollouts) & dropped_r         # never both
+    assert started == set(range(len(started)))   # no prompt skipped
+    for g in trained:                             # a completed group has no rollout left in flight
+        assert {i for h, i in every - dropped_r if h == g} == {i for h, i in rollouts if h == g}
     for n, m in metas.items():                      # staleness bounded on what is trained, per token
         assert m["version_min"] is None or m["version_min"] >= n - K, (n, m)
         b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", n))
@@ -152,9 +173,13 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
     rng = random.Random(seed)
     pol = f"orchestrator.stale_policy={policy}"
     max_steps, restart = 8, 0
+    # release: groups of 4 whose rollouts finish apart, so parts are trained before their stragglers
+    G, spread = (4, 1.5) if policy == "release" else (2, 0.0)
+    pol = (pol, f"orchestrator.group_size={G}")
     for _ in range(3):
         first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]  # the checkpoint resumed from
-        orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
+        orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20",
+                             *pol, spread=spread)
         orch.sampler.tracker.version = first
         asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart, kill_after=rng.uniform(0.05, 0.6)))
         with open(tmp_path / "rollouts" / "groups.jsonl", "a") as f:
@@ -167,18 +192,21 @@ def test_killed_at_random_moments_every_started_group_is_trained_once_or_counted
             from rl.contract import paths
             paths.done_file(tmp_path).unlink(missing_ok=True)
         restart += 1
-    in_flight_at_crash, _ = resume_order(tmp_path)
+    in_flight_at_crash, _ = resume_order(tmp_path, G)
     first = (exchange.list_steps(tmp_path, "rollouts") or [0])[-1]
-    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20", pol)
+    orch = _orchestrator(tmp_path, "env.digits.latency_outlier_prob=0.1", "env.digits.latency_outlier_factor=20",
+                         *pol, spread=spread)
     orch.sampler.tracker.version = first
     pool = asyncio.run(_run(orch, tmp_path, max_steps, first=first, restart=restart))
-    metas, started, dropped = _check_exactly_once(tmp_path, max_steps)
+    metas, started, dropped = _check_exactly_once(tmp_path, max_steps, G)
     # the groups the crashes interrupted were played again (first), not skipped
     trained = trained_group_ids(tmp_path)
     assert all(g in trained or g in dropped for g in in_flight_at_crash)
     assert pool.totals["retried"] == len(in_flight_at_crash)
     if policy != "drop":  # nothing goes stale whole: only the end-of-run drain drops groups
         assert {e["reason"] for e in GroupLog.read(tmp_path) if e["event"] == "drop"} <= {"drain"}
+    if policy == "release":  # groups were trained in parts, across the kills too
+        assert any(m["partial_groups"] for m in metas.values())
 
 
 def test_resume_order_reads_the_log_and_the_surviving_batches(tmp_path):
@@ -389,7 +417,7 @@ def test_masked_stale_tokens_never_reach_the_trainers_loss(tmp_path, monkeypatch
 def test_stale_policy_and_max_inflight_in_rollouts_are_checked(tmp_path):
     from rl.contract.config import ConfigError
     assert compose_cfg(tmp_path, "orchestrator.stale_policy=admit")["orchestrator"]["stale_policy"] == "admit"
-    with pytest.raises(ConfigError, match="must be drop, mask or admit"):
+    with pytest.raises(ConfigError, match="must be drop, mask, admit or release"):
         compose_cfg(tmp_path, "orchestrator.stale_policy=keep")
     with pytest.raises(ConfigError, match="counts rollouts"):  # an old value in groups below group_size
         compose_cfg(tmp_path, "orchestrator.group_size=8", "orchestrator.max_inflight=4")
