@@ -56,14 +56,18 @@ class World:
         self.history = [(0.0, 0)]  # (monotonic time, version) as the servers switched
         self.generated = 0
         self.by_group: dict = {}  # group id (the pool's; None in batch mode) -> tokens generated
+        self.by_rollout: dict = {}  # (group id, rollout index) -> tokens generated
         self.gen_s, self.gen_tokens, self.tool_s, self.tool_planned = 0.0, 0, 0.0, 0.0  # for launch.simulate
 
     def count(self, n: int) -> None:
         from rl.orchestrator import accounting as pool
-        g = pool.GROUP.get()
+        g, r = pool.GROUP.get(), pool.ROLLOUT.get()
         gid = g.gid if g is not None else None
         self.generated += n
         self.by_group[gid] = self.by_group.get(gid, 0) + n
+        # per rollout too: a drop under stale_policy=release may cover some of a group's rollouts only
+        i = next((i for i, x in g.rollouts.items() if x is r), None) if g is not None else None
+        self.by_rollout[(gid, i)] = self.by_rollout.get((gid, i), 0) + n
 
     def version_at(self, t: float) -> int:
         v = self.history[0][1]
@@ -284,7 +288,7 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
         orch.watcher.cancel()
         trainer.cancel()
         await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
-    return {"server_generated": world.generated, "by_group": world.by_group, "env": orch.sampler.env,
+    return {"server_generated": world.generated, "by_group": world.by_group, "by_rollout": world.by_rollout, "env": orch.sampler.env,
             "max_lag_trainer": max_lag, "world": world}
 
 

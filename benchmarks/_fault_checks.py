@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from rl import exchange  # noqa: E402
+from rl.contract import paths  # noqa: E402
 from rl.faults import read_log  # noqa: E402
 import _fault_slurm  # noqa: E402
 from _fault_trial import ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes, wait_until  # noqa: E402
@@ -158,23 +161,30 @@ def check_exactly_once(trial: Trial, fail) -> None:
         if not (got == want == e.get("sha256")):
             fail(f"rollouts/step_{e['step']:06d}: trained sha256 {str(e.get('sha256'))[:12]}, file {got[:12]}, "
                  f"manifest {want[:12]}")
+    # per rollout: under stale_policy=release a group may be trained in parts over several batches
+    # (`entries`) and a drop may cover some of its rollouts only (`rollouts`)
+    G = int(OmegaConf.load(paths.config_file(run_dir)).orchestrator.group_size)
     events = exchange.read_jsonl(run_dir / "rollouts" / "groups.jsonl")
     started = {int(e["group"]) for e in events if e.get("event") == "start"}
-    dropped = {int(e["group"]) for e in events if e.get("event") == "drop"}
-    trained: dict[int, int] = {}
+    dropped = {(int(e["group"]), int(i)) for e in events if e.get("event") == "drop"
+               for i in (e.get("rollouts") or range(G))}
+    trained: dict[tuple[int, int], int] = {}
     for n in range(steps):
         meta = json.loads((exchange.step_dir(run_dir, "rollouts", n) / "meta.json").read_text())
-        for g in meta.get("group_ids") or []:
-            if int(g) in trained:
-                fail(f"group {g} trained in rollouts/step_{trained[int(g)]:06d} and step_{n:06d}")
-            trained[int(g)] = n
-    if lost := sorted(started - dropped - set(trained)):
-        fail(f"groups started but neither trained nor dropped: {lost[:10]}")
-    if ghost := sorted(set(trained) - started):
+        for g, idx in meta.get("entries") or [[g, range(G)] for g in meta.get("group_ids") or []]:
+            for i in idx:
+                if (int(g), int(i)) in trained:
+                    fail(f"group {g} rollout {i} trained in rollouts/step_{trained[(int(g), int(i))]:06d} and "
+                         f"step_{n:06d}")
+                trained[(int(g), int(i))] = n
+    every = {(g, i) for g in started for i in range(G)}
+    if lost := sorted(every - dropped - set(trained)):
+        fail(f"rollouts (group, index) started but neither trained nor dropped: {lost[:10]}")
+    if ghost := sorted({g for g, _ in trained} - started):
         fail(f"trained groups never logged as started: {ghost[:10]}")
     if both := sorted(set(trained) & dropped):
-        fail(f"groups both trained and dropped: {both[:10]}")
-    trial.groups = (len(started), len(trained), len(dropped))
+        fail(f"rollouts (group, index) both trained and dropped: {both[:10]}")
+    trial.groups = (len(started), len({g for g, _ in trained}), len({g for g, _ in dropped}))
 
 
 def landed_after(trial: Trial) -> None:

@@ -136,7 +136,7 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
     ms = read_metrics(run_dir)
     span = ms[-1]["time"] - ms[0]["time"]
     lags: dict[int, int] = {}
-    trained_tokens, trained_groups, masked = 0, [], 0
+    trained_tokens, masked = 0, 0
     trained_rollouts: set[tuple[int, int]] = set()  # (group, rollout) with at least one trained token
     for n in exchange.list_steps(run_dir, "rollouts"):
         b = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", n))
@@ -147,7 +147,6 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
         masked += int(b.meta.get("masked_tokens", 0))
         # per entry (dense group number): its group and rollout indices (a part of a group under release)
         ents = b.meta.get("entries") or [[g, None] for g in b.meta.get("group_ids") or []]
-        trained_groups += [g for g, _ in ents]
         seen: dict[int, int] = {}
         for si in range(b.num_samples):  # samples of an entry are its rollouts in order
             gi = int(b.groups[si])
@@ -160,7 +159,13 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
     events = GroupLog.read(run_dir)
     drops = [e for e in events if e["event"] == "drop"]
     by_group = out["by_group"]  # the server's count: partial generations of cancelled requests included
-    by = lambda reason, where=None: sum(by_group.get(e["group"], 0) for e in drops  # noqa: E731
+    by_rollout = out.get("by_rollout", {})
+
+    def lost_by(e):   # a drop listing `rollouts` (release: the group's other rollouts were trained) drops those
+        if "rollouts" in e:
+            return sum(by_rollout.get((e["group"], i), 0) for i in e["rollouts"])
+        return by_group.get(e["group"], 0)
+    by = lambda reason, where=None: sum(lost_by(e) for e in drops  # noqa: E731
                                         if e["reason"] == reason and (where is None or e.get("where") == where))
     gen = out["server_generated"]
     drain = by("drain")
@@ -175,13 +180,16 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
            "wasted_token_fraction": lost / max(gen - drain, 1), "drain_fraction": drain / max(gen, 1),
            **{f"waste_{k}": v / max(gen - drain, 1) for k, v in waste.items()}}
     learning_summary(res, [m.get("policy_reward") for m in ms])
+    for kind in ("whole", "part", "rest"):   # where the masked tokens were (the pool's own count)
+        res[f"masked_{kind}"] = sum(m.get(f"orchestrator/masked_tokens_{kind}", 0) for m in ms) / max(gen - drain, 1)
     if events:  # the pool: lengths from the plans of started (not drained) vs trained groups
         plans = episode_plans(run_dir, cfg, out["env"], model, a)
-        drained = {e["group"] for e in drops if e["reason"] == "drain"}
-        started = [x for g, xs in plans.items() if g not in drained for x in xs]
+        drained = {e["group"] for e in drops if e["reason"] == "drain" and "rollouts" not in e}
+        drained_r = {(e["group"], i) for e in drops if e["reason"] == "drain"   # per rollout (release)
+                     for i in e.get("rollouts") or range(len(plans.get(e["group"], [])))}
+        started = [x for g, xs in plans.items() for i, x in enumerate(xs) if (g, i) not in drained_r]
         # a rollout masked whole is as good as dropped: trained = at least one token trained
-        trained = [x for g in dict.fromkeys(trained_groups) for i, x in enumerate(plans.get(g, []))
-                   if (g, i) in trained_rollouts]
+        trained = [x for g, xs in plans.items() for i, x in enumerate(xs) if (g, i) in trained_rollouts]
         dropped_groups = len({e["group"] for e in drops if e["reason"] != "drain"})
         res["dropped_fraction"] = dropped_groups / max(len(plans) - len(drained), 1)
     else:  # batch mode: every group it samples is awaited; lengths from the trained groups' tasks
@@ -392,8 +400,10 @@ def main(argv=None) -> int:
                     print(f"{model:8s} {mode:16s} {res['steps_per_hour']:7.0f} steps/h  idle {res['trainer_idle']:5.1%}  "
                           f"lag {res['lag_mean']:.2f}/{res['max_trained_lag']}  wasted {res['wasted_token_fraction']:6.1%} "
                           f"(stale {res.get('waste_stale', 0):.1%} cancel {res.get('waste_cancelled', 0):.1%} "
-                          f"env {res.get('waste_environment', 0):.1%} masked {res.get('waste_masked', 0):.1%}; "
-                          f"drain {res['drain_fraction']:.1%})  dropped {res['dropped_fraction']:5.1%}  "
+                          f"env {res.get('waste_environment', 0):.1%} masked {res.get('waste_masked', 0):.1%}"
+                          + (f" = whole groups {res['masked_whole']:.1%} + parts {res['masked_part']:.1%} + rests "
+                             f"{res['masked_rest']:.1%}" if mode == "release" else "") + "; "
+                          + f"drain {res['drain_fraction']:.1%})  dropped {res['dropped_fraction']:5.1%}  "
                           f"len ratio {res['length_ratio']:.3f}"
                           + (f" (s {res['trained_s_mean']:.2f}/{res['started_s_mean']:.2f} p90 "
                              f"{res['trained_s_p90']:.2f}/{res['started_s_p90']:.2f}, tok "
@@ -409,7 +419,8 @@ def main(argv=None) -> int:
                         print(f"{'':25s} launch.simulate: {res['predicted_steps_per_hour']:.0f} steps/h predicted, "
                               f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f}); wasted "
                               f"{res['sim_wasted']:.1%} predicted, {res['sim_sibling_wait_waste']:.1%} of the tokens "
-                              f"masked in rollouts that had finished and waited for a sibling (waits median "
+                              f"masked in rollouts that had finished and waited for a sibling"
+                              f"{' (release is simulated as mask)' if mode == 'release' else ''} (waits median "
                               f"{res['sim_sibling_wait_s'][0]:.2f} s, p90 {res['sim_sibling_wait_s'][1]:.2f} s)", flush=True)
     med = {key: {f: statistics.median(x[f] for x in rs) for f in rs[0] if isinstance(rs[0][f], (int, float))}
            for key, rs in results.items()}

@@ -49,7 +49,7 @@ class SimConfig:
     group_size: int
     max_off_policy: int
     schedule: str = "continuous"        # continuous | batch
-    stale_policy: str = "mask"          # drop | mask | admit (admit simulated as mask)
+    stale_policy: str = "release"       # drop | mask | admit | release (admit and release simulated as mask)
     max_inflight: int | None = None     # rollouts; None = prompts * group * (k + 1)
     max_concurrency: int = 64           # generation requests in flight
     env_concurrency: int = 8            # environment calls at once

@@ -193,8 +193,11 @@ class OrchestratorConfig:
     # What happens to tokens older than max_off_policy (docs/async.md): `drop` cancels / drops the whole
     # group (biased against long episodes); `mask` keeps the episode and gives only its stale tokens loss
     # mask 0; `admit` is mask plus admission control (a group starts only when its predicted duration lets
-    # it finish within the bound).
-    stale_policy: str = "mask"
+    # it finish within the bound); `release` is mask without the group barrier: a group's finished
+    # rollouts are trained before their straggling siblings, at the last batch within the bound, against
+    # the siblings finished by then (rl/orchestrator/groups.py). The default: measured to waste the least
+    # and learn as mask does (docs/async.md).
+    stale_policy: str = "release"
     # Who gets a freed request or environment slot (rl/orchestrator/slots.py): `oldest` serves the waiter
     # whose group started at the oldest policy version first (it goes stale first); `fifo` first come.
     slot_order: str = "oldest"

@@ -83,6 +83,7 @@ class Group:
     done: dict[int, Sample] = field(default_factory=dict)       # finished rollouts' samples, as reported
     released: dict[int, float] = field(default_factory=dict)    # index -> reward, trained in an earlier part
     complete: bool = True    # as a batch entry: the group has no rollout left after it
+    _checked: dict[int, tuple[int, bool]] = field(default_factory=dict, repr=False)   # releasable()'s cache
 
     @property
     def open(self) -> int:
@@ -115,19 +116,29 @@ class Group:
         """Finished rollouts to train in batch n as a part (stale_policy=release): n is the last batch
         their oldest token may enter, a sibling is still running (a group finishing whole joins the
         ready queue instead), and the part has a baseline (two rollouts, or siblings trained earlier)."""
+        if offpolicy.last_batch(self.start_version, k) > n:   # cheap: no token is older than the start
+            return []
         idx = [i for i in self.rollouts if i in self.done]
         if not idx or len(idx) == len(self.rollouts) or (len(idx) < 2 and not self.released):
             return []
-        samples = [self.done[i] for i in idx]
-        if offpolicy.last_batch(min_version(samples, self.start_version), k) > n:
+        for i in idx:   # per rollout once (episodes are long): its oldest version, and whether it is finite
+            if i not in self._checked:
+                s = self.done[i]
+                self._checked[i] = (min_version([s], self.start_version), check_finite([s]) is None)
+        if offpolicy.last_batch(min(self._checked[i][0] for i in idx), k) > n:
             return []
-        return idx if check_finite(samples) is None else []   # a bad one fails its group at the end
+        return idx if all(self._checked[i][1] for i in idx) else []   # a bad one fails its group at the end
+
+    def oldest_of(self, idx: list[int]) -> int:
+        """The oldest version among rollouts `idx` (those releasable() returned)."""
+        return min(self._checked[i][0] for i in idx)
 
     def split(self, idx: list[int], version: int) -> "Group":
         """Release rollouts `idx` into a part (a batch entry) and keep the others in flight."""
         samples = [self.done.pop(i) for i in idx]
         accts = {i: self.rollouts.pop(i) for i in idx}
         part = replace(self, handle=None, samples=samples, rollouts=accts, done={}, released=dict(self.released),
+                       _checked={},
                        finished=self.started + max(a.seconds or 0.0 for a in accts.values()),
                        finish_version=version, oldest=min_version(samples, self.start_version),
                        complete=False, on_rollout_done=None)

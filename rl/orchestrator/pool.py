@@ -362,7 +362,7 @@ class ContinuousPool:
             for g in self.inflight.values():
                 if idx := g.releasable(n, self.k):
                     usable.append((g, idx))
-        usable.sort(key=lambda e: (e[0].oldest if e[1] is None else min_version([e[0].done[i] for i in e[1]], 0),
+        usable.sort(key=lambda e: (e[0].oldest if e[1] is None else e[0].oldest_of(e[1]),
                                    e[0].gid))
         need = self.per_batch * (self.group_size if self.releasing else 1)
         size = (lambda e: len(e[0].rollouts) if e[1] is None else len(e[1])) if self.releasing else (lambda e: 1)
@@ -394,14 +394,20 @@ class ContinuousPool:
             return False
         return any(offpolicy.last_batch(g.start_version, self.k) <= n for g in self.inflight.values())
 
-    def _mask(self, n: int, groups: list[Group]) -> int:
-        """Mask the taken groups' tokens older than n - k (mask/admit); the bound then holds per token."""
+    def _mask(self, n: int, groups: list[Group]) -> dict:
+        """Mask the taken groups' tokens older than n - k (mask/admit/release); the bound then holds per
+        token. Counted by entry: whole groups, parts (release) and the rests of groups trained in parts."""
+        by = {"masked_tokens": 0, "masked_tokens_whole": 0, "masked_tokens_part": 0, "masked_tokens_rest": 0}
         if not self.masking:
-            return 0
-        masked = sum(mask_stale(g.samples, offpolicy.oldest_version(n, self.k)) for g in groups)
-        self.stats.tokens["masked"] += masked
-        self.totals["masked_tokens"] += masked
-        return masked
+            return by
+        for g in groups:
+            m = mask_stale(g.samples, offpolicy.oldest_version(n, self.k))
+            kind = "part" if not g.complete else "rest" if g.released else "whole"
+            by["masked_tokens"] += m
+            by[f"masked_tokens_{kind}"] += m
+        self.stats.tokens["masked"] += by["masked_tokens"]
+        self.totals["masked_tokens"] += by["masked_tokens"]
+        return by
 
     def _meta(self, n: int, groups: list[Group]) -> dict:
         self._account()
@@ -495,8 +501,7 @@ class ContinuousPool:
                         pass
                     continue
                 masked = self._mask(n, groups)
-                meta = self._meta(n, groups)
-                meta["masked_tokens"] = masked
+                meta = {**self._meta(n, groups), **masked}
                 self.publish(n, [g.samples for g in groups], meta, [g.baseline for g in groups])
                 self.high = max(self.high, n)
                 self.requeued_for.discard(n)
