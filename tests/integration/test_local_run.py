@@ -150,8 +150,9 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
                  "env.digits.latency_median_s=0.2", "env.digits.latency_outlier_prob=0.1",
                  "env.digits.latency_outlier_factor=300", f"orchestrator.drain_timeout_s={DRAIN_S}",
                  # the behaviour this test is about: one-minute stragglers cancelled once stale. Under the
-                 # default `release` policy (as under `mask`) no spare group is started, so with 0.2 s trainer steps every batch
-                 # waited for its slowest group (measured 33-130 s per step here): docs/async.md
+                 # default `release` policy (as under `mask`) no spare group is started, so with 0.2 s
+                 # trainer steps every batch waited for its slowest group (measured 33-130 s per step
+                 # here): docs/async.md
                  "orchestrator.stale_policy=drop",
                  # grading now holds an env_concurrency slot (default 8): eight one-minute stragglers
                  # would stall every other group's grading; the test is about the pool, not that limit
