@@ -311,7 +311,9 @@ def common_overrides(a, model: str, seed: int) -> list[str]:
     o = "orchestrator."
     c = [f"seed={seed}", f"trainer.max_steps={a.steps}", f"{o}prompts_per_step={a.prompts}",
          f"{o}group_size={a.group_size}", f"{o}max_concurrency={a.max_concurrency}",
-         f"{o}env_concurrency={a.env_concurrency}", f"{o}request_timeout_s=300", f"{o}drain_timeout_s=5"]
+         f"{o}env_concurrency={a.env_concurrency}", f"{o}request_timeout_s=300", f"{o}drain_timeout_s=5",
+         # the servers may still be on any of the last max_off_policy + 1 versions (the config check)
+         f"trainer.keep_weights={max(3, a.max_off_policy + 1)}"]
     if model == "grading":
         c += [f"env.digits.latency_median_s={a.latency_median_s}", "env.digits.latency_sigma=0.5",
               f"env.digits.latency_outlier_prob={a.outlier_prob}",
