@@ -146,6 +146,27 @@ class Group:
         return part
 
 
+def choose(ready: list[Group], inflight: list[Group], n: int, k: int, per_batch: int,
+           group_size: int | None) -> list[tuple[Group, list[int] | None]] | None:
+    """Batch n's entries, the oldest first (they go stale first): (ready group, None) or (in-flight
+    group, the rollouts to release as a part). With `group_size` None, prompts_per_step whole groups;
+    else (release) entries until the batch holds per_batch * group_size rollouts, the in-flight groups'
+    releasable rollouts competing with the ready groups. None: not enough yet."""
+    usable: list[tuple[Group, list[int] | None]] = [(g, None) for g in ready]
+    for g in inflight:
+        if idx := g.releasable(n, k):
+            usable.append((g, idx))
+    usable.sort(key=lambda e: (e[0].oldest if e[1] is None else e[0].oldest_of(e[1]), e[0].gid))
+    need = per_batch * (group_size or 1)
+    taken, have = [], 0
+    for g, idx in usable:
+        if have >= need:
+            break
+        taken.append((g, idx))
+        have += 1 if group_size is None else len(g.rollouts) if idx is None else len(idx)
+    return taken if have >= need else None
+
+
 def entries_meta(groups: list[Group]) -> dict:
     """What a batch trains, per rollout (see the module docstring): `entries`, `group_ids`, `partial_groups`."""
     return {"group_ids": [g.gid for g in groups if g.complete],

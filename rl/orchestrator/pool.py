@@ -71,7 +71,7 @@ from rl.contract import offpolicy, paths
 from rl.orchestrator.accounting import (GROUP, WASTE, PoolStats, RolloutAcct, length_stats, mask_stale,
                                         min_version, policy_tokens)
 from rl.orchestrator.grouplog import GroupLog, partial_rollouts, resume_order, unresolved
-from rl.orchestrator.groups import DurationModel, Group, entries_meta, task_key
+from rl.orchestrator.groups import DurationModel, Group, choose, entries_meta, task_key
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
@@ -357,22 +357,10 @@ class ContinuousPool:
         release, the finished rollouts of in-flight groups for which n is the last batch within the
         bound compete as parts (rl/orchestrator/groups.py), and the batch takes entries, oldest first,
         until it holds prompts_per_step * group_size rollouts."""
-        usable = [(g, None) for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)]
-        if self.releasing:
-            for g in self.inflight.values():
-                if idx := g.releasable(n, self.k):
-                    usable.append((g, idx))
-        usable.sort(key=lambda e: (e[0].oldest if e[1] is None else e[0].oldest_of(e[1]),
-                                   e[0].gid))
-        need = self.per_batch * (self.group_size if self.releasing else 1)
-        size = (lambda e: len(e[0].rollouts) if e[1] is None else len(e[1])) if self.releasing else (lambda e: 1)
-        taken, have = [], 0
-        for e in usable:
-            if have >= need:
-                break
-            taken.append(e)
-            have += size(e)
-        if have < need:
+        usable = [g for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)]
+        taken = choose(usable, list(self.inflight.values()) if self.releasing else [], n, self.k,
+                       self.per_batch, self.group_size if self.releasing else None)
+        if taken is None:
             return None
         out = []
         for g, idx in taken:
