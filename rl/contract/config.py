@@ -198,6 +198,10 @@ class OrchestratorConfig:
     # the siblings finished by then (rl/orchestrator/groups.py). The default: measured to waste the least
     # and learn as mask does (docs/async.md).
     stale_policy: str = "release"
+    # Under release, while the trainer waits for batch n, the finished rollouts of any in-flight group may
+    # fill it (not only of groups for which n is the last batch within the bound): the trainer does not
+    # idle while a batch's worth of rollouts is finished (docs/async.md has what it costs and gains).
+    release_on_wait: bool = True
     # Who gets a freed request or environment slot (rl/orchestrator/slots.py): `oldest` serves the waiter
     # whose group started at the oldest policy version first (it goes stale first); `fifo` first come.
     slot_order: str = "oldest"

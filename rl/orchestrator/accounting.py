@@ -126,6 +126,7 @@ class PoolStats:
     cancelled: int = 0       # in-flight groups that went stale (requests aborted)
     failed: int = 0          # the environment failed
     parts: int = 0           # parts of in-flight groups trained before their siblings (stale_policy=release)
+    parts_early: int = 0     # of them, released before their last batch: the trainer waited (release_on_wait)
     tokens: dict = field(default_factory=lambda: dict.fromkeys(WASTE + ("generated", "trained"), 0))
     occupancy_area: float = 0.0
     idle0: float = 0.0       # the servers' idle seconds so far, at the start

@@ -17,6 +17,12 @@ advantage `r_i - mean(R)` over the reference set R of finished siblings (`rl.orc
 that is the leave-one-out baseline scaled by (|R| - 1) / |R|, a constant given the others. A part needs
 at least one sibling for its baseline: a first part holds at least two rollouts.
 
+While the trainer waits for batch n (`orchestrator.release_on_wait`, on by default), n does not wait for
+whole groups either: after the ready groups and the due parts, the finished rollouts of any in-flight
+group fill it (the groups with the most finished rollouts first, so groups are split as little as
+possible). Those rollouts are as fresh as any (their group started within the bound of n); the trainer
+does not idle while a batch's worth of rollouts is finished somewhere.
+
 Exactly once, per rollout: a batch's meta lists, per entry (its dense group number), the group id and
 the rollout indices it trains (`entries`); `group_ids` lists the groups the batch completes, and
 `partial_groups` the rollout indices and rewards of parts that do not. A group resumed after a restart
@@ -112,11 +118,12 @@ class Group:
         """The group's task returned `samples` for the rollouts `played`: keep those not released."""
         self.samples = [s for i, s in zip(played, samples) if i not in self.released]
 
-    def releasable(self, n: int, k: int) -> list[int]:
+    def releasable(self, n: int, k: int, early: bool = False) -> list[int]:
         """Finished rollouts to train in batch n as a part (stale_policy=release): n is the last batch
-        their oldest token may enter, a sibling is still running (a group finishing whole joins the
-        ready queue instead), and the part has a baseline (two rollouts, or siblings trained earlier)."""
-        if offpolicy.last_batch(self.start_version, k) > n:   # cheap: no token is older than the start
+        their oldest token may enter (any batch with `early`: the trainer waits), a sibling is still
+        running (a group finishing whole joins the ready queue instead), and the part has a baseline (two
+        rollouts, or siblings trained earlier)."""
+        if not early and offpolicy.last_batch(self.start_version, k) > n:   # no token is older than the start
             return []
         idx = [i for i in self.rollouts if i in self.done]
         if not idx or len(idx) == len(self.rollouts) or (len(idx) < 2 and not self.released):
@@ -125,7 +132,7 @@ class Group:
             if i not in self._checked:
                 s = self.done[i]
                 self._checked[i] = (min_version([s], self.start_version), check_finite([s]) is None)
-        if offpolicy.last_batch(min(self._checked[i][0] for i in idx), k) > n:
+        if not early and offpolicy.last_batch(min(self._checked[i][0] for i in idx), k) > n:
             return []
         return idx if all(self._checked[i][1] for i in idx) else []   # a bad one fails its group at the end
 
@@ -147,16 +154,22 @@ class Group:
 
 
 def choose(ready: list[Group], inflight: list[Group], n: int, k: int, per_batch: int,
-           group_size: int | None) -> list[tuple[Group, list[int] | None]] | None:
+           group_size: int | None, early: bool = False) -> list[tuple[Group, list[int] | None]] | None:
     """Batch n's entries, the oldest first (they go stale first): (ready group, None) or (in-flight
     group, the rollouts to release as a part). With `group_size` None, prompts_per_step whole groups;
     else (release) entries until the batch holds per_batch * group_size rollouts, the in-flight groups'
-    releasable rollouts competing with the ready groups. None: not enough yet."""
+    releasable rollouts competing with the ready groups; with `early` (the trainer waits for n), then
+    the finished rollouts of the other in-flight groups, the largest parts first. None: not enough yet."""
     usable: list[tuple[Group, list[int] | None]] = [(g, None) for g in ready]
+    due = set()
     for g in inflight:
         if idx := g.releasable(n, k):
             usable.append((g, idx))
+            due.add(g.gid)
     usable.sort(key=lambda e: (e[0].oldest if e[1] is None else e[0].oldest_of(e[1]), e[0].gid))
+    if early:
+        more = [(g, idx) for g in inflight if g.gid not in due and (idx := g.releasable(n, k, early=True))]
+        usable += sorted(more, key=lambda e: (-len(e[1]), e[0].oldest_of(e[1]), e[0].gid))
     need = per_batch * (group_size or 1)
     taken, have = [], 0
     for g, idx in usable:

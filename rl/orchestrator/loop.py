@@ -131,6 +131,7 @@ class Orchestrator:
         while not self.stop.is_set():
             latest = exchange.latest_complete(self.run_dir, paths.WEIGHTS)
             if latest is not None and latest > self.sampler.tracker.version:
+                self.sampler.tracker.on_published(latest)   # the trainer now waits for batch `latest`
                 try:
                     await self._update_to(latest)
                     failures = 0

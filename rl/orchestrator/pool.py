@@ -122,6 +122,7 @@ class ContinuousPool:
         self.inflight: dict[int, Group] = {}
         self.ready: list[Group] = []
         self.wake = asyncio.Event()
+        sampler.tracker.listeners.append(self.wake.set)   # a new version: a held batch may form
         self.error: BaseException | None = None
         self.fail_streak = 0
         self.stats = PoolStats(idle0=sampler.idle.idle_s())
@@ -196,7 +197,7 @@ class ContinuousPool:
         window only reopens once n is trained), so nothing waits forever and no prompt is skipped."""
         if self.policy != "admit" or self.step_s is None:
             return True
-        if n is not None and n <= self.sampler.tracker.version:
+        if n is not None and self._trainer_waits(n):
             return True
         pred = self.durations.predict(task_key(task))
         if pred is None:
@@ -358,8 +359,9 @@ class ContinuousPool:
         bound compete as parts (rl/orchestrator/groups.py), and the batch takes entries, oldest first,
         until it holds prompts_per_step * group_size rollouts."""
         usable = [g for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)]
+        early = self.releasing and bool(getattr(self.o, "release_on_wait", True)) and self._trainer_waits(n)
         taken = choose(usable, list(self.inflight.values()) if self.releasing else [], n, self.k,
-                       self.per_batch, self.group_size if self.releasing else None)
+                       self.per_batch, self.group_size if self.releasing else None, early)
         if taken is None:
             return None
         out = []
@@ -368,17 +370,23 @@ class ContinuousPool:
                 self.ready.remove(g)
                 out.append(g)
             else:
+                self.stats.parts_early += offpolicy.last_batch(g.oldest_of(idx), self.k) > n
                 out.append(g.split(idx, self.sampler.tracker.version))
                 self.stats.parts += 1
                 self.totals["parts"] += 1
         return out
+
+    def _trainer_waits(self, n: int) -> bool:
+        """The trainer has published version n: it is done with n - 1 and waits for batch n (the servers
+        may still be loading n; a pool that waited for them would idle the trainer for the reload)."""
+        return n <= self.sampler.tracker.published
 
     def _hold(self, n: int) -> bool:
         """mask/admit: while the trainer does not need batch n yet (it is still training an earlier one),
         wait for in-flight groups for which n is the last batch within the bound: formed without them, n
         would push them into a later batch with their oldest tokens masked. Once the trainer waits for n,
         n is formed from what is ready, as ever."""
-        if not self.masking or n <= self.sampler.tracker.version:
+        if not self.masking or self._trainer_waits(n):
             return False
         return any(offpolicy.last_batch(g.start_version, self.k) <= n for g in self.inflight.values())
 
@@ -418,6 +426,7 @@ class ContinuousPool:
         wasted_total = sum(t[f"{k}_tokens"] for k in WASTE)
         meta = {**entries_meta(groups), "cancelled_groups": st.cancelled,
                 "released_parts": st.parts, "released_parts_total": self.totals["parts"],
+                "released_parts_early": st.parts_early,
                 "dropped_groups": st.dropped, "failed_groups": st.failed,
                 "cancelled_groups_total": self.totals["cancelled"], "dropped_groups_total": self.totals["dropped"],
                 "inflight_lag_mean": sum(flight) / len(flight), "inflight_lag_max": max(flight),
@@ -496,5 +505,6 @@ class ContinuousPool:
                 runtime.progress()
         finally:
             runtime.progress()
+            self.sampler.tracker.listeners.remove(self.wake.set)
             if self.inflight:
                 await self.drain("stop" if self.stop.is_set() else "drain", next_missing() or self.max_steps)

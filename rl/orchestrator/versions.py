@@ -24,11 +24,27 @@ class _Req:
 
 
 class VersionTracker:
+    """`version` is what the servers generate with; `published` the newest version the trainer has
+    published (seen by the weight watcher, possibly still loading): from then on the trainer waits for
+    batch `published`, whatever the servers run. Listeners are called on either change (the pool wakes)."""
+
     def __init__(self, version: int):
         self.version = version
+        self._published = version
         self._reqs: dict[str, _Req] = {}
         self.ambiguous = 0
         self.loaded_at: float | None = None   # when the servers got the current version (monotonic)
+        self.listeners: list = []
+
+    @property
+    def published(self) -> int:
+        return max(self._published, self.version)
+
+    def on_published(self, version: int) -> None:
+        if version > self.published:
+            self._published = version
+            for f in self.listeners:
+                f()
 
     def start(self, request_id: str) -> None:
         self._reqs[request_id] = _Req(self.version)
@@ -41,6 +57,8 @@ class VersionTracker:
                 self.ambiguous += 1
         self.version = new_version
         self.loaded_at = time.monotonic()
+        for f in self.listeners:
+            f()
 
     def finish(self, request_id: str, n_tokens: int) -> list[int]:
         """Per-token versions of a finished request's `n_tokens` completion tokens."""

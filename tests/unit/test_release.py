@@ -109,3 +109,27 @@ def test_a_resumed_group_plays_only_the_rollouts_no_surviving_batch_trained(tmp_
     r = b.rewards[b.groups == j]
     np.testing.assert_allclose(b.advantages[b.groups == j], _expected(r, list(r) + [2.0, 0.0]), atol=1e-5)
     assert 0 in entries[n]["group_ids"]
+
+
+def _inflight(gid, start_version, finished, size=4):
+    """An in-flight group of `size` rollouts of which `finished` are done (generated at start_version)."""
+    from rl.contract.batch import Sample
+    from rl.orchestrator.accounting import RolloutAcct
+    from rl.orchestrator.groups import Group
+    g = Group(gid=gid, task={}, start_version=start_version, started=0.0, oldest=start_version,
+              rollouts={i: RolloutAcct(tokens=2, seconds=(1.0 if i < finished else None)) for i in range(size)})
+    g.done = {i: Sample([1], [2, 3], [-0.5, -0.5], [start_version] * 2, float(i), gid) for i in range(finished)}
+    return g
+
+
+def test_while_the_trainer_waits_any_groups_finished_rollouts_fill_the_batch():
+    """release_on_wait: batch 5 (k = 2) is due only for groups started at version 3; with `early` the
+    finished rollouts of younger groups fill it too, after the due ones, the largest parts first, and a
+    lone finished rollout with no trained sibling never goes."""
+    from rl.orchestrator.groups import choose
+    due, older, larger, lone = _inflight(1, 3, 3), _inflight(2, 4, 2), _inflight(3, 5, 3), _inflight(4, 4, 1)
+    groups = [older, lone, larger, due]
+    assert choose([], groups, 5, 2, per_batch=2, group_size=4) is None   # the trainer busy: n waits
+    taken = choose([], groups, 5, 2, per_batch=2, group_size=4, early=True)
+    assert [(g.gid, idx) for g, idx in taken] == [(1, [0, 1, 2]), (3, [0, 1, 2]), (2, [0, 1])]
+    assert choose([], [lone, older], 5, 2, per_batch=1, group_size=4, early=True) is None

@@ -40,3 +40,17 @@ def test_groups_outside_the_off_policy_bound_are_dropped():
     assert not within_off_policy_bound([s([4])], step=5, max_off_policy=0)  # fully on-policy
     # observation tokens (mask 0, version -1) never count
     assert within_off_policy_bound([s([5, -1, 5], mask=[1, 0, 1])], step=5, max_off_policy=0)
+
+
+def test_published_runs_ahead_of_the_servers_and_wakes_the_listeners():
+    """The trainer waits for batch n from the moment it publishes version n, not once the servers load it."""
+    t = VersionTracker(2)
+    seen = []
+    t.listeners.append(lambda: seen.append((t.published, t.version)))
+    t.on_published(3)
+    t.on_published(3)          # no news: no wake
+    assert (t.published, t.version, seen) == (3, 2, [(3, 2)])
+    t.on_reload(3, {})
+    assert seen[-1] == (3, 3)
+    t.version = 5              # set directly (tests' stand-in trainers): published never lags it
+    assert t.published == 5
