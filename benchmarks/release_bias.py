@@ -15,11 +15,12 @@ Dr. GRPO advantages (no std: GRPO's division by the std is a biased heuristic of
 
 Schemes:
 - `whole`:    every group trained whole (the barrier; the reference);
-- `release`:  rl.orchestrator.advantages as `release` calls it today: a part against itself, the rest
-              against every sibling (the part's rewards as `baselines`);
-- `snapshot`: every rollout against the siblings finished at the time the part was formed (the
-              shorts, without itself), the whole group when that holds no sibling; the same function of
-              the siblings whatever the rollout did: what an unbiased `release` would use.
+- `release`:  rl.orchestrator.advantages as `release` calls it: a snapshot of the rollouts finished
+              when the part is formed (the shorts) is every rollout's baseline set, its siblings in it
+              (the whole group for one alone there); the same function of the siblings whatever the
+              rollout did;
+- `former`:   what `release` did until 2026-12-05: a part against itself, the rest against every
+              sibling, so a rollout's baseline depended on whether it was itself short.
 
     python benchmarks/release_bias.py [--group-size 4] [--p 0.6] [--good-short 0.8] [--good-long 0.2]
 
@@ -39,35 +40,34 @@ from rl.orchestrator.advantages import group_advantages  # noqa: E402
 
 
 def expected_gradients(G: int, p: float, good: dict[bool, float]) -> dict[str, float]:
-    out = {"whole": 0.0, "release": 0.0, "snapshot": 0.0}
-    c = (G - 1) / G
+    out = {"whole": 0.0, "release": 0.0, "former": 0.0}
     for short in itertools.product((True, False), repeat=G):
         p_len = np.prod([p if s else 1 - p for s in short])
         score = np.array([1 - p if s else -p for s in short])      # d log P(length) / d theta
         S = [i for i in range(G) if short[i]]
         L = [i for i in range(G) if not short[i]]
-        split = len(S) >= 2 and len(L) >= 1
         for wins in itertools.product((1.0, 0.0), repeat=G):
             pr = p_len * np.prod([good[s] if w else 1 - good[s] for s, w in zip(short, wins)])
             r = np.array(wins)
             whole = group_advantages(r, np.zeros(G, int), "drgrpo").astype(np.float64)
             out["whole"] += pr * whole @ score
-            if split:
-                order = S + L
-                a = np.empty(G)
-                a[order] = group_advantages(r[order], np.array([0] * len(S) + [1] * len(L)), "drgrpo",
-                                            baselines={1: list(r[S])})
-            else:
-                a = whole
-            out["release"] += pr * a @ score
-            snap = np.empty(G)
-            for i in range(G):   # the siblings finished when the part formed: the shorts, without i
-                sib = [j for j in S if j != i] if L else [j for j in range(G) if j != i]
-                sib = sib or [j for j in range(G) if j != i]
-                snap[i] = c * (r[i] - r[sib].mean())
-            out["snapshot"] += pr * snap @ score
+            snap = {i: float(r[i]) for i in S}
+            former = whole
+            if not L:              # finished whole before the snapshot
+                rel = whole
+            elif len(S) >= 2:      # the shorts as a part, the longs as the rest
+                rel = np.empty(G)
+                rel[S + L] = group_advantages(r[S + L], np.array([0] * len(S) + [1] * len(L)), "drgrpo",
+                                              refs={0: (snap, S, {}), 1: (snap, L, snap)}, group_size=G)
+                former = np.empty(G)
+                former[S], former[L] = r[S] - r[S].mean(), r[L] - r.mean()
+            else:                  # at most one short: trained whole, against the snapshot
+                rel = group_advantages(r, np.zeros(G, int), "drgrpo", refs={0: (snap, list(range(G)), {})},
+                                       group_size=G)
+            out["release"] += pr * rel @ score
+            out["former"] += pr * former @ score
     true = G * (good[True] - good[False]) * p * (1 - p)
-    return {k: v / (c * true) for k, v in out.items()}
+    return {k: v / ((G - 1) / G * true) for k, v in out.items()}
 
 
 def main(argv=None) -> int:

@@ -199,9 +199,9 @@ class OrchestratorConfig:
     # and learn as mask does (docs/async.md).
     stale_policy: str = "release"
     # Under release, while the trainer waits for batch n, the finished rollouts of any in-flight group may
-    # fill it (not only of groups for which n is the last batch within the bound): the trainer does not
-    # idle while a batch's worth of rollouts is finished (docs/async.md has what it costs and gains).
-    release_on_wait: bool = True
+    # fill it (not only of groups for which n is the last batch within the bound): fewer idle trainer
+    # seconds where inference is the bottleneck, for more stale tokens (docs/async.md has both measured).
+    release_on_wait: bool = False
     # Who gets a freed request or environment slot (rl/orchestrator/slots.py): `oldest` serves the waiter
     # whose group started at the oldest policy version first (it goes stale first); `fifo` first come.
     slot_order: str = "oldest"

@@ -57,28 +57,31 @@ def trained_group_ids(run_dir: Path) -> dict[int, int]:
     return {int(g): s for s, meta in _metas(run_dir) for g in meta.get("group_ids") or []}
 
 
-def _covered(run_dir: Path, group_size: int) -> tuple[dict[int, dict[int, float]], dict[int, set[int]], set[int]]:
+def _covered(run_dir: Path, group_size: int):
     """Per group: rollouts trained in a published batch's part ({index: reward}), rollouts recorded
-    dropped, and the groups a published batch completes."""
+    dropped, the groups a published batch completes, and the groups' baseline snapshots."""
     parts: dict[int, dict[int, float]] = {}
+    snaps: dict[int, dict[int, float]] = {}
     complete: set[int] = set()
     for _, meta in _metas(run_dir):
         complete.update(int(g) for g in meta.get("group_ids") or [])
+        for g, snap in (meta.get("snapshots") or {}).items():
+            snaps.setdefault(int(g), {int(i): float(r) for i, r in snap.items()})
         for g, part in (meta.get("partial_groups") or {}).items():
             parts.setdefault(int(g), {}).update(zip(map(int, part["rollouts"]), map(float, part["rewards"])))
     dropped: dict[int, set[int]] = {}
     for e in GroupLog.read(run_dir):
         if e.get("event") == "drop":   # a drop without `rollouts` drops the whole group
             dropped.setdefault(int(e["group"]), set()).update(e.get("rollouts") or range(group_size))
-    return parts, dropped, complete
+    return parts, dropped, complete, snaps
 
 
-def partial_rollouts(run_dir: Path, group_size: int) -> dict[int, tuple[dict[int, float], set[int]]]:
-    """{group: (rollouts trained in parts {index: reward}, rollouts dropped)} for the groups to play
-    again that are partly trained or dropped (stale_policy=release): a resumed group plays only its
-    other rollouts, with the trained ones' rewards in its baseline."""
-    parts, dropped, complete = _covered(run_dir, group_size)
-    return {g: (parts.get(g, {}), dropped.get(g, set())) for g in set(parts) | set(dropped)
+def partial_rollouts(run_dir: Path, group_size: int) -> dict[int, tuple[dict[int, float], set[int], dict | None]]:
+    """{group: (rollouts trained in parts {index: reward}, rollouts dropped, its baseline snapshot or
+    None)} for the groups to play again that are partly trained or dropped (stale_policy=release): a
+    resumed group plays only its other rollouts, against the snapshot its parts were trained against."""
+    parts, dropped, complete, snaps = _covered(run_dir, group_size)
+    return {g: (parts.get(g, {}), dropped.get(g, set()), snaps.get(g)) for g in set(parts) | set(dropped)
             if g not in complete and set(parts.get(g, {})) | dropped.get(g, set()) != set(range(group_size))}
 
 

@@ -8,26 +8,32 @@ was most of mask's waste (docs/async.md).
 
 `stale_policy=release` lifts it. When batch n is formed and an in-flight group's finished rollouts
 would pass the bound after n (n is the last batch their oldest token may enter), those rollouts are
-trained in n as a *part* of the group, with the siblings finished by then as their baseline; the
-group's other rollouts go on and are trained when they finish (the *rest*), with every sibling's reward
-as their baseline, the earlier part's included. The baseline of a rollout stays independent of its own
-actions: which siblings are finished is decided by the batch's time (the group's start version and the
-trainer) and by the siblings themselves, which are independent samples of the same prompt. With the
-advantage `r_i - mean(R)` over the reference set R of finished siblings (`rl.orchestrator.advantages`),
-that is the leave-one-out baseline scaled by (|R| - 1) / |R|, a constant given the others. A part needs
-at least one sibling for its baseline: a first part holds at least two rollouts.
+trained in n as a *part* of the group; its other rollouts go on and are trained when they finish (the
+*rest*), or in later parts.
 
-While the trainer waits for batch n (`orchestrator.release_on_wait`, on by default), n does not wait for
+The baseline: at the first batch a group is eligible for a part (n its last batch within the bound,
+or the trainer waiting, below), the rewards of its finished rollouts are kept as its *snapshot*, and
+every rollout of the group is taken against its siblings in the snapshot (`rl.orchestrator.advantages`),
+one that is alone there against every sibling once the group is complete (it waits for that). Why not
+"the siblings finished by the time the rollout is trained", which an earlier version used: whether a
+rollout is trained early depends on its own length, so its baseline depended on its own actions, and
+where reward and length go together (an agent that fails often runs to the turn limit) the gradient
+was biased, a third too small in benchmarks/release_bias.py's example. The snapshot's time is set by
+the group's start version and the trainer, not by the group's rollouts, so "my siblings in the
+snapshot" is the same function of the siblings whatever a rollout did: unbiased, at the cost of a
+smaller baseline set for the group's later rollouts.
+
+While the trainer waits for batch n (with `orchestrator.release_on_wait`, off by default), n does not wait for
 whole groups either: after the ready groups and the due parts, the finished rollouts of any in-flight
-group fill it (the groups with the most finished rollouts first, so groups are split as little as
-possible). Those rollouts are as fresh as any (their group started within the bound of n); the trainer
-does not idle while a batch's worth of rollouts is finished somewhere.
+group fill it (the oldest groups first; each gets its snapshot as it is looked at). Those rollouts are
+as fresh as any (their group started within the bound of n); the trainer does not idle while a batch's
+worth of rollouts is finished somewhere.
 
 Exactly once, per rollout: a batch's meta lists, per entry (its dense group number), the group id and
 the rollout indices it trains (`entries`); `group_ids` lists the groups the batch completes, and
 `partial_groups` the rollout indices and rewards of parts that do not. A group resumed after a restart
-with a part in a surviving batch plays only its other rollouts, with that part's rewards in its
-baseline (rl.orchestrator.grouplog.partial_rollouts).
+with a part in a surviving batch plays only its other rollouts, against the snapshot the batch's meta
+recorded (`snapshots`; rl.orchestrator.grouplog.partial_rollouts).
 """
 from __future__ import annotations
 
@@ -88,6 +94,9 @@ class Group:
     on_rollout_done: Any = None
     done: dict[int, Sample] = field(default_factory=dict)       # finished rollouts' samples, as reported
     released: dict[int, float] = field(default_factory=dict)    # index -> reward, trained in an earlier part
+    # index -> reward of the rollouts finished when the group was first eligible for a part: the baseline
+    # of every rollout of the group (None: never eligible while in flight, the usual group baseline)
+    snapshot: dict[int, float] | None = None
     complete: bool = True    # as a batch entry: the group has no rollout left after it
     _checked: dict[int, tuple[int, bool]] = field(default_factory=dict, repr=False)   # releasable()'s cache
 
@@ -105,9 +114,16 @@ class Group:
         return list(self.rollouts)
 
     @property
-    def baseline(self) -> list[float]:
-        """Rewards of siblings trained in earlier parts: part of this entry's advantage reference."""
-        return list(self.released.values())
+    def baseline(self) -> tuple[dict[int, float], list[int], dict[int, float]] | None:
+        """This entry's advantage reference (rl.orchestrator.advantages): None for the usual group
+        baseline, else (the group's snapshot, this entry's rollout indices, rewards trained earlier)."""
+        return None if self.snapshot is None else (dict(self.snapshot), self.indices, dict(self.released))
+
+    def take_snapshot(self) -> None:
+        """At the first batch the group is eligible for a part: its finished rollouts' rewards (finite
+        ones: a non-finite reward fails its group) become every rollout's baseline set."""
+        if self.snapshot is None:
+            self.snapshot = {i: s.reward for i, s in self.done.items() if check_finite([s]) is None}
 
     def lengths(self, now: float) -> list[tuple[float, int]]:
         """(seconds, tokens) per rollout; an unfinished one counts the time it ran so far."""
@@ -118,15 +134,25 @@ class Group:
         """The group's task returned `samples` for the rollouts `played`: keep those not released."""
         self.samples = [s for i, s in zip(played, samples) if i not in self.released]
 
+    def would_release(self) -> int:
+        """How many rollouts releasable(early=True) would give now, without taking a snapshot."""
+        if self.snapshot is not None:
+            return sum(1 for i in self.rollouts if i in self.done and set(self.snapshot) - {i}) \
+                if any(i not in self.done for i in self.rollouts) else 0
+        m = sum(1 for i in self.rollouts if i in self.done and check_finite([self.done[i]]) is None)
+        return m if 2 <= m < len(self.rollouts) else 0
+
     def releasable(self, n: int, k: int, early: bool = False) -> list[int]:
         """Finished rollouts to train in batch n as a part (stale_policy=release): n is the last batch
         their oldest token may enter (any batch with `early`: the trainer waits), a sibling is still
-        running (a group finishing whole joins the ready queue instead), and the part has a baseline (two
-        rollouts, or siblings trained earlier)."""
+        running (a group finishing whole joins the ready queue instead), and each has a sibling in the
+        group's snapshot, taken here the first time the group is eligible."""
         if not early and offpolicy.last_batch(self.start_version, k) > n:   # no token is older than the start
             return []
-        idx = [i for i in self.rollouts if i in self.done]
-        if not idx or len(idx) == len(self.rollouts) or (len(idx) < 2 and not self.released):
+        self.take_snapshot()
+        # a rollout needs a sibling in the snapshot (the only one there waits for the whole group)
+        idx = [i for i in self.rollouts if i in self.done and set(self.snapshot) - {i}]
+        if not idx or len(idx) == len(self.rollouts):
             return []
         for i in idx:   # per rollout once (episodes are long): its oldest version, and whether it is finite
             if i not in self._checked:
@@ -159,7 +185,7 @@ def choose(ready: list[Group], inflight: list[Group], n: int, k: int, per_batch:
     group, the rollouts to release as a part). With `group_size` None, prompts_per_step whole groups;
     else (release) entries until the batch holds per_batch * group_size rollouts, the in-flight groups'
     releasable rollouts competing with the ready groups; with `early` (the trainer waits for n), then
-    the finished rollouts of the other in-flight groups, the largest parts first. None: not enough yet."""
+    the finished rollouts of the other in-flight groups, the oldest groups first. None: not enough yet."""
     usable: list[tuple[Group, list[int] | None]] = [(g, None) for g in ready]
     due = set()
     for g in inflight:
@@ -167,9 +193,6 @@ def choose(ready: list[Group], inflight: list[Group], n: int, k: int, per_batch:
             usable.append((g, idx))
             due.add(g.gid)
     usable.sort(key=lambda e: (e[0].oldest if e[1] is None else e[0].oldest_of(e[1]), e[0].gid))
-    if early:
-        more = [(g, idx) for g in inflight if g.gid not in due and (idx := g.releasable(n, k, early=True))]
-        usable += sorted(more, key=lambda e: (-len(e[1]), e[0].oldest_of(e[1]), e[0].gid))
     need = per_batch * (group_size or 1)
     taken, have = [], 0
     for g, idx in usable:
@@ -177,12 +200,26 @@ def choose(ready: list[Group], inflight: list[Group], n: int, k: int, per_batch:
             break
         taken.append((g, idx))
         have += 1 if group_size is None else len(g.rollouts) if idx is None else len(idx)
+    # The trainer waits: the other in-flight groups, the oldest first, each snapshotted as it is looked
+    # at (not the ones with the most finished rollouts first: which groups get a snapshot would then
+    # depend on their own rollouts' lengths), until the batch is full; none is snapshotted when they
+    # cannot fill it (a snapshot taken with nothing finished would keep its group from parts for good).
+    others = sorted((g for g in inflight if g.gid not in due), key=lambda g: (g.start_version, g.gid)) if early else []
+    if have < need and have + sum(g.would_release() for g in others) >= need:
+        for g in others:
+            if have >= need:
+                break
+            if idx := g.releasable(n, k, early=True):
+                taken.append((g, idx))
+                have += len(idx)
     return taken if have >= need else None
 
 
 def entries_meta(groups: list[Group]) -> dict:
-    """What a batch trains, per rollout (see the module docstring): `entries`, `group_ids`, `partial_groups`."""
+    """What a batch trains, per rollout (see the module docstring): `entries`, `group_ids`, `partial_groups`,
+    and `snapshots` (the baseline set of each group that has one: a resumed group needs it)."""
     return {"group_ids": [g.gid for g in groups if g.complete],
+            "snapshots": {str(g.gid): {str(i): r for i, r in g.snapshot.items()} for g in groups if g.snapshot},
             "entries": [[g.gid, g.indices] for g in groups],
             "partial_groups": {str(g.gid): {"rollouts": g.indices, "rewards": [s.reward for s in g.samples]}
                                for g in groups if not g.complete}}

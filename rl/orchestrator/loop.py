@@ -204,17 +204,18 @@ class Orchestrator:
             "stale_policy": stale_policy(self.o)})
 
     def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict,
-                     baselines: list[list[float]] | None = None) -> RolloutBatch:
+                     refs: list | None = None) -> RolloutBatch:
         """Group-relative advantages and the batch metadata (lags, versions, throughput) of `kept`.
-        `baselines[j]`: rewards of entry j's siblings trained earlier (a part of a group, rl.orchestrator.groups)."""
+        `refs[j]`: entry j's baseline snapshot under stale_policy=release (rl.orchestrator.groups
+        Group.baseline), None for the usual group baseline."""
         samples = [s for g in kept for s in g]
         for gi, g in enumerate(kept):  # renumber groups densely
             for s in g:
                 s.group = gi
         rewards = np.array([s.reward for s in samples], np.float32)
         groups = np.array([s.group for s in samples], np.int32)
-        adv = group_advantages(rewards, groups, self.o.advantage,
-                               baselines={j: b for j, b in enumerate(baselines or []) if b})
+        adv = group_advantages(rewards, groups, self.o.advantage, group_size=int(self.o.group_size),
+                               refs={j: b for j, b in enumerate(refs or []) if b is not None})
         for s, a in zip(samples, adv):
             s.advantage = float(a)
         gen_s = meta["gen_s"]
@@ -303,8 +304,8 @@ class Orchestrator:
         """schedule=continuous: the pool plays groups on this orchestrator's sampler and hands each batch
         back to be finished (advantages, meta) and published here."""
         return ContinuousPool(self.sampler, self.run_dir, first, max_steps, restart, stop=self.stop,
-                              publish=lambda n, groups, meta, baselines=None: self.publish_batch(
-                                  n, self.finish_batch(n, groups, meta, baselines)),
+                              publish=lambda n, groups, meta, refs=None: self.publish_batch(
+                                  n, self.finish_batch(n, groups, meta, refs)),
                               check=self.check_watcher)
 
     async def run(self) -> int:

@@ -240,8 +240,9 @@ class ContinuousPool:
             self._head = None
             v = self.sampler.tracker.version
             # rollouts of it trained or dropped before a restart are not played again
-            prior, gone = self.partials.pop(gid, ({}, set()))
+            prior, gone, snap = self.partials.pop(gid, ({}, set(), None))
             g = Group(gid=gid, task=task, start_version=v, started=time.monotonic(), oldest=v, released=dict(prior),
+                      snapshot=snap,
                       rollouts={i: RolloutAcct() for i in range(self.group_size) if i not in prior and i not in gone},
                       on_rollout_done=self.wake.set)
             self.log.started(gid, v)
@@ -359,7 +360,7 @@ class ContinuousPool:
         bound compete as parts (rl/orchestrator/groups.py), and the batch takes entries, oldest first,
         until it holds prompts_per_step * group_size rollouts."""
         usable = [g for g in self.ready if self.masking or offpolicy.within_bound(g.oldest, n, self.k)]
-        early = self.releasing and bool(getattr(self.o, "release_on_wait", True)) and self._trainer_waits(n)
+        early = self.releasing and bool(getattr(self.o, "release_on_wait", False)) and self._trainer_waits(n)
         taken = choose(usable, list(self.inflight.values()) if self.releasing else [], n, self.k,
                        self.per_batch, self.group_size if self.releasing else None, early)
         if taken is None:
@@ -469,7 +470,7 @@ class ContinuousPool:
                     # that no batch is left to take: counted dropped, or they would be started and never
                     # trained nor dropped (the CI fault campaign left 8 such groups)
                     for gid in self.retry:   # (with a part trained before a restart: its other rollouts)
-                        part, gone = self.partials.pop(gid, ({}, set()))
+                        part, gone, _ = self.partials.pop(gid, ({}, set(), None))
                         rest = ({"rollouts": [i for i in range(self.group_size) if i not in part and i not in gone]}
                                 if part or gone else {})
                         self.log.dropped(gid, "drain", self.max_steps, where="retry", tokens=0, seconds=0.0, **rest)
