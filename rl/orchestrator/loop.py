@@ -37,7 +37,8 @@ from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import multiturn
 from rl.orchestrator.evaluation import Evaluator, hold_out
 from rl.orchestrator.accounting import mask_stale, min_version
-from rl.orchestrator.pool import ContinuousPool, default_max_inflight, stale_policy
+from rl.orchestrator.groups import default_max_inflight, stale_policy
+from rl.orchestrator.pool import ContinuousPool
 from rl.orchestrator.sampling import Sampler
 from rl.contract.batch import RolloutBatch, Sample
 from rl.contract.secret import secret_or_none

@@ -71,27 +71,10 @@ from rl.contract import offpolicy, paths
 from rl.orchestrator.accounting import (GROUP, WASTE, PoolStats, RolloutAcct, length_stats, mask_stale,
                                         min_version, policy_tokens)
 from rl.orchestrator.grouplog import GroupLog, partial_rollouts, resume_order, unresolved
-from rl.orchestrator.groups import DurationModel, Group, choose, entries_meta, task_key
+from rl.orchestrator.groups import DurationModel, Group, choose, default_max_inflight, entries_meta, stale_policy, task_key
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
-
-
-STALE_POLICIES = ("drop", "mask", "admit", "release")
-
-
-def default_max_inflight(o: Any) -> int:
-    """Rollouts in flight (orchestrator.max_inflight; None = prompts_per_step * group_size * (k + 1))."""
-    if o.max_inflight is not None:
-        return int(o.max_inflight)
-    return int(o.prompts_per_step) * int(o.group_size) * (int(o.max_off_policy) + 1)
-
-
-def stale_policy(o: Any) -> str:
-    p = str(getattr(o, "stale_policy", "drop") or "drop")
-    if p not in STALE_POLICIES:
-        raise ValueError(f"orchestrator.stale_policy={p!r}: must be one of {', '.join(STALE_POLICIES)}")
-    return p
 
 
 class ContinuousPool:
