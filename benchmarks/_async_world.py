@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 class Toy:
     """The toy policy: logits W[position j, target digit, answer digit]; answer tokens are ' 0'..' 9'."""
 

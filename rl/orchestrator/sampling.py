@@ -21,7 +21,6 @@ import itertools
 from types import SimpleNamespace
 from typing import Any
 
-
 from rl.contract.batch import Sample, routed_per_token
 from rl.envs.base import is_multi_turn, prompt_ids
 from rl.orchestrator import accounting, multiturn, slots
