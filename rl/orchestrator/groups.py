@@ -136,11 +136,29 @@ class Group:
         baseline, else (the group's snapshot, this entry's rollout indices, rewards trained earlier)."""
         return None if self.snapshot is None else (dict(self.snapshot), self.indices, dict(self.released))
 
+    def _check(self, i: int) -> tuple[int, bool]:
+        """Finished rollout i's oldest version and whether it is finite, computed once (episodes are long)."""
+        if i not in self._checked:
+            s = self.done[i]
+            self._checked[i] = (min_version([s], self.start_version), check_finite([s]) is None)
+        return self._checked[i]
+
+    def _finished_now(self) -> dict[int, float]:
+        """What a snapshot taken now would hold: the finished rollouts' rewards (finite ones: a non-finite
+        reward fails its group)."""
+        return {i: s.reward for i, s in self.done.items() if self._check(i)[1]}
+
     def take_snapshot(self) -> None:
-        """At the first batch the group is eligible for a part: its finished rollouts' rewards (finite
-        ones: a non-finite reward fails its group) become every rollout's baseline set."""
+        """At the first batch the group is eligible for a part: its finished rollouts' rewards become
+        every rollout's baseline set."""
         if self.snapshot is None:
-            self.snapshot = {i: s.reward for i, s in self.done.items() if check_finite([s]) is None}
+            self.snapshot = self._finished_now()
+
+    def _candidates(self, snapshot: dict[int, float]) -> list[int]:
+        """Finished rollouts with a sibling in `snapshot` (one alone there waits for the whole group);
+        none while the group is finishing whole (it joins the ready queue instead)."""
+        idx = [i for i in self.rollouts if i in self.done and set(snapshot) - {i}]
+        return idx if len(idx) < len(self.rollouts) else []
 
     def lengths(self, now: float) -> list[tuple[float, int]]:
         """(seconds, tokens) per rollout; an unfinished one counts the time it ran so far."""
@@ -153,11 +171,7 @@ class Group:
 
     def would_release(self) -> int:
         """How many rollouts releasable(early=True) would give now, without taking a snapshot."""
-        if self.snapshot is not None:
-            return sum(1 for i in self.rollouts if i in self.done and set(self.snapshot) - {i}) \
-                if any(i not in self.done for i in self.rollouts) else 0
-        m = sum(1 for i in self.rollouts if i in self.done and check_finite([self.done[i]]) is None)
-        return m if 2 <= m < len(self.rollouts) else 0
+        return len(self._candidates(self.snapshot if self.snapshot is not None else self._finished_now()))
 
     def releasable(self, n: int, k: int, early: bool = False) -> list[int]:
         """Finished rollouts to train in batch n as a part (stale_policy=release): n is the last batch
@@ -167,17 +181,10 @@ class Group:
         if not early and offpolicy.last_batch(self.start_version, k) > n:   # no token is older than the start
             return []
         self.take_snapshot()
-        # a rollout needs a sibling in the snapshot (the only one there waits for the whole group)
-        idx = [i for i in self.rollouts if i in self.done and set(self.snapshot) - {i}]
-        if not idx or len(idx) == len(self.rollouts):
+        idx = self._candidates(self.snapshot)
+        if not idx or (not early and offpolicy.last_batch(min(self._check(i)[0] for i in idx), k) > n):
             return []
-        for i in idx:   # per rollout once (episodes are long): its oldest version, and whether it is finite
-            if i not in self._checked:
-                s = self.done[i]
-                self._checked[i] = (min_version([s], self.start_version), check_finite([s]) is None)
-        if not early and offpolicy.last_batch(min(self._checked[i][0] for i in idx), k) > n:
-            return []
-        return idx if all(self._checked[i][1] for i in idx) else []   # a bad one fails its group at the end
+        return idx if all(self._check(i)[1] for i in idx) else []   # a bad one fails its group at the end
 
     def oldest_of(self, idx: list[int]) -> int:
         """The oldest version among rollouts `idx` (those releasable() returned)."""
