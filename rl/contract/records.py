@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import stat
 import socket
 import sys
 import time
@@ -20,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TypeVar
 
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.atomic import atomic_write_json
 
 T = TypeVar("T")
+_MAX_RECORD = 16 << 20   # a record is a few KiB; a huge file in its place is refused, not read into memory
 
 
 class RecordError(ValueError):
@@ -35,20 +35,11 @@ def _write(path: Path, obj) -> None:
 
 
 def _read_bytes(path: Path) -> bytes:
-    # lstat first and a non-blocking open: a FIFO or device put in a record's place is refused unopened
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise RecordError(f"{path}: not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    # no link followed on the way, a FIFO or device in a record's place refused without blocking
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RecordError(f"{path}: not a regular file")
-        parts = []
-        while b := os.read(fd, 1 << 20):
-            parts.append(b)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+        return safefs.read_bytes(path, limit=_MAX_RECORD)
+    except safefs.UnsafePath as e:
+        raise RecordError(str(e)) from None
 
 
 def _read(cls: type[T], path: Path) -> T:
@@ -145,8 +136,7 @@ class RoleRecord:
 
     def write(self, run_dir) -> None:
         _write(paths.role_record(run_dir, self.role), self)
-        with open(paths.role_history(run_dir), "a") as f:
-            f.write(json.dumps(dataclasses.asdict(self)) + "\n")
+        safefs.append_bytes(paths.role_history(run_dir), (json.dumps(dataclasses.asdict(self)) + "\n").encode())
 
     @classmethod
     def read_all(cls, run_dir) -> list["RoleRecord"]:

@@ -1,0 +1,252 @@
+"""Opening files in the run directory without following a link someone else planted there.
+
+The run directory sits on a shared filesystem that other users (a group, a team) may be able to write.
+Anything found there is data, and a name in it may be a symlink to `~/.ssh/authorized_keys`, to another
+run, or a FIFO that blocks whoever opens it. So every writer and every record reader goes through this
+module, which opens a path one component at a time from `/` with O_NOFOLLOW (an `openat` walk, so a
+link swapped in between a check and the open is refused too), creates missing directories as it goes,
+opens the file itself with O_NOFOLLOW | O_NONBLOCK and checks it with fstat to be a regular file. What is
+refused raises `UnsafePath` (an OSError) naming the path and what it is, in one line.
+
+The rule is strict on purpose: no component of a written or read path may be a symlink, not only those
+below the run directory. Every entry point (the launcher, each role's `--run-dir`, rl.prepare) resolves
+the run directory with `resolve_run_dir` first, so a run directory reached through a symlink (`/scratch`
+-> `/lustre/scratch`, a `latest` link) is named by its real path and everything under it must be real;
+a link found afterwards was put there since, by someone else.
+
+A leaf of rl.contract: imports nothing of rl. Torch-free.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import uuid
+from pathlib import Path
+
+PathLike = str | os.PathLike
+
+_DIR_WALK = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafePath(OSError):
+    """A path in the run directory that is not what hetrl writes there: a symlink, a FIFO, a device."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.EPERM, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def what(mode: int) -> str:
+    """The kind of a file, in words, from its st_mode."""
+    return ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a regular file" if stat.S_ISREG(mode) else "not a regular file")
+
+
+def resolve_run_dir(run_dir: PathLike) -> Path:
+    """The run directory by its real path: the one place a symlink on the way to it is followed."""
+    return Path(os.path.realpath(Path(run_dir).expanduser()))
+
+
+def _parts(path: PathLike) -> tuple[str, list[str]]:
+    norm = os.path.normpath(os.path.abspath(os.fspath(path)))
+    return norm, [c for c in norm.split("/") if c]
+
+
+def _describe(dir_fd: int, name: str, shown: str) -> UnsafePath:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as e:
+        return UnsafePath(f"{shown}: cannot be opened ({e.strerror})")
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except OSError:
+            target = "?"
+        return UnsafePath(f"{shown}: a symlink (to {target}); hetrl never follows links in a run "
+                          f"directory: remove it")
+    return UnsafePath(f"{shown}: {what(st.st_mode)}, not what hetrl writes there")
+
+
+def open_dir(path: PathLike, *, create: bool = False) -> int:
+    """An O_PATH fd of directory `path`, every component opened without following a symlink; with
+    `create`, missing directories are made (0o755, less the umask). UnsafePath for a link or a
+    non-directory on the way; FileNotFoundError for a missing one without `create`."""
+    norm, comps = _parts(path)
+    fd = os.open("/", _DIR_WALK)
+    shown = ""
+    try:
+        for c in comps:
+            shown += "/" + c
+            try:
+                nfd = os.open(c, _DIR_WALK, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(errno.ENOENT, "no such directory", shown) from None
+                try:
+                    os.mkdir(c, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made by another process meanwhile: opened (and checked) below
+                try:
+                    nfd = os.open(c, _DIR_WALK, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise _not_dir(fd, c, shown) from None
+                    raise
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _not_dir(fd, c, shown) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_dir(dir_fd: int, name: str, shown: str) -> UnsafePath:
+    e = _describe(dir_fd, name, shown)
+    if "symlink" in e.message:
+        return e
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    return UnsafePath(f"{shown}: {what(st.st_mode)}, not a directory")
+
+
+def makedirs(path: PathLike) -> Path:
+    """`mkdir -p` that refuses a symlink or non-directory on the way (UnsafePath); returns `path`."""
+    os.close(open_dir(path, create=True))
+    return Path(path)
+
+
+def _open_file(path: PathLike, flags: int, mode: int, *, create_dirs: bool) -> int:
+    norm, comps = _parts(path)
+    if not comps:
+        raise UnsafePath(f"{path}: not a file path")
+    dfd = open_dir("/" + "/".join(comps[:-1]), create=create_dirs)
+    try:
+        try:
+            fd = os.open(comps[-1], flags | _NOFOLLOW, mode, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.ETXTBSY):
+                st = os.stat(comps[-1], dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    raise _describe(dfd, comps[-1], norm) from None
+                raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a regular file") from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a regular file")
+        if not flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+        return fd
+    finally:
+        os.close(dfd)
+
+
+def open_read(path: PathLike) -> int:
+    """fd of the regular file `path` for reading (the caller closes it): no link followed anywhere on the
+    path, a FIFO or device refused without blocking (UnsafePath), FileNotFoundError when missing."""
+    return _open_file(path, os.O_RDONLY, 0, create_dirs=False)
+
+
+def read_bytes(path: PathLike, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (open_read); with `limit`, UnsafePath past that many bytes."""
+    fd = open_read(path)
+    try:
+        parts, off = [], 0
+        while b := os.pread(fd, 1 << 22, off):
+            parts.append(b)
+            off += len(b)
+            if limit is not None and off > limit:
+                raise UnsafePath(f"{os.fspath(path)}: larger than {limit} bytes")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: PathLike, limit: int | None = None) -> str:
+    return read_bytes(path, limit).decode()
+
+
+def open_write(path: PathLike, *, append: bool = False, exclusive: bool = False, truncate: bool = False,
+               mode: int = 0o644, create_dirs: bool = True, readable: bool = False) -> int:
+    """fd of the regular file `path` for writing, created if missing (the caller closes it). Never
+    follows a link, never opens a FIFO or device (UnsafePath); `exclusive` refuses an existing file."""
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT
+    flags |= (os.O_APPEND if append else 0) | (os.O_EXCL if exclusive else 0) | (os.O_TRUNC if truncate else 0)
+    return _open_file(path, flags, mode, create_dirs=create_dirs)
+
+
+def append_bytes(path: PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """Append `data` to the regular file `path` in one write(2) (O_APPEND), creating it if missing."""
+    fd = open_write(path, append=True)
+    try:
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: PathLike, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace `path` by `data` atomically: a fresh temp file beside it (O_EXCL | O_NOFOLLOW, fsynced),
+    renamed over it within the directory opened by the walk. An existing `path` that is a symlink,
+    directory or FIFO is refused (UnsafePath), never replaced or written through."""
+    norm, comps = _parts(path)
+    dfd = open_dir("/" + "/".join(comps[:-1]), create=True)
+    name = comps[-1]
+    try:
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            if stat.S_ISLNK(st.st_mode):
+                raise _describe(dfd, name, norm)
+            raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a regular file")
+        tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dfd)
+
+
+def check_path(path: PathLike, *, kind: str = "file") -> None:
+    """Refuse (UnsafePath) a path with a link on the way or, if it exists, not of `kind` ("file" or
+    "dir"): for writers that must hand a path to a library (safetensors, torch) after checking it."""
+    norm, comps = _parts(path)
+    try:
+        dfd = open_dir("/" + "/".join(comps[:-1]))
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            st = os.stat(comps[-1], dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        ok = stat.S_ISREG(st.st_mode) if kind == "file" else stat.S_ISDIR(st.st_mode)
+        if not ok:
+            if stat.S_ISLNK(st.st_mode):
+                raise _describe(dfd, comps[-1], norm)
+            raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a {'regular file' if kind == 'file' else 'directory'}")
+    finally:
+        os.close(dfd)
