@@ -258,9 +258,8 @@ def _normalize(row: dict, format: str, bad) -> Task:
         bad("base_commit", "empty (and no `files` snapshot to start from)")
     patch = text("patch", nonempty=True)
     test_patch = text("test_patch", "", nonempty=format in ("swe_bench", "swe_rebench"))
-    for k, diff in (("patch", patch), ("test_patch", test_patch)):
-        if diff and "\n+++ " not in "\n" + diff:
-            bad(k, "not a unified diff (no +++ line)")
+    # whether patch and test_patch are diffs (hunks that match their headers, paths inside the tree) is
+    # checked with every other field by tasks.task_problem
     return Task(text("instance_id"), text("repo", nonempty=True), base,
                 text("problem_statement", nonempty=True), patch, test_patch, f2p, p2p, files=dict(files),
                 format=format, version=str(row.get("version") or ""),

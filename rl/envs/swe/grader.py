@@ -42,7 +42,6 @@ from __future__ import annotations
 import configparser
 import os
 import shlex
-import shutil
 import stat
 import subprocess
 import sys
@@ -50,7 +49,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rl.envs.swe import patches
+from rl.envs.swe import patches, trees
 from rl.envs.swe.grading import Grade, expected_output_reward, parse_r2e, parser, swebench_reward
 from rl.envs.swe.sandbox import Limits
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
@@ -193,7 +192,7 @@ def clear_path(tree: Path, rel: str) -> None:
         if stat.S_ISDIR(mode) and i < len(parts) - 1:
             continue
         if stat.S_ISDIR(mode):
-            shutil.rmtree(cur)  # never follows links inside
+            trees.remove_tree(cur)  # never follows links inside, whatever the depth
         else:
             os.unlink(cur)
         return
@@ -235,10 +234,16 @@ def reset(tree: Path, base: BaseTree, rel: str) -> None:
 
 
 def _walk(tree: Path):
-    """(directory rel path, dir names, file names) of the tree, links not followed."""
-    for d, dirs, files in os.walk(tree):
-        rel = os.path.relpath(d, tree)
-        yield ("" if rel == "." else rel), dirs, files
+    """(directory rel path, dir names, file names) of the tree, links not followed, iteratively
+    (trees.walk: no depth the agent makes can exhaust the stack). Pruning `dirs` prunes the walk."""
+    skip: set[str] = set()
+    for d, entries in trees.walk(tree):
+        if d and any(d == s or d.startswith(s + "/") for s in skip):
+            continue
+        dirs = [n for n, st in entries if stat.S_ISDIR(st.st_mode)]
+        kept = list(dirs)
+        yield d, kept, [n for n, st in entries if not stat.S_ISDIR(st.st_mode)]
+        skip |= {_join(d, n) for n in dirs if n not in kept}
 
 
 # -- what to reset, where the code is, what to run ----------------------------------------------------
@@ -349,8 +354,13 @@ def grade(task: Task, tree: Path | None = None, *, extra_patch: str | None = Non
           runtime: dict | None = None) -> Grade:
     """Hidden-test reward of `tree` (default: the task's unmodified starting tree), optionally after
     applying `extra_patch` (the reference patch, to check a task), graded inside a fresh sandbox of
-    `runtime` (default inprocess). The tree itself is never modified."""
-    sb = open_sandbox(task, limits, runtime, tree=tree)
+    `runtime` (default inprocess). The tree itself is never modified. A tree that cannot be copied (the
+    agent left a FIFO, socket or device in it, or nested directories past trees.MAX_DEPTH) grades 0,
+    the reason in the output; no partial copy is left."""
+    try:
+        sb = open_sandbox(task, limits, runtime, tree=tree)
+    except trees.TreeError as e:
+        return Grade(0.0, [], list(dict.fromkeys(task.graded)), f"not graded: the tree cannot be copied: {e}")
     try:
         base, done = _base(task, runtime, limits)
     except BaseException:

@@ -139,6 +139,84 @@ def changes(diff: str | bytes) -> list[FileChange]:
     return out
 
 
+_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_GIT_ONLY = ("new file mode", "deleted file mode", "old mode", "new mode", "rename from", "rename to",
+             "copy from", "copy to", "similarity index", "GIT binary patch", "Binary files ")
+
+
+def check_diff(diff: str | bytes) -> str | None:
+    """None if `diff` is a unified diff git or patch can apply as far as its structure goes, else why
+    not (one line, naming the line): at least one file, every file with a hunk or a git header that
+    changes it without one (rename, copy, mode, binary, an empty new or deleted file), every hunk's
+    line counts matching its `@@ -a,b +c,d @@` header. Text before the first file (a commit message)
+    and git's index lines are allowed, as git apply allows them."""
+    text = to_bytes(diff).decode("utf-8", "surrogateescape") if diff else ""
+    if not text.strip():
+        return None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    files = 0
+    cur: list | None = None   # [line number, path, from `diff --git`, its ---/+++ seen, changed]
+
+    def unchanged() -> str | None:
+        return f"line {cur[0]}: file {cur[1][:80]!r} has no hunk" if cur and not cur[4] else None
+
+    binary = False
+    i = 0
+    while i < len(lines):
+        line, n = lines[i], i + 1
+        if line.startswith("diff --git "):
+            if unchanged():
+                return unchanged()
+            files += 1
+            cur, binary = [n, line[11:].strip(), True, False, False], False
+        elif binary:
+            pass                                  # base85 data, up to the next file
+        elif line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            if cur and cur[2] and not cur[3]:     # the file headers of this `diff --git`
+                cur[3] = True
+            else:
+                if unchanged():
+                    return unchanged()
+                files += 1
+                cur = [n, lines[i + 1][4:].split("\t")[0].strip(), False, True, False]
+            i += 2
+            continue
+        elif cur and cur[2] and line.startswith(_GIT_ONLY):
+            cur[4] = True
+            binary = line == "GIT binary patch"
+        elif line.startswith("@@"):
+            m = _HUNK.match(line)
+            if not m:
+                return f"line {n}: a hunk header that is not '@@ -a,b +c,d @@': {line[:60]!r}"
+            if cur is None:
+                return f"line {n}: a hunk before any file header (---/+++ or diff --git)"
+            old = int(m.group(2)) if m.group(2) is not None else 1
+            new = int(m.group(4)) if m.group(4) is not None else 1
+            j = i + 1
+            while (old > 0 or new > 0) and j < len(lines):
+                c = lines[j][:1]
+                if c in (" ", ""):                # "": a context line whose space was stripped
+                    old, new = old - 1, new - 1
+                elif c == "-":
+                    old -= 1
+                elif c == "+":
+                    new -= 1
+                elif c != "\\":                   # "\ No newline at end of file"
+                    break
+                j += 1
+            if old != 0 or new != 0:
+                return f"line {n}: the hunk {line[:40]!r} does not match the lines that follow it"
+            cur[4] = True
+            i = j
+            continue
+        i += 1
+    if files == 0:
+        return "not a unified diff: no file header (diff --git, or --- and +++ lines)"
+    return unchanged()
+
+
 def touched(diff: str | bytes) -> list[str]:
     """Every path a diff reads or writes (both sides of a rename), in order, once each."""
     return list(dict.fromkeys(p for c in changes(diff) for p in c.paths))

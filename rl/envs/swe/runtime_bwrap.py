@@ -22,9 +22,11 @@ sandbox that forks until refused (`sandbox.limits_verdict`); where the limits wo
 kernel), the runtime refuses to start, one line saying so.
 
 Limits: rlimits set by `prlimit` before bwrap (CPU seconds, address space, file size, open files, no
-core dumps; processes under root, inside the sandbox otherwise), tmpfs sizes for /tmp and /var/tmp, the
-tree's disk use checked after each command (`Runtime.run`: over `disk_bytes` and the sandbox refuses
-further commands), and the wall clock: the launcher is SIGKILLed, `--die-with-parent` then kills the
+core dumps; processes under root, inside the sandbox otherwise), tmpfs sizes for /tmp and /var/tmp,
+memory for the whole sandbox (a cgroup of its own, or the PSS watch: rl/envs/swe/sandbox_limits.py; the
+launcher enters it before bwrap starts), the tree's disk use measured while each command runs and after
+it (`Runtime.run`: past `disk_bytes` the command is killed and the sandbox refuses further commands),
+and the wall clock: the launcher is SIGKILLed, `--die-with-parent` then kills the
 sandbox's pid 1, and with it every process of its pid namespace. bwrap reports a command's status on
 `--json-status-fd`, which tells a failed setup (no exit-code) from a command's own failure; a command
 killed by signal N is reported by bwrap as exit 128+N and returned as -N, the way the inprocess runtime
@@ -39,7 +41,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl.envs.swe.runtimes import Runtime, RuntimeUnavailable
+from rl.envs.swe.runtimes import STATUS_FD, Runtime, RuntimeUnavailable
 from rl.envs.swe.sandbox import (PROBE_LIMITS, SYSTEM_ETC, Result, SandboxError, limits_verdict, probe_argv,
                                  toolchain)
 
@@ -52,6 +54,7 @@ __all__ = ["BubblewrapRuntime", "bwrap_argv", "drop_to", "toolchain"]
 
 class BubblewrapRuntime(Runtime):
     name = "bubblewrap"
+    host_memory = True  # bwrap's processes are host processes: one memory budget per sandbox
 
     def __init__(self, tree, limits=None, *, base_dir=None, expose=None):
         self.check()
@@ -79,7 +82,7 @@ class BubblewrapRuntime(Runtime):
                    "PYTHONUNBUFFERED": "1", **env}
         for k, v in cmd_env.items():
             cmd += ["--setenv", k, str(v)]
-        return (cmd + ["--json-status-fd", "{status_fd}", "--"] + drop_to(self.uid, str(self.tree))
+        return (cmd + ["--json-status-fd", STATUS_FD, "--"] + drop_to(self.uid, str(self.tree))
                 + nproc_inside(self.uid, lim.nproc) + argv)
 
     def _result(self, returncode: int, status: str, out: str, err: str, seconds: float) -> Result:

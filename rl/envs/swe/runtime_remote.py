@@ -32,6 +32,7 @@ from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import read_secret
+from rl.envs.swe import trees
 from rl.envs.swe.grading import Grade
 from rl.envs.swe.sandbox import Result, SandboxError
 
@@ -176,8 +177,12 @@ class RemoteRuntime:
         that would land outside dest, through a link or otherwise)."""
         data = self._call("GET", "/tree", 0).content
         Path(dest).mkdir(parents=True, exist_ok=False)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(dest, filter="tar")
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                tar.extractall(dest, filter="tar")
+        except BaseException:  # no partial copy
+            trees.remove_tree(dest)
+            raise
         return Path(dest)
 
     def tools(self) -> "RemoteTools":

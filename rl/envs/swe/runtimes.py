@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess
@@ -42,7 +41,12 @@ import time
 from pathlib import Path
 
 from rl.contract import sandbox_runtimes
+from rl.envs.swe import sandbox_limits, trees
 from rl.envs.swe.sandbox import Limits, Result, Sandbox, SandboxError
+
+# Where a runtime puts its status channel's fd in its own argv (`_command`). Substituted by identity,
+# never by text: an argument of the agent's command that reads "{status_fd}" stays as it is.
+STATUS_FD = type("_StatusFd", (str,), {})("{status_fd}")
 
 RUNTIMES = sandbox_runtimes.NAMES  # the registry: rl.contract.sandbox_runtimes
 
@@ -133,19 +137,34 @@ class Runtime:
     in a fresh sandbox over the tree) and may override `run`. The tree is at `.tree` on the host."""
 
     name = "runtime"
+    host_memory = False  # its sandbox's processes are host processes: a cgroup (or the watch) bounds them
 
     def __init__(self, tree: Path | None, limits: Limits = Limits(), *, base_dir: Path | None = None):
         self.limits = limits
         self._root = Path(tempfile.mkdtemp(prefix=f"hetrl-{self.name}-", dir=base_dir))
         os.chmod(self._root, 0o711)  # the sandbox uid traverses to its tree, lists nothing else
         self.tree = self._root / "tree"
-        if tree is None:
-            self.tree.mkdir()
-        else:
-            shutil.copytree(tree, self.tree, symlinks=True)
+        self._memory = None
+        try:
+            if tree is None:
+                self.tree.mkdir()
+            else:  # a FIFO, device or socket, or absurd depth, is refused and nothing is left behind
+                trees.copy_tree(tree, self.tree)
+            if self.host_memory:
+                try:
+                    self._memory = sandbox_limits.open_memory(limits.memory_bytes, limits.nproc)
+                except OSError as e:  # a cgroup that cannot be made: the sandbox cannot hold its limit
+                    raise SandboxError(f"sandbox memory limit: {e}") from None
+        except BaseException:
+            trees.remove_tree(self._root)
+            raise
+        self.disk = sandbox_limits.DiskWatch(self.tree, limits.disk_bytes)
         self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000) if os.geteuid() == 0 else None
-        self.over_disk = False
         self.pass_fds: tuple[int, ...] = ()  # host fds the launcher must inherit
+
+    @property
+    def over_disk(self) -> bool:
+        return self.disk.over_limit
 
     @classmethod
     def check(cls) -> None:
@@ -158,7 +177,10 @@ class Runtime:
         self.close()
 
     def close(self):
-        shutil.rmtree(self._root, ignore_errors=True)
+        if getattr(self, "_memory", None) is not None:
+            self._memory.close()
+            self._memory = None
+        trees.remove_tree(self._root)
 
     # files
     def read_file(self, rel: str) -> str | None:
@@ -197,8 +219,9 @@ class Runtime:
         self._own(self.tree / rel)
 
     def copy_out(self, dest: Path) -> Path:
-        """Copy the tree to dest; links are copied as links, never followed."""
-        shutil.copytree(self.tree, dest, symlinks=True)
+        """Copy the tree to dest; links are copied as links, never followed; a FIFO, socket or device
+        in it raises trees.TreeError (one line naming it) and leaves no partial copy."""
+        trees.copy_tree(self.tree, dest)
         return dest
 
     # ownership: under root each sandbox runs as a uid of its own, which must own its tree
@@ -209,20 +232,16 @@ class Runtime:
             os.lchown(p, self.uid, self.uid)
         if path is None:
             os.chmod(self.tree, 0o700)  # other sandboxes' uids cannot even list it
-            for d, dirs, files in os.walk(self.tree):
-                for name in dirs + files:
-                    os.lchown(os.path.join(d, name), self.uid, self.uid)
+            for d, entries in trees.walk(self.tree):
+                for name, _ in entries:
+                    try:
+                        os.lchown(os.path.join(self.tree, d, name), self.uid, self.uid)
+                    except FileNotFoundError:
+                        pass
 
     def tree_bytes(self) -> int:
-        """Disk used by the tree (allocated blocks, links not followed)."""
-        total = 0
-        for d, dirs, files in os.walk(self.tree):
-            for name in dirs + files:
-                try:
-                    total += os.lstat(os.path.join(d, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        return total
+        """Disk used by the tree (allocated blocks, each inode once, links not followed)."""
+        return trees.tree_bytes(self.tree)
 
     # commands
     def _command(self, argv: list[str], env: dict[str, str]) -> list[str]:
@@ -238,10 +257,13 @@ class Runtime:
         if not argv:
             raise ValueError("empty argv")
         if self.over_disk:
-            return Result(-signal.SIGXFSZ, "", f"sandbox: the tree is over its disk limit "
-                          f"(env.swe.limits.disk_bytes={self.limits.disk_bytes}); nothing runs", False, 0.0)
+            return Result(-signal.SIGXFSZ, "", sandbox_limits.refused_message(self.limits.disk_bytes),
+                          False, 0.0)
         self._own()
         cmd = self._command(list(map(str, argv)), env or {})
+        memory = self._memory
+        if memory is not None:
+            cmd = memory.prefix() + cmd
         data = input.encode() if isinstance(input, str) else (input or b"")
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
                 tempfile.TemporaryFile() as ferr:
@@ -250,34 +272,34 @@ class Runtime:
             rfd, wfd = os.pipe()  # the runtime's own status channel: setup failure vs command failure
             t0 = time.monotonic()
             try:
-                proc = subprocess.Popen([c.replace("{status_fd}", str(wfd)) for c in cmd], stdin=fin,
+                proc = subprocess.Popen([str(wfd) if c is STATUS_FD else c for c in cmd], stdin=fin,
                                         stdout=fout, stderr=ferr, start_new_session=True,
                                         pass_fds=(wfd, *self.pass_fds),
                                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
             finally:
                 os.close(wfd)
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                self._kill(proc)
-                proc.wait()
+            timed_out, stop = sandbox_limits.supervise(proc, timeout_s, lambda: self._kill(proc), memory,
+                                                       self.disk)
             seconds = time.monotonic() - t0
             with os.fdopen(rfd, "rb") as f:
                 status = f.read().decode("utf-8", "replace")
             out, err = (self._read(f) for f in (fout, ferr))
         if timed_out:
-            result = Result(-signal.SIGKILL, out, err, True, seconds)
-        else:
-            result = self._result(proc.returncode, status, out, err, seconds)
-        if self.tree_bytes() > self.limits.disk_bytes:
-            self.over_disk = True
-            result = Result(result.returncode or -signal.SIGXFSZ, result.stdout, result.stderr +
-                            f"\nsandbox: the tree exceeds its disk limit (env.swe.limits.disk_bytes="
-                            f"{self.limits.disk_bytes}); later commands are refused", result.timed_out,
-                            result.seconds)
-        return result
+            return Result(-signal.SIGKILL, out, err, True, seconds)
+        if stop is None and memory is not None and memory.over(proc.pid):
+            stop = "memory"
+        if stop is None and self.disk.measure():
+            stop = "disk"
+        if stop is None:
+            return self._result(proc.returncode, status, out, err, seconds)
+        try:
+            code = self._result(proc.returncode, status, out, err, seconds).returncode
+        except SandboxError:  # killed before it could report: the limit is the reason
+            code = 0
+        note = (sandbox_limits.memory_message(self.limits.memory_bytes) if stop == "memory" else
+                sandbox_limits.disk_message(self.limits.disk_bytes))
+        return Result(code or (-signal.SIGKILL if stop == "memory" else -signal.SIGXFSZ), out,
+                      (err.rstrip("\n") + "\n" + note).lstrip("\n"), False, seconds)
 
     def _result(self, returncode: int, status: str, out: str, err: str, seconds: float) -> Result:
         return Result(returncode, out, err, False, seconds)
@@ -297,7 +319,7 @@ class InprocessRuntime(Runtime):
         self.check()
         self._sb = Sandbox(tree, limits, base_dir=base_dir)
         self.limits, self.tree, self._root, self.uid = limits, self._sb.tree, self._sb.tree.parent, None
-        self.over_disk = False
+        self.disk, self._memory = self._sb.disk, None  # the Sandbox holds its memory guard
 
     @classmethod
     def check(cls) -> None:

@@ -1,8 +1,10 @@
 """Run commands of one episode in its own sandbox: a private copy of the task tree, no network, CPU /
 memory / file-size / process limits, a wall-clock limit, and nothing outside the tree writable.
 
-There are no cgroups, containers or seccomp helpers to lean on here, so the sandbox is made of kernel
-namespaces (`unshare` from util-linux), `setpriv` and rlimits. Three modes, strongest first; the
+There are no containers or seccomp helpers to lean on here, so the sandbox is made of kernel
+namespaces (`unshare` from util-linux), `setpriv` and rlimits; memory and disk are budgets for the whole
+sandbox (rl/envs/swe/sandbox_limits.py: a cgroup of its own where the node allows one, else a watch of
+its processes' memory; the tree measured while commands run). Three modes, strongest first; the
 strongest one that works on this machine is chosen once per process (`Sandbox.capabilities()` says
 which, and what is missing):
 
@@ -50,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rl.contract.config import SandboxLimitsConfig as _DEFAULTS
+from rl.envs.swe import sandbox_limits, trees
 
 _INIT = Path(__file__).with_name("_sandbox_init.py")
 # The system part of the allowlist (bubblewrap binds the same): what python, git, patch and pytest read
@@ -70,8 +73,10 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     """Per-command limits. cpu_s is CPU seconds (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later);
-    memory_bytes is address space (RLIMIT_AS, so allocations beyond it fail with ENOMEM/MemoryError);
-    nproc counts processes of the sandbox uid; fsize_bytes caps any file written, stdout included."""
+    memory_bytes is each process's address space (RLIMIT_AS, so allocations beyond it fail with
+    ENOMEM/MemoryError) and the budget of all the sandbox's processes together (sandbox_limits: past
+    it the sandbox is killed); nproc counts processes of the sandbox uid; fsize_bytes caps any file
+    written, stdout included; disk_bytes caps the tree (measured while commands run)."""
     cpu_s: int = _DEFAULTS.cpu_s          # defaults: the config's env.swe.limits (one set)
     memory_bytes: int = _DEFAULTS.memory_bytes
     nproc: int = _DEFAULTS.nproc
@@ -175,10 +180,21 @@ class Sandbox:
         self.tree = self._root / "tree"
         self._newroot = self._root / "root"  # the sandbox's root tmpfs is mounted here, in its namespace
         self._newroot.mkdir(mode=0o700)
-        if tree is None:
-            self.tree.mkdir()
-        else:
-            shutil.copytree(tree, self.tree, symlinks=True)
+        self._memory = None
+        try:
+            if tree is None:
+                self.tree.mkdir()
+            else:  # a FIFO, device or socket, or absurd depth, is refused and nothing is left behind
+                trees.copy_tree(tree, self.tree)
+            # one memory budget for all the sandbox's processes (sandbox_limits: a cgroup, or a watch)
+            try:
+                self._memory = sandbox_limits.open_memory(limits.memory_bytes, limits.nproc)
+            except OSError as e:  # a cgroup that cannot be made: the sandbox cannot hold its limit
+                raise SandboxError(f"sandbox memory limit: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+        self.disk = sandbox_limits.DiskWatch(self.tree, limits.disk_bytes)
         self.uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
         self.expose = [str(p) for p in (expose if expose is not None else toolchain())]
 
@@ -199,7 +215,10 @@ class Sandbox:
         self.close()
 
     def close(self):
-        shutil.rmtree(self._root, ignore_errors=True)
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
+        trees.remove_tree(self._root)
 
     def _own_tree(self):
         """Hand the tree to the sandbox uid (root mode): files the host wrote are then editable inside."""
@@ -207,9 +226,12 @@ class Sandbox:
             return
         os.lchown(self.tree, self.uid, self.uid)
         os.chmod(self.tree, 0o700)  # another sandbox's uid cannot list or read it (TMPDIR may be shared)
-        for d, dirs, files in os.walk(self.tree):
-            for name in dirs + files:
-                os.lchown(os.path.join(d, name), self.uid, self.uid)
+        for d, entries in trees.walk(self.tree):
+            for name, _ in entries:
+                try:
+                    os.lchown(os.path.join(self.tree, d, name), self.uid, self.uid)
+                except FileNotFoundError:
+                    pass
 
     def run(self, argv: list[str], timeout_s: float, input: str | bytes | None = None,
             env: dict[str, str] | None = None) -> Result:
@@ -217,6 +239,9 @@ class Sandbox:
         set up; the command's own failures are in the Result."""
         if not argv:
             raise ValueError("empty argv")
+        if self.disk.over_limit:
+            return Result(-signal.SIGXFSZ, "", sandbox_limits.refused_message(self.limits.disk_bytes),
+                          False, 0.0)
         self._own_tree()
         cmd_env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
                    "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
@@ -233,7 +258,9 @@ class Sandbox:
             fin.seek(0)
             rfd, wfd = os.pipe()  # the init writes the command's status here: see _sandbox_init.py
             spec["status_fd"] = wfd
-            cmd = _launcher(self.mode) + [sys.executable, "-I", "-S", str(_INIT), json.dumps(spec)]
+            # the launcher enters the sandbox's cgroup (if any) before it execs: nothing escapes it
+            cmd = (self._memory.prefix() + _launcher(self.mode)
+                   + [sys.executable, "-I", "-S", str(_INIT), json.dumps(spec)])
             t0 = time.monotonic()
             try:
                 proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
@@ -241,24 +268,34 @@ class Sandbox:
                                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
             finally:
                 os.close(wfd)
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # unshare --kill-child takes the pid namespace down
-                proc.wait()
+            # unshare --kill-child takes the pid namespace down with the launcher's group
+            timed_out, stop = sandbox_limits.supervise(
+                proc, timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL), self._memory, self.disk)
             seconds = time.monotonic() - t0
             with os.fdopen(rfd) as f:
                 status = f.read().split()
             out, err = (self._read(f) for f in (fout, ferr))
         if timed_out:
             return Result(-signal.SIGKILL, out, err, True, seconds)
-        if len(status) != 2:
+        # after the command too: an OOM kill of one process that the command survived, a tree it left
+        # over the limit as it ended
+        if stop is None and self._memory.over(proc.pid):
+            stop = "memory"
+        if stop is None and self.disk.measure():
+            stop = "disk"
+        code = None
+        if len(status) == 2:
+            code = -int(status[1]) if status[0] == "signal" else int(status[1])
+        if stop is not None:
+            note = (sandbox_limits.memory_message(self.limits.memory_bytes) if stop == "memory" else
+                    sandbox_limits.disk_message(self.limits.disk_bytes))
+            default = -signal.SIGKILL if stop == "memory" else -signal.SIGXFSZ
+            return Result(code or default, out, (err.rstrip("\n") + "\n" + note).lstrip("\n"), False,
+                          seconds)
+        if code is None:
             raise SandboxError(f"sandbox setup failed (launcher exit {proc.returncode}): "
                                f"{err.strip()[-2000:]}")
-        code = int(status[1])
-        return Result(-code if status[0] == "signal" else code, out, err, False, seconds)
+        return Result(code, out, err, False, seconds)
 
     def _read(self, f) -> str:
         f.seek(0)
@@ -306,10 +343,23 @@ class Sandbox:
                                               "escapes it)",
             "rlimits": ["cpu", "address space", "file size", "open files", "core"]
                        + (["processes (counted per sandbox)"] if ns else []),
+            "memory": _memory_text(),
+            "disk": ("the tree measured while each command runs (every max(0.25 s, 20x one "
+                     "measurement)) and after it: killed past env.swe.limits.disk_bytes, later commands "
+                     "refused"),
             "missing": ([] if ns else ["per-sandbox process count limit"])
                        + ([] if ns else ["network isolation", "filesystem isolation", "pid isolation"])
-                       + ["cgroup memory/CPU accounting (RLIMIT_AS bounds address space, not RSS)",
+                       + ["cgroup CPU accounting (RLIMIT_CPU bounds each process)",
                           "seccomp syscall filtering"],
             "unavailable_modes": tried,
         }
         return _CAPS
+
+
+def _memory_text() -> str:
+    kind, parent, why = sandbox_limits.memory_kind()
+    if parent is not None:
+        return (f"{kind}: one cgroup per sandbox under {parent}, memory limit for all its processes "
+                "together (OOM kill ends the sandbox); RLIMIT_AS per process as well")
+    return (f"watch: the PSS of the sandbox's processes summed every {sandbox_limits.WATCH_S}s, killed "
+            f"past the limit (no cgroup: {why}); RLIMIT_AS per process as well")

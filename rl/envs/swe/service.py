@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import errno
 import hashlib
 import hmac
 import io
@@ -45,6 +46,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import tarfile
 import threading
 import time
@@ -57,6 +59,7 @@ from rl import runtime
 from rl.contract import paths
 from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
+from rl.envs.swe import trees
 from rl.envs.swe.sandbox import SandboxError
 from rl.envs.swe.grader import grade
 from rl.envs.swe.tools import Tools
@@ -199,9 +202,20 @@ class Service:
         s = self._get(request)
 
         def pack() -> bytes:
+            """The tree as a tar: directories, regular files and links (stored as links), walked
+            iteratively; a FIFO, socket or device, or nesting past trees.MAX_DEPTH, is a TreeError (400,
+            an OSError for the client) as it is for a local copy_out."""
             buf = io.BytesIO()
+            root = str(s.rt.tree)
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(str(s.rt.tree), arcname=".", recursive=True)  # links are stored as links
+                tar.add(root, arcname=".", recursive=False)
+                for rel, entries in trees.walk(root, trees.MAX_DEPTH):
+                    for name, st in entries:
+                        r = os.path.join(rel, name) if rel else name
+                        m = st.st_mode
+                        if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)):
+                            raise trees.TreeError(errno.EINVAL, f"{r}: {trees.kind(m)}, not a regular file")
+                        tar.add(os.path.join(root, r), arcname="./" + r, recursive=False)
             return buf.getvalue()
         return web.Response(body=await self._thread(pack), content_type="application/x-tar")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
-from rl.envs.swe import repos
+from rl.envs.swe import patches, repos
 from rl.envs.swe.grading import parse_pytest
 from rl.envs.swe.runtimes import Runtime, open_runtime
 from rl.envs.swe.sandbox import Limits
@@ -245,7 +245,13 @@ def task_problem(task: "Task", limits: dict | None = None) -> tuple[str, str] | 
         if "/".join(q for q in rel.split("/") if q not in ("", ".")) in dirs:
             return "files", f"path {rel[:80]!r} is both a file and a directory of other files"
     for field, diff in (("patch", task.patch), ("test_patch", task.test_patch)):
-        for rel in diff_paths(diff):
+        # a diff that git cannot read, or that names a path outside the tree in any header (`diff --git`
+        # lines included: a binary patch has no ---/+++), is the row's fault: refused here, at load,
+        # rather than raising when the first episode is graded
+        why = patches.check_diff(diff)
+        if why:
+            return field, why if why.startswith("not a unified diff") else f"not a unified diff: {why}"
+        for rel in dict.fromkeys(diff_paths(diff) + patches.touched(diff)):
             try:
                 check_rel(rel)
             except ValueError as e:

@@ -14,10 +14,11 @@ planted (tests run inside the sandbox can create one) cannot point a host-side w
 from __future__ import annotations
 
 import json
-import os
 import re
+import stat
 from pathlib import Path, PurePosixPath
 
+from rl.envs.swe import trees
 from rl.envs.swe.runtimes import Runtime
 from rl.envs.swe.tasks import PATCH, patched_paths, run_pytest
 
@@ -103,7 +104,10 @@ class Tools:
             raise PathError(f"path {path!r} refused: use a path relative to the repository root, "
                             "without '..'")
         root = self.sb.tree.resolve()
-        full = (root / p).resolve()
+        try:
+            full = (root / p).resolve()
+        except RuntimeError:  # Python 3.11's word for a symlink loop (3.13 raises OSError ELOOP)
+            raise PathError(f"path {path!r} refused: it goes through a symlink loop") from None
         if full != root and root not in full.parents:
             raise PathError(f"path {path!r} refused: it leads outside the repository (symlink)")
         return full
@@ -116,9 +120,14 @@ class Tools:
         if not d.is_dir():
             raise NotADirectoryError(f"{path!r} is not a directory")
         out = []
-        for dirpath, dirs, files in os.walk(d):
-            dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
-            out.extend(self._rel(Path(dirpath) / f) for f in sorted(files))
+        base = self._rel(d)
+        base = "" if base == "." else base
+        # iterative and never through a link: a loop, a FIFO or a tree thousands deep lists like any other
+        for rel, entries in trees.walk(d, max_depth=trees.MAX_DEPTH):
+            if any(part in _SKIP_DIRS for part in Path(rel).parts):
+                continue
+            out.extend("/".join(x for x in (base, rel, name) if x)
+                       for name, st in sorted(entries) if not stat.S_ISDIR(st.st_mode))
         return self._truncate("\n".join(out) or "(no files)")
 
     def read_file(self, path: str, start: int | None = None, end: int | None = None) -> str:
