@@ -233,7 +233,7 @@ class SandboxLimitsConfig:
     fsize_bytes: int = 64 << 20
     nofile: int = 256
     tmp_bytes: int = 64 << 20
-    disk_bytes: int = 1 << 30           # the episode's tree (non-inprocess runtimes check it after each command)
+    disk_bytes: int = 1 << 30           # the episode's tree (every runtime measures it while each command runs and after it)
     output_chars: int = 1 << 20
 
 
