@@ -24,7 +24,8 @@ from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.faults import read_log  # noqa: E402
 import _fault_slurm  # noqa: E402
-from _fault_trial import ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes, wait_until  # noqa: E402
+from _fault_trial import (ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes,  # noqa: E402
+                          batch_groups, note_resume, wait_until)
 
 # -- checks (after DONE) ------------------------------------------------------------------------------
 def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
@@ -188,9 +189,10 @@ def check_exactly_once(trial: Trial, fail) -> None:
 
 
 def landed_after(trial: Trial) -> None:
-    """The part of the landing proof only the finished run dir shows: a crash point's log line, the damaged
-    step set aside, a later incarnation."""
+    """The part of the landing proof only the finished run dir shows: a crash point's log line, what became
+    of the damage (`damage_outcome`), a later incarnation."""
     run_dir, kind = trial.run_dir, trial.kind
+    note_resume(trial)  # the last incarnation's resume.json
     if trial.armed:
         fired = [e for e in read_log(trial.fault_log) if e.get("fired")]
         if fired:
@@ -199,12 +201,7 @@ def landed_after(trial: Trial) -> None:
         else:
             trial.not_landed = trial.not_landed or "the armed crash point was never reached"
     if trial.damaged:
-        k, step, f = trial.damaged
-        aside = sorted((run_dir / k / "corrupt").glob(f"step_{step:06d}-*"))
-        if aside:
-            trial.proof.append(f"damaged {f} detected: set aside to {aside[0].relative_to(run_dir)}")
-        else:
-            trial.not_landed = f"the damage on {f} was never detected (no {k}/corrupt/step_{step:06d}-*)"
+        damage_outcome(trial)
     elif kind in ("bitflip", "truncate") and not trial.not_landed:
         trial.not_landed = "nothing damaged"
     ends = kind in ENDS_INCARNATION and not (kind == "crash_point" and "enospc" in trial.detail)
@@ -217,3 +214,64 @@ def landed_after(trial: Trial) -> None:
             trial.proof.append(f"a later incarnation ran ({why})")
         else:
             trial.not_landed = trial.not_landed or "no second incarnation ran"
+
+
+def damage_outcome(trial: Trial) -> None:
+    """What became of a bit flip or truncation (`trial.damaged`), from the finished run dir:
+    - detected: the run set the step aside (<kind>/corrupt/step_N-*): landed;
+    - discarded unread: a later incarnation's rl.prepare discarded the step (its resume.json `discarded`,
+      kept by note_resume) and the incarnation that was hit never recorded consuming it (consumed.jsonl):
+      landed and neutralised, e.g. by a kill before the trainer reached the step; its groups must then be
+      trained or dropped elsewhere (named here; check_exactly_once holds every group to it);
+    - neither: the damage is unaccounted for (the run may have read it unchecked): a failure, never `not
+      landed`, since it was injected."""
+    run_dir = trial.run_dir
+    k, step, f = trial.damaged
+    aside = sorted((run_dir / k / "corrupt").glob(f"step_{step:06d}-*"))
+    if aside:
+        trial.proof.append(f"damaged {f} detected: set aside to {aside[0].relative_to(run_dir)}")
+        return
+    r0 = trial.damaged_restart
+    by = [r for r, gone in sorted(trial.resumes.items())
+          if (r0 is None or r > r0) and step in gone.get(k, [])]
+    if not by:
+        trial.failures.append(f"the damage on {f} is unaccounted for: not set aside (no "
+                              f"{k}/corrupt/step_{step:06d}-*) and no later resume discarded it "
+                              f"(resume.json discarded lists seen: {trial.resumes})")
+        return
+    read = [e for e in exchange.read_jsonl(run_dir / k / "consumed.jsonl") if e.get("consumer") == "trainer"
+            and int(e.get("step", -1)) == step and int(e.get("restart", 0)) == r0]
+    if read:
+        trial.failures.append(f"the damaged {f} was consumed by restart {r0} (consumed.jsonl: {read[0]}) and "
+                              f"never set aside: trained from damaged bytes")
+        return
+    where = ""
+    if k == "rollouts" and trial.damaged_groups:
+        where = f"; its groups {_span(trial.damaged_groups)} {groups_fate(trial, trial.damaged_groups)}"
+    trial.neutralised = f"discarded unread by restart {by[0]}'s resume"
+    trial.proof.append(f"damaged {f} discarded unread by restart {by[0]}'s resume (resume.json discarded.{k} "
+                       f"{trial.resumes[by[0]][k]}; no consumption of step {step} by restart {r0}){where}")
+
+
+def _span(ids: list[int]) -> str:
+    ids = sorted(ids)
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def groups_fate(trial: Trial, groups: list[int]) -> str:
+    """Where `groups` ended up in the finished run: the trained batches holding them, the ones dropped."""
+    run_dir, want, at = trial.run_dir, set(groups), {}
+    for n in exchange.list_steps(run_dir, "rollouts"):
+        for g in batch_groups(exchange.step_dir(run_dir, "rollouts", n)):
+            at.setdefault(g, []).append(n)
+    dropped = {int(e["group"]) for e in exchange.read_jsonl(run_dir / "rollouts" / "groups.jsonl")
+               if e.get("event") == "drop"} & want
+    steps = sorted({n for g in want for n in at.get(g, [])})
+    said = [f"trained again in rollouts/step_{', step_'.join(f'{n:06d}' for n in steps)}"] if steps else []
+    if dropped:
+        said.append(f"{len(dropped)} dropped")
+    if missing := sorted(want - set(at) - dropped):
+        said.append(f"{_span(missing)} neither trained nor dropped")
+    return ", ".join(said) or "nowhere"

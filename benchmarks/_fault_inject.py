@@ -9,6 +9,7 @@ Kept apart from the checks (_fault_checks), which must not share code with what 
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,8 +23,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from rl import exchange  # noqa: E402
-from _fault_trial import (Trial, _state, alive, kill, kill_everything, launch, role_pids, steps_done,  # noqa: E402
-                          wait_exit, wait_until)
+from _fault_trial import (Trial, _state, alive, batch_groups, kill, kill_everything, launch,  # noqa: E402
+                          role_pids, steps_done, wait_exit, wait_until)
 
 # (point, role, largest nth): points a run of the trial size reaches in its first incarnation
 CRASH_POINTS = [("commit.before_manifest", "trainer", 6), ("commit.before_rename", "orchestrator", 4),
@@ -34,11 +35,13 @@ CRASH_POINTS = [("commit.before_manifest", "trainer", 6), ("commit.before_rename
 
 
 def moment(trial: Trial, p: subprocess.Popen, rng: random.Random) -> bool:
-    """Wait for a random moment of the first incarnation: after k trained steps plus up to 3 s."""
+    """Wait for a random moment of the first incarnation: after k trained steps plus up to 3 s. A campaign
+    names k (`trial.at`) and jitters by up to 1 s only: on a quiet machine a step takes about a second, and
+    3 s more let its last fault find the run DONE."""
     k = trial.at if trial.at is not None else rng.randint(1 if trial.kind in ("bitflip", "truncate") else 0,
                                                          trial.steps - 2)
     ok = wait_until(lambda: len(role_pids(trial.run_dir)) == 3 and steps_done(trial.run_dir) >= k, 300, p)
-    time.sleep(rng.uniform(0, 3))
+    time.sleep(rng.uniform(0, 3 if trial.at is None else 1))
     trial.detail += f" after step {k}"
     return ok and p.poll() is None
 
@@ -63,6 +66,14 @@ def damage(f: Path, kind: str, rng: random.Random) -> str:
         return f"byte {pos}"
     os.truncate(f, rng.randrange(size))
     return f"to {f.stat().st_size} of {size} bytes"
+
+
+def resume_restart(run_dir: Path) -> int | None:
+    """The incarnation running now (resume.json's restart), read with json like the checks do."""
+    try:
+        return int(json.loads((run_dir / "resume.json").read_text())["restart"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def damage_step_files(step_path: Path) -> list[Path]:
@@ -95,7 +106,10 @@ def inject_damage(trial: Trial, rng: random.Random, p: subprocess.Popen) -> None
                                                      if s not in before) or fresh), 15, p)
                 if fresh and fresh[0] not in consumed_steps(run_dir):
                     step = fresh[0]
-                    f = rng.choice(damage_step_files(exchange.step_dir(run_dir, "rollouts", step)))
+                    where = exchange.step_dir(run_dir, "rollouts", step)
+                    f = rng.choice(damage_step_files(where))
+                    trial.damaged_groups = batch_groups(where)  # if discarded unread: where they went
+                    trial.damaged_restart = resume_restart(run_dir)
                     how = damage(f, kind, rng)
                     trial.damaged = ("rollouts", step, str(f.relative_to(run_dir)))
                     trial.detail += f": {kind} {f.relative_to(run_dir)} {how} (published while the trainer was held)"
@@ -123,6 +137,7 @@ def inject_damage(trial: Trial, rng: random.Random, p: subprocess.Popen) -> None
             trial.not_landed = f"only checkpoint {ck} retained: nothing older to resume from"
             return
         f = rng.choice(damage_step_files(exchange.step_dir(run_dir, "checkpoints", step)))
+        trial.damaged_restart = resume_restart(run_dir)
         how = damage(f, kind, rng)
         trial.damaged = ("checkpoints", step, str(f.relative_to(run_dir)))
         trial.detail += f": {kind} {f.relative_to(run_dir)} {how} (newest checkpoint), then SIGKILL all"

@@ -29,6 +29,7 @@ KINDS = LOCAL_KINDS + SLURM_KINDS
 # kinds whose fault ends the incarnation it hits: a later incarnation must have run
 ENDS_INCARNATION = ("kill_role", "kill_all", "stop", "crash_point", "zombie", *SLURM_KINDS)
 STEPS = 4
+LANDED, NEUTRALISED, NOT_INJECTED = "landed", "landed, neutralised", "not injected"
 BASE = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "trainer.warm_start.steps=30",
         "orchestrator.prompts_per_step=8", "orchestrator.drain_timeout_s=5", "cluster.stall_timeout_s=300"]
 
@@ -51,7 +52,12 @@ class Trial:
     not_landed: str | None = None                       # why it did not (then the trial is not a pass)
     extra: list = field(default_factory=list)           # overrides of this trial only
     damaged: tuple | None = None                        # (kind, step, file) a bitflip/truncate hit
+    damaged_restart: int | None = None                  # the incarnation (resume.json restart) it hit
+    damaged_groups: list = field(default_factory=list)  # the damaged batch's group ids, read before the hit
+    neutralised: str | None = None                      # landed, then removed unread (by what, the proof)
     groups: tuple | None = None                         # (started, trained, dropped) group ids
+    resumes: dict = field(default_factory=dict)         # restart -> discarded lists, each resume.json seen
+    parts: list = field(default_factory=list)           # a campaign's faults, one Trial each, in order
 
     def overrides(self) -> list[str]:
         return [*BASE, f"trainer.max_steps={self.steps}", f"orchestrator.max_off_policy={self.max_off_policy}",
@@ -67,9 +73,19 @@ class Trial:
             return "failed"
         return "not_landed" if self.not_landed or not self.proof else "passed"
 
+    @property
+    def verdict(self) -> str:
+        """What became of the fault: LANDED (it hit, and its effect was seen), NEUTRALISED (it hit, then
+        a later fault removed its target before the run read it, shown unread: handled, not missing) or
+        NOT_INJECTED (it never hit: no moment, nothing to damage, a crash point never reached)."""
+        if self.not_landed or not self.proof:
+            return NOT_INJECTED
+        return NEUTRALISED if self.neutralised else LANDED
+
 
 # -- processes -----------------------------------------------------------------------------------------
 def launch(trial: Trial, env_extra: dict | None = None) -> subprocess.Popen:
+    note_resume(trial)  # the previous incarnation's resume.json, before this one's prepare replaces it
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     for k in ("HETRL_FAULT", "HETRL_FAULT_LOG"):  # armed for the first incarnation only, not the reruns
         env.pop(k, None)
@@ -79,6 +95,28 @@ def launch(trial: Trial, env_extra: dict | None = None) -> subprocess.Popen:
     pin = ["taskset", "-c", ",".join(map(str, trial.cpus))] if trial.cpus else []
     return subprocess.Popen([*pin, sys.executable, "-m", "launch", "run", *trial.overrides()], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def note_resume(trial: Trial) -> None:
+    """Keep what the newest incarnation's rl.prepare discarded (resume.json: restart, `discarded`), before
+    a later prepare rewrites the file: a damaged step that a resume discarded unread is shown from here.
+    Called before every launch and once after the run; read with json, not rl.contract.records (the harness
+    shares no code with what it judges)."""
+    try:
+        state = json.loads((trial.run_dir / "resume.json").read_text())
+        trial.resumes[int(state["restart"])] = {k: [int(s) for s in v] for k, v in state["discarded"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # no incarnation got through prepare yet
+
+
+def batch_groups(step_path: Path) -> list[int]:
+    """The group ids of a rollout batch (meta.json `entries` or `group_ids`), [] if unreadable."""
+    try:
+        meta = json.loads((step_path / "meta.json").read_text())
+        ids = {int(g) for g, _ in meta.get("entries") or []}
+        return sorted(ids | {int(g) for g in meta.get("group_ids") or []})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def role_pids(run_dir: Path) -> dict[str, int]:

@@ -35,6 +35,10 @@ a killed or stopped process was alive (not a zombie) when hit and the run was no
 wrote its line into HETRL_FAULT_LOG (rl.faults) when it fired; damage was detected (the step is in
 <kind>/corrupt/); a fault that ends an incarnation was followed by another one (a second launcher run; on
 Slurm a second job or a Slurm restart of the same job); a Slurm step or batch shell was alive before and gone after.
+Each fault's verdict (Trial.verdict) is `landed`, `landed, neutralised` (damage that a later kill made the
+next resume discard unread: resume.json's `discarded`, no consumption by the incarnation hit, its groups
+trained elsewhere; handled, so a pass) or `not injected`; damage neither set aside nor discarded is a failure.
+A campaign injects each fault only once the one before it has settled (`settle`), so none pre-empts another.
 
 Fault kinds (`--kinds`, default all):
   kill_role      SIGKILL one role (trainer, orchestrator or inference) at a random moment
@@ -102,8 +106,9 @@ import _fault_slurm  # noqa: E402
 import _fault_trial  # noqa: E402
 # the trial, its processes, the injection and the checks live in _fault_trial, _fault_inject and
 # _fault_checks (split along those seams, issue 23); the names are imported here for callers of this module
-from _fault_trial import (KINDS, SLURM_KINDS, STEPS, Trial, kill, kill_everything,  # noqa: E402,F401
-                          launch, launcher_pid, role_pids, steps_done, wait_exit, wait_until)
+from _fault_trial import (ENDS_INCARNATION, KINDS, NOT_INJECTED, SLURM_KINDS, STEPS, Trial,  # noqa: E402,F401
+                          kill, kill_everything, launch, launcher_pid, role_pids, steps_done, wait_exit,
+                          wait_until)
 from _fault_inject import CRASH_POINTS, inject  # noqa: E402
 from _fault_checks import check, landed_after, shard_digests  # noqa: E402
 
@@ -143,49 +148,103 @@ def run_trial(trial: Trial, rng: random.Random, reference: dict | None, timeout:
 
 def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0, steps: int = 8) -> Trial:
     """Several faults one after the other in ONE run (the CI subset: one run's worth of time instead of one
-    per fault). A crash point, if asked for, is armed in the first incarnation; the other kinds are injected
-    in order into whichever incarnation runs; then the run is completed and checked like a trial
-    (max_off_policy=1, so without the bit-identical comparison, which needs a reference run)."""
+    per fault), then the run completed and checked like a trial (max_off_policy=1, so without the
+    bit-identical comparison, which needs a reference run). Each fault is a part (`trial.parts`, a Trial
+    of its own kind sharing the run dir) with its own proof and verdict (Trial.verdict).
+
+    Scheduled so that no fault can pre-empt an earlier one's proof: the next fault is injected only once
+    the previous one has `settle`d (its effect seen, or its incarnation ended, with a bounded wait). A
+    crash point, if asked for, is armed in the first incarnation and settles first: nothing else is
+    injected until it has fired and ended that incarnation (before, a kill or a second launcher could meet
+    the incarnation it was about to end). A flipped rollout batch settles when the trainer sets it aside;
+    if the wait runs out and a later kill has the next resume discard the batch unread, the verdict says
+    so (`landed, neutralised`, damage_outcome), it is not counted missing."""
     if bad := [k for k in kinds if k in ("zombie", "disk_full")]:
         raise ValueError(f"campaign: {bad[0]} needs a run of its own")
     rng = random.Random(seed)
     t0 = time.monotonic()
     trial = Trial(0, "+".join(kinds), 1, out / "campaign", steps=steps)
+
+    def part(kind: str, at: int | None = None) -> Trial:
+        t = Trial(len(trial.parts), kind, trial.max_off_policy, trial.run_dir, steps=steps, at=at,
+                  cpus=trial.cpus, incarnations=trial.incarnations, resumes=trial.resumes)  # one run, one history
+        trial.parts.append(t)
+        return t
+
     env = None
     if "crash_point" in kinds:
+        cp = part("crash_point")
         point, role, top = rng.choice([c for c in CRASH_POINTS if c[1] != "prepare"])
-        env = {"HETRL_FAULT": f"{point}@{role}:{rng.randint(1, top)}", "HETRL_FAULT_LOG": str(trial.fault_log)}
-        trial.detail, trial.armed = env["HETRL_FAULT"], True
+        env = {"HETRL_FAULT": f"{point}@{role}:{rng.randint(1, top)}", "HETRL_FAULT_LOG": str(cp.fault_log)}
+        cp.detail, cp.armed = env["HETRL_FAULT"], True
     p = launch(trial, env)
+    if "crash_point" in kinds:
+        settle(cp, p, timeout)
     live = [k for k in kinds if k != "crash_point"]
-    missed = []
     for i, kind in enumerate(live):
-        trial.at = 1 + (i * (steps - 2)) // max(len(live), 1)  # spread over the run, one after the other
-        for attempt in range(3):
-            if p.poll() is not None:  # the crash point or a kill ended that incarnation
-                trial.incarnations.append(p.returncode)
-                for pid in role_pids(trial.run_dir).values():
-                    kill(pid)
-                p = launch(trial)
+        # spread over the run's first half: with a step a second on a quiet machine, the last fault must
+        # still find steps to go after the one before it settled
+        f = part(kind, 1 + (i * (steps - 3)) // max(len(live), 1))
+        for attempt in range(2):
+            if p.poll() is not None and not (trial.run_dir / "DONE").exists():
+                p = relaunch(trial, p)
             wait_until(lambda: launcher_pid(trial.run_dir) == p.pid, 120, p)  # not the last one's roles
-            trial.kind, trial.detail, trial.not_landed = kind, trial.detail + f"; {kind}", None
-            inject(trial, rng, p)
-            # the incarnation ended while this kind waited for its moment (the armed crash point fired
-            # then): inject it again into the next one rather than skip it
-            if not (trial.not_landed and p.poll() is not None and not (trial.run_dir / "DONE").exists()):
+            inject(f, rng, p)
+            if not (f.not_landed and p.poll() is not None and not (trial.run_dir / "DONE").exists()):
                 break
-            trial.failures = [f for f in trial.failures if "before any fault was injected" not in f]
-        if trial.not_landed:
-            missed.append(f"{kind}: {trial.not_landed}")
-        if kind in ("second_launcher", "sigstop", "bitflip", "truncate"):  # the next fault a step later
-            wait_until(lambda: steps_done(trial.run_dir) > trial.at, 240, p)
-    trial.not_landed = "; ".join(missed) or None
-    trial.kind = "campaign"
+            # the incarnation ended while this fault waited for its moment, though every earlier fault had
+            # settled: nothing explains it (inject said so in f.failures); try once more in the next one
+            f.detail, f.not_landed = f.detail + f" (incarnation ended, exit {p.returncode}; again)", None
+        settle(f, p, timeout)
     finish(trial, p, None, timeout)
     check(trial, None)
-    landed_after(trial)  # the crash point's log line, the damaged batch set aside
+    for f in trial.parts:
+        landed_after(f)  # the crash point's log line, what became of the damage, a later incarnation
+    trial.kind = "campaign"
+    trial.detail = "; ".join(f"{f.kind} {f.detail.strip()}" for f in trial.parts)
+    trial.failures += [f"{f.kind}: {x}" for f in trial.parts for x in f.failures]
+    trial.proof = [f"{f.kind} {f.verdict}: {'; '.join(f.proof)}" for f in trial.parts
+                   if f.verdict != NOT_INJECTED]
+    trial.not_landed = "; ".join(f"{f.kind}: {f.not_landed or 'no proof recorded'}" for f in trial.parts
+                                 if f.verdict == NOT_INJECTED) or None
     trial.seconds = time.monotonic() - t0
     return trial
+
+
+SETTLE_S = 300.0  # the longest wait for a fault's effect before the next fault goes ahead anyway
+
+
+def settle(f: Trial, p: subprocess.Popen, timeout: float) -> None:
+    """Wait until the fault `f` just injected into incarnation `p` has had the effect its proof needs, so the
+    next fault cannot pre-empt it: a crash point or a kill has ended the incarnation (at most `timeout`, one
+    incarnation's limit: then it hangs, a failure); damage to a rollout batch has been set aside by the
+    trainer, or the incarnation ended (at most SETTLE_S; past it the next fault goes ahead and
+    damage_outcome tells detected from discarded unread). A paused role or a refused second launcher has
+    settled when inject returns."""
+    t0 = time.monotonic()
+    if f.not_landed:  # inject found no moment or nothing to hit: nothing to wait for
+        return
+    if f.kind in ENDS_INCARNATION:
+        if wait_exit(p, timeout) is None:
+            f.failures.append(f"the incarnation it hit still ran {timeout:.0f} s later (hang)")
+            kill_everything(f.run_dir, p)
+    elif f.damaged and f.damaged[0] == "rollouts":
+        k, step, _ = f.damaged
+        if not wait_until(lambda: any((f.run_dir / k / "corrupt").glob(f"step_{step:06d}-*")), SETTLE_S, p):
+            f.detail += f" (not set aside {time.monotonic() - t0:.0f} s later, incarnation " \
+                        f"{'ended' if p.poll() is not None else 'running'}: the next fault goes ahead)"
+            return
+    else:
+        return
+    f.detail += f" (settled in {time.monotonic() - t0:.0f} s)"
+
+
+def relaunch(trial: Trial, p: subprocess.Popen) -> subprocess.Popen:
+    """The next incarnation after `p` ended (a crash point, a kill): its leftover roles killed first."""
+    trial.incarnations.append(p.returncode)
+    for pid in role_pids(trial.run_dir).values():
+        kill(pid)
+    return launch(trial)
 
 
 def finish(trial: Trial, p: subprocess.Popen, zombie, timeout: float) -> None:
@@ -314,11 +373,20 @@ def run_trials(n: int, seed: int, kinds: list[str], out: Path, timeout: float = 
 
 
 def trial_line(trial: Trial) -> str:
-    status = {"passed": "ok", "not_landed": f"NOT LANDED: {trial.not_landed or 'no proof recorded'}",
+    """One row: the trial, its exits and groups, and what became of each fault (Trial.verdict): `landed`,
+    `landed, neutralised` (hit, then removed unread by a later fault: handled, not missing), or, for a
+    trial that is not a pass, `not injected` and why."""
+    status = {"passed": "ok",
+              "not_landed": f"NOT LANDED (never injected): {trial.not_landed or 'no proof recorded'}",
               "failed": "FAILED: " + "; ".join(trial.failures)}[trial.status]
     where = f" cpu {','.join(map(str, trial.cpus))}" if trial.cpus else ""
     groups = f" groups {trial.groups[0]}/{trial.groups[1]}/{trial.groups[2]}" if trial.groups else ""
-    proof = f"  [landed: {'; '.join(trial.proof)}]" if trial.proof and trial.status != "failed" else ""
+    if trial.parts:
+        proof = "  [" + " | ".join(f"{f.kind} {f.verdict}: {'; '.join(f.proof) or f.not_landed or '-'}"
+                                   for f in trial.parts) + "]"
+    else:
+        shown = trial.proof and trial.status != "failed"
+        proof = f"  [{trial.verdict}: {'; '.join(trial.proof)}]" if shown else ""
     return (f"trial {trial.index:3d} {trial.kind:20s} off-policy {trial.max_off_policy} {trial.seconds:5.0f} s{where} "
             f"exits {trial.incarnations}{groups}  {trial.detail.strip()}  {status}{proof}")
 
@@ -350,19 +418,22 @@ def main(argv=None) -> int:
         print(trial_line(t))
         st = t.status
         print(f"trials=1 passed={int(st == 'passed')} failed={int(st == 'failed')} not_landed={int(st == 'not_landed')} "
-              f"seconds={t.seconds:.0f}")
+              f"seconds={t.seconds:.0f} faults={len(t.parts)} "
+              + " ".join(f"{f.kind}={f.verdict.replace(', ', '+').replace(' ', '_')}" for f in t.parts))
         print(f"{int(st == 'passed')} passed, {int(st == 'failed')} failed, {int(st == 'not_landed')} not landed")
         return 0 if st == "passed" else 1
     if ns.jobs < 1:
         ap.error(f"--jobs: {ns.jobs}, must be at least 1")
     trials = run_trials(ns.trials, ns.seed, kinds, out, ns.incarnation_timeout, jobs=ns.jobs,
                         slurm_conf=ns.slurm_conf)
-    print(f"\n{'kind':21s} {'trials':>6s} {'passed':>6s} {'failed':>6s} {'not landed':>10s} {'median s':>8s}")
+    print(f"\n{'kind':21s} {'trials':>6s} {'passed':>6s} {'(neutr.)':>8s} {'failed':>6s} {'not landed':>10s} "
+          f"{'median s':>8s}")
     for k in kinds:
         ts = [t for t in trials if t.kind == k]
         if ts:
             secs = sorted(t.seconds for t in ts)
             print(f"{k:21s} {len(ts):6d} {sum(t.status == 'passed' for t in ts):6d} "
+                  f"{sum(t.status == 'passed' and bool(t.neutralised) for t in ts):8d} "
                   f"{sum(t.status == 'failed' for t in ts):6d} {sum(t.status == 'not_landed' for t in ts):10d} "
                   f"{secs[len(secs) // 2]:8.0f}")
     passed = sum(t.status == "passed" for t in trials)

@@ -263,10 +263,12 @@ def test_read_secret_refuses_missing_empty_and_short(tmp_path):
         f.unlink(missing_ok=True)
         if content is not None:
             f.write_text(content)
+            f.chmod(0o600)   # a secret readable by others is refused for that reason first
         with pytest.raises(SecretError) as e:
             read_secret(tmp_path)
         assert why in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "secret").write_text("s" * MIN_CHARS + "\n")
+    (tmp_path / "secret").chmod(0o600)
     assert read_secret(tmp_path) == "s" * MIN_CHARS
     # a run without a secret on purpose: a missing file only, and only when it says so
     (tmp_path / "secret").unlink()
