@@ -300,19 +300,25 @@ def run(ns) -> int:
 
 
 def add_parser(sub) -> None:
+    from rl.doctor import args as a  # standard library only: bad values are refused here, in one line
     s = sub.add_parser("doctor", help="check packages, devices, kernels, filesystem, Slurm (docs/doctor.md)")
     s.add_argument("overrides", nargs="*", help="Hydra overrides of the config to judge (default: embedded)")
     s.add_argument("--gpu", action="store_true", help="run the trainer, memory, publish and vLLM checks")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where --gpu runs them")
-    s.add_argument("--fs", default=None, help="shared filesystem to measure (default: where run_dir goes)")
-    s.add_argument("--fs-mib", type=int, default=256, help="bytes written and read back, in MiB")
+    s.add_argument("--fs", type=a.directory, default=None,
+                   help="shared filesystem to measure (default: where run_dir goes)")
+    s.add_argument("--fs-mib", type=a.count(1, 1 << 20), default=256,
+                   help="bytes written and read back, in MiB (1..1048576)")
     s.add_argument("--slurm", action="store_true", help="sbatch --test-only the plan of OVERRIDES")
-    s.add_argument("--json", default=None, help="write rows and summary to this file")
+    s.add_argument("--json", type=a.out_file, default=None, help="write rows and summary to this file")
     s.add_argument("--vllm", default="auto", choices=("auto", "on", "off"),
                    help="load the published shards in vLLM (auto: on a GPU only)")
-    s.add_argument("--families", default="", help="comma-separated families for --gpu (default: all)")
-    s.add_argument("--share", type=float, default=0.3, help="GPU memory share of the mid-size model")
-    s.add_argument("--steps", type=int, default=0, help="timed mid-size steps (default 3 on cuda, 2 on cpu)")
-    s.add_argument("--publish-repeats", type=int, default=3)
-    s.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU, for MFU")
-    s.add_argument("--timeout", type=float, default=1800.0, help="limit of the torch-side child, seconds")
+    s.add_argument("--families", type=a.families, default="",
+                   help="comma-separated families for --gpu (default: all)")
+    s.add_argument("--share", type=a.number(0, 1), default=0.3, help="GPU memory share of the mid-size model (0, 1]")
+    s.add_argument("--steps", type=a.count(0, 1000), default=0,
+                   help="timed mid-size steps (default 3 on cuda, 2 on cpu)")
+    s.add_argument("--publish-repeats", type=a.count(1, 100), default=3)
+    s.add_argument("--peak-tflops", type=a.number(0, 1e6), default=None, help="dense bf16 peak per GPU, for MFU")
+    s.add_argument("--timeout", type=a.number(0, 7 * 86400), default=1800.0,
+                   help="limit of the torch-side child, seconds")

@@ -13,29 +13,49 @@ Policy tokens are shown in runs of one version, coloured by lag (trainer step - 
 yellow, 2 orange, 3+ red); hovering shows the version, the lag and the token span. A policy token that
 the staleness bound masked out of the loss (`orchestrator.stale_policy=mask`) is stored with version -1
 like an observation, so it reads as one here.
+
+The batches come from the run directory, whose writers may be hostile and whose texts (the prompt, the
+tool outputs) come from datasets and the model, so each step is verified against its manifest before it
+is read (a step that does not is named in one line and not shown), the tokenizer is read without following
+a link, a prompt length the meta gives is used only when it is an integer within the sample, and every
+text is bounded: a prompt shows its first and last PROMPT_TOKENS // 2 tokens, an episode its first and
+last `limit // 2` after the prompt, any decoded span at most MAX_CHARS characters and a turn at most
+MAX_CALLS tool calls, each cut marked on the page; past PAGE_BUDGET bytes of episodes the view stops with
+a note. A million-token prompt thus costs a few KiB of page, not ten MiB.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from launch.report_svg import esc, fmt
+from launch.report_svg import clip, esc, fmt
+
+PROMPT_TOKENS = 2000      # a prompt longer than this shows its head and tail
+MAX_CHARS = 100_000       # characters of one decoded span (a token may decode to many)
+MAX_CALLS = 20            # tool calls listed per turn
+PAGE_BUDGET = 6 << 20     # bytes of episode HTML per page; the view stops past it
+_TOKENIZER_LIMIT = 256 << 20
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
 
 def _decoder(assets: Path):
     """ids -> text with the run's tokenizer, or a plain rendering of the ids when it cannot be read."""
+    from rl.contract import safefs
     tj = assets / "tokenizer.json"
-    if tj.is_file():
+    try:
+        text = safefs.read_text(tj, limit=_TOKENIZER_LIMIT)  # no link followed, no FIFO opened
+    except FileNotFoundError:
+        why = f"{tj} is missing (a checkpoint with another tokenizer format)"
+    except (OSError, UnicodeDecodeError) as e:
+        why = f"{tj} could not be read ({getattr(e, 'strerror', None) or e})"
+    else:
         try:
             from tokenizers import Tokenizer
-            tok = Tokenizer.from_file(str(tj))
+            tok = Tokenizer.from_str(text)
             return (lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)), None
         except Exception as e:  # noqa: BLE001 - a tokenizer this library cannot read: ids instead
-            why = f"{tj} could not be read by `tokenizers` ({type(e).__name__}: {e})"
-    else:
-        why = f"{tj} is missing (a checkpoint with another tokenizer format)"
+            why = f"{tj} could not be read by `tokenizers` ({type(e).__name__}: {clip(e, 200)})"
     return (lambda ids: " ".join(f"[{int(i)}]" for i in ids)), why
 
 
@@ -95,7 +115,7 @@ def _model_html(decode, tokens, versions, lo: int, hi: int, step: int) -> str:
         v, j = int(versions[i]), i
         while j < hi and int(versions[j]) == v:
             j += 1
-        text = decode(tokens[i:j])
+        text = clip(decode(tokens[i:j]), MAX_CHARS)
         if v < 0:
             parts.append(f'<span class="vm" title="tokens {i}..{j - 1}: loss-masked">{esc(text)}</span>')
         else:
@@ -116,6 +136,18 @@ def _clip(segs: list[tuple[str, int, int]], limit: int) -> list[tuple[str, int, 
     return head + [("gap", a, b)] + tail
 
 
+def _prompt(segs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """A prompt longer than PROMPT_TOKENS cut to its head and tail, a `gap` between."""
+    out = []
+    for kind, lo, hi in segs:
+        if kind == "prompt" and hi - lo > PROMPT_TOKENS:
+            a, b = lo + PROMPT_TOKENS // 2, hi - PROMPT_TOKENS // 2
+            out += [("prompt", lo, a), ("gap", a, b), ("prompt", b, hi)]
+        else:
+            out.append((kind, lo, hi))
+    return out
+
+
 def episode_html(batch, i: int, step: int, decode, prompt_len: int, limit: int) -> str:
     sl = batch.sample_slice(i)
     toks, mask, vers = batch.tokens[sl], batch.loss_mask[sl], batch.versions[sl]
@@ -127,67 +159,94 @@ def episode_html(batch, i: int, step: int, decode, prompt_len: int, limit: int) 
             f"{len(pol)} policy, {len(toks) - prompt_len - len(pol)} observation/masked) | {turns} model turn(s)"
             + (f" | versions {min(pol)}..{max(pol)}" if pol else ""))
     body, n_turn = [], 0
-    for kind, lo, hi in _clip(segs, limit):
+    for kind, lo, hi in _prompt(_clip(segs, limit)):
         if kind == "gap":
             body.append(f'<div class="seg vm">... {hi - lo} tokens not shown ...</div>')
         elif kind == "prompt":
-            opened = " open" if hi - lo <= 200 else ""  # a short prompt is the task: shown; a long one folded
-            body.append(f'<details{opened}><summary>prompt ({hi - lo} tokens)</summary><div class="seg prompt">'
-                        f'{esc(decode(toks[lo:hi]))}</div></details>')
+            opened = " open" if prompt_len <= 200 else ""  # a short prompt is the task: shown; a long one folded
+            part = "prompt" if (lo, hi) == (0, prompt_len) else f"prompt, tokens {lo}..{hi - 1} of {prompt_len}"
+            body.append(f'<details{opened}><summary>{part} ({hi - lo} tokens)</summary><div class="seg prompt">'
+                        f'{esc(clip(decode(toks[lo:hi]), MAX_CHARS))}</div></details>')
         elif kind == "model":
             n_turn += 1
-            text = decode(toks[lo:hi])
+            text = clip(decode(toks[lo:hi]), MAX_CHARS)
             calls = [c.strip() for c in _TOOL_CALL.findall(text)]
             tag = f"model turn {n_turn} ({hi - lo} tokens)" + (f", {len(calls)} tool call(s)" if calls else "")
-            calls_html = "".join(f'<div class="tool">tool call: {esc(c[:400])}</div>' for c in calls)
+            calls_html = "".join(f'<div class="tool">tool call: {esc(clip(c, 400))}</div>' for c in calls[:MAX_CALLS])
+            if len(calls) > MAX_CALLS:
+                calls_html += f'<div class="tool">... {len(calls) - MAX_CALLS} more tool calls not listed</div>'
             body.append(f'<div class="seg model"><span class="tag">{esc(tag)}</span>'
                         f'{_model_html(decode, toks, vers, lo, hi, step)}{calls_html}</div>')
         else:
             body.append(f'<div class="seg obs"><span class="tag">observation / tool output ({hi - lo} tokens)'
-                        f'</span>{esc(decode(toks[lo:hi]))}</div>')
+                        f'</span>{esc(clip(decode(toks[lo:hi]), MAX_CHARS))}</div>')
     return f'<div class="episode"><div class="head">{head}</div>{"".join(body)}</div>'
 
 
-def section(run_dir: Path, run: dict, n_steps: int, per_step: int, limit: int = 6000) -> str:
+def _prompt_len(plens, i: int, batch, sl) -> int:
+    """Where sample i's prompt ends: the meta's `prompt_tokens[i]` when it is an integer inside the sample
+    (anything else, or an older batch without it: the first policy token)."""
+    n = sl.stop - sl.start
+    p = plens[i] if plens is not None else None
+    if isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= n:
+        return p
+    v, m = batch.versions[sl], batch.loss_mask[sl]
+    return next((j for j in range(n) if v[j] >= 0 or m[j]), n)
+
+
+def section(run_dir: Path, run: dict, n_steps: int, per_step: int, limit: int = 6000,
+            notes: list[str] | None = None) -> str:
+    """The trajectory view; steps that cannot be shown are named in `notes` (one line each) too."""
     from rl import exchange
     from rl.contract.batch import InvalidBatch, RolloutBatch
     from rl.contract.paths import ASSETS, ROLLOUTS
 
+    notes = [] if notes is None else notes
     head = ("<h2>Trajectories</h2><p class=\"legendrow\">policy tokens by lag (step - version): "
             "<span class=\"v0\">0</span><span class=\"v1\">1</span><span class=\"v2\">2</span>"
             "<span class=\"v3\">3+</span><span class=\"vm\">loss-masked</span> &middot; hover a span for its "
             "version; <span class=\"tool\">tool calls</span> are listed under the turn that made them</p>")
-    steps = exchange.list_steps(run_dir, ROLLOUTS)
+    try:
+        steps = exchange.list_steps(run_dir, ROLLOUTS)
+    except OSError as e:  # RUN/rollouts is a link or not a directory
+        notes.append(f"{run_dir / ROLLOUTS}: not read ({e.strerror or e})")
+        return head + f'<p class="warn">{esc(clip(e, 400))}</p>'
     if not steps:
         return head + "<p>No rollout batches in this run directory yet.</p>"
     decode, why = _decoder(exchange.step_dir(run_dir, ASSETS, 0))
     out = [head] + ([f'<p class="warn">tokens shown as ids: {esc(why)}</p>'] if why else [])
-    rewards = {m.get("step"): m.get("reward_mean") for m in run["metrics"]}
+    rewards = {m["step"]: m.get("reward_mean") for m in run["metrics"] if "step" in m}
     chosen = pick_steps(steps, n_steps)
+    size = 0
     for k, step in enumerate(chosen):
         d = exchange.step_dir(run_dir, ROLLOUTS, step)
         try:
+            exchange.verify(d, checksums=True)  # no link or FIFO read, nothing changed since it was published
             batch = RolloutBatch.load(d)
-        except (InvalidBatch, OSError) as e:
-            out.append(f'<p class="warn">step {step}: {esc(e)}</p>')
+        except (exchange.CorruptStep, InvalidBatch, OSError) as e:
+            notes.append(f"step {step}: not shown ({clip(e, 300)})")
+            out.append(f'<p class="warn">step {step}: {esc(clip(e, 400))}</p>')
             continue
         plens = batch.meta.get("prompt_tokens")
         if not (isinstance(plens, list) and len(plens) == batch.num_samples):
             plens = None
         items = []
         for i in pick_episodes(batch.rewards, batch.groups, per_step):
+            if size > PAGE_BUDGET:
+                break
             sl = batch.sample_slice(i)
-            if plens is not None:
-                p = int(plens[i])
-            else:  # an older batch: the prompt ends at the first policy token
-                v = batch.versions[sl]
-                p = next((j for j in range(len(v)) if v[j] >= 0 or batch.loss_mask[sl][j]), len(v))
-            items.append(episode_html(batch, i, step, decode, p, limit))
+            items.append(episode_html(batch, i, step, decode, _prompt_len(plens, i, batch, sl), limit))
+            size += len(items[-1])
         r = rewards.get(step)
         summary = (f"step {step}: {batch.num_samples} episodes, reward mean "
                    f"{esc(fmt(float(batch.rewards.mean())))}"
-                   + (f" (trainer: {esc(fmt(r))})" if isinstance(r, (int, float)) else " (not trained yet)")
+                   + (f" (trainer: {esc(fmt(r))})" if isinstance(r, (int, float)) and not isinstance(r, bool)
+                      else " (not trained yet)")
                    + f", showing {len(items)}")
         opened = " open" if k == len(chosen) - 1 else ""
         out.append(f'<details class="step"{opened}><summary>{summary}</summary>{"".join(items)}</details>')
+        if size > PAGE_BUDGET:
+            out.append(f'<p class="warn">the trajectory view stops here: its episodes reached '
+                       f'{PAGE_BUDGET >> 20} MiB of page (steps after {step} not shown)</p>')
+            break
     return "".join(out)

@@ -8,15 +8,28 @@ which every browser renders natively, and the trajectory view folds with `<detai
 `line_chart(title, series, ...)` draws one or more series of (x, y) points on shared axes with "nice"
 tick values (1, 2, 5 x 10^k), a legend, and dashed vertical markers (restarts of the run). Points with a
 non-finite y are skipped; a series of one point is drawn as a dot.
+
+Everything drawn comes from files someone else could have written, so nothing here trusts a value: every
+text goes through `esc` (and `clip`, which cuts a long one with a visible marker), tick positions are
+computed by index from a bounded count (steps near 1e16, where adding a step to a float changes nothing,
+once made the tick loop spin forever), an axis whose values float arithmetic cannot tell apart is widened
+before it is divided by, and the pixel mapping works on halves so that values near the end of the float
+range do not overflow. A series of more than MAX_POINTS points is thinned to every k-th point (the last
+kept), with a note, so a run of a million steps still makes a page of bounded size.
 """
 from __future__ import annotations
 
 import html
 import math
+import numbers
+import sys
 from typing import Iterable, Sequence
 
 W, H = 560, 230                     # the chart's box in px; the plot area leaves room for axes and legend
 PAD_L, PAD_R, PAD_T, PAD_B = 58, 14, 30, 40
+MAX_POINTS = 2000                   # per series; beyond, every k-th point is drawn
+MAX_LABEL = 80                      # characters of a legend label or caption shown
+_FMAX = sys.float_info.max
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d")
 
 
@@ -24,9 +37,18 @@ def esc(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def fmt(v: float) -> str:
+def clip(text, limit: int) -> str:
+    """`text` (any value, as str) cut to `limit` characters, the cut marked with how much was left out."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters not shown]"
+
+
+def fmt(v) -> str:
     """A short human number: 3 significant digits, k/M for large values, scientific for tiny ones."""
-    if v is None or not math.isfinite(v):
+    v = finite(v)  # None, a string, NaN or an int past the float range: "-"
+    if v is None:
         return "-"
     a = abs(v)
     if a == 0:
@@ -43,37 +65,90 @@ def fmt(v: float) -> str:
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About `n` round tick values covering [lo, hi]."""
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
+    """About `n` round tick values covering [lo, hi], at least two, at most n + 2; ValueError for a
+    non-finite bound. Any finite range: one value or a spread too narrow for its magnitude gets a wider
+    range, and values beyond 1e300 are ticked on a scaled copy (a round tick past them may not exist as
+    a float, so the top one is clamped to the largest float)."""
+    if finite(lo) is None or finite(hi) is None:
+        raise ValueError(f"axis range [{lo}, {hi}] is not finite")
+    lo, hi = float(lo), float(hi)
+    lo, hi = min(lo, hi), max(lo, hi)
+    m = max(abs(lo), abs(hi))
+    if m > 1e300:
+        out: list[float] = []
+        for t in nice_ticks(lo / 1e20, hi / 1e20, n):
+            t = max(min(t * 1e20, _FMAX), -_FMAX)
+            if not out or t > out[-1]:
+                out.append(t)
+        return out if len(out) > 1 else [out[0] / 2, out[0]]
+    if hi - lo <= max(m * 1e-9, 1e-280):   # one value, or a spread float arithmetic does not resolve
+        hi = lo + (abs(lo) if abs(lo) >= 1e-280 else 1.0)
     raw = (hi - lo) / max(n - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next((k * mag for k in (1, 2, 2.5, 5, 10) if k * mag >= raw), 10 * mag)
+    while step < raw:  # log10 rounded down a power
+        step *= 10
     first = math.floor(lo / step) * step
-    ticks, t = [], first
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    if ticks[-1] < hi:
-        ticks.append(round(t, 12))
-    return ticks
+    # ticks by index, from a count fixed up front: `t += step` stops moving once step < ulp(t)
+    count = max(2, math.ceil((hi - first) / step - 1e-9) + 1)
+    digits = 3 - math.floor(math.log10(step))  # enough to drop float noise (0.30000000000000004)
+    return [round(first + i * step, digits) for i in range(min(count, n + 2))]
+
+
+def _span(lo: float, hi: float) -> tuple[float, float]:
+    """[lo, hi] widened where float arithmetic cannot tell its ends apart (one value; steps near 1e16)."""
+    m = max(abs(lo), abs(hi))
+    if hi - lo > m * 1e-9:
+        return lo, hi
+    pad = max(1.0, m * 1e-6)
+    return max(lo - pad, -_FMAX), min(hi + pad, _FMAX)
+
+
+def _thin(p: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    if len(p) <= MAX_POINTS:
+        return p
+    k = -(-len(p) // MAX_POINTS)
+    return p[::k] + ([p[-1]] if (len(p) - 1) % k else [])
+
+
+def finite(v) -> float | None:
+    """`v` as a finite float; None for anything else (a string, a bool, NaN, an int past the float range)."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _point(p) -> tuple[float | None, float | None]:
+    x, y = p
+    return finite(x), finite(y)
 
 
 def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, float]]]], *,
                y_label: str = "", x_label: str = "step", markers: Iterable[tuple[float, str]] = (),
                note: str = "") -> str:
     """One SVG chart. `series`: (label, [(x, y), ...]); `markers`: (x, label) dashed vertical lines."""
-    pts = [[(float(x), float(y)) for x, y in s if y is not None and math.isfinite(float(y))] for _, s in series]
+    series = [(clip(label, MAX_LABEL), s) for label, s in series]
+    x_label = clip(x_label, MAX_LABEL)
+    full = [[(x, y) for x, y in map(_point, s) if x is not None and y is not None] for _, s in series]
+    pts = [_thin(p) for p in full]
+    if any(len(a) != len(b) for a, b in zip(full, pts)):
+        most = max(len(p) for p in full)
+        thinned = f"{most} points, one in {-(-most // MAX_POINTS)} drawn"
+        note = f"{note}; {thinned}" if note else thinned
     allp = [p for s in pts for p in s]
-    head = f'<figure class="chart"><figcaption>{esc(title)}</figcaption>'
+    head = f'<figure class="chart"><figcaption>{esc(clip(title, MAX_LABEL))}</figcaption>'
     if not allp:
         return head + f'<div class="empty">no data in this run{": " + esc(note) if note else ""}</div></figure>'
-    markers = list(markers)
+    markers = [(x, label) for x, label in ((finite(x), label) for x, label in markers) if x is not None]
     xs = [p[0] for p in allp] + [m[0] for m in markers]
     ys = [p[1] for p in allp]
-    x0, x1 = min(xs), max(xs)
-    if x0 == x1:
-        x0, x1 = x0 - 1, x1 + 1
+    lo, hi = min(xs), max(xs)
+    # a single step shows its neighbours; a span too narrow for float arithmetic is widened
+    x0, x1 = (lo - 1, hi + 1) if lo == hi and abs(lo) < 1e15 else _span(lo, hi)
     yt = nice_ticks(min(ys), max(ys))
     y0, y1 = yt[0], yt[-1]
     # legend entries left to right, wrapped into rows; the plot starts below the last row
@@ -87,14 +162,15 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, flo
     top = PAD_T + 15 * row
     pw, ph = W - PAD_L - PAD_R, H - top - PAD_B
 
+    # halves: x - x0 may overflow when the values span most of the float range
     def sx(x):
-        return PAD_L + (x - x0) / (x1 - x0) * pw
+        return PAD_L + (x / 2 - x0 / 2) / (x1 / 2 - x0 / 2) * pw
 
     def sy(y):
-        return top + ph - (y - y0) / (y1 - y0) * ph
+        return top + ph - (y / 2 - y0 / 2) / (y1 / 2 - y0 / 2) * ph
 
     out = [head, f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
-                 f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">']
+                 f'aria-label="{esc(clip(title, MAX_LABEL))}" xmlns="http://www.w3.org/2000/svg">']
     for t in yt:  # horizontal grid and y tick labels
         y = sy(t)
         out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
@@ -110,10 +186,10 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, flo
                f'<text x="{PAD_L + pw / 2:.1f}" y="{H - 6}" class="label" text-anchor="middle">{esc(x_label)}</text>')
     if y_label:
         out.append(f'<text x="12" y="{top + ph / 2:.1f}" class="label" text-anchor="middle" '
-                   f'transform="rotate(-90 12 {top + ph / 2:.1f})">{esc(y_label)}</text>')
+                   f'transform="rotate(-90 12 {top + ph / 2:.1f})">{esc(clip(y_label, MAX_LABEL))}</text>')
     for x, label in markers:
         out.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" class="marker">'
-                   f'<title>{esc(label)}</title></line>')
+                   f'<title>{esc(clip(label, 300))}</title></line>')
     for i, ((label, _), p, (lx, ly)) in enumerate(zip(series, pts, legend)):
         c = COLORS[i % len(COLORS)]
         if len(p) > 1:
@@ -127,7 +203,7 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, flo
                    f'<text x="{lx + 14:.0f}" y="{ly + 9}" class="legend">{esc(label)}</text>')
     out.append("</svg>")
     if note:
-        out.append(f'<div class="note">{esc(note)}</div>')
+        out.append(f'<div class="note">{esc(clip(note, 600))}</div>')
     out.append("</figure>")
     return "".join(out)
 

@@ -4,24 +4,42 @@ Works on every run, local or Slurm, running or finished: the job state (Slurm: s
 sacct; local: whether the launcher process recorded in `local.json` is alive), the step and reward of
 the newest metrics line, the newest complete rollouts / weights / checkpoint, and every role's record
 (where it ran, whether its process is alive when it ran on this host), and every vLLM server whose
-engine core died, with its exception and log line. Records of another layout or a
-half-written file are skipped, never a traceback. Torch-free.
+engine core died, with its exception and log line. Torch-free.
+
+Status is what a user runs when something went wrong, so it must work on a run directory in any state,
+written by anyone: each record is read on its own (through rl.contract.safefs: no link followed, a FIFO
+refused instead of blocked on), and one that does not parse, has a field of the wrong type (a pid that
+is a string, a metrics line that is a list or `NaN`), or sits where a record should not be, is left out
+and named in one line under `unreadable`, which `render` prints at the end; the rest of the status is
+still shown. What is printed goes through rich with markup escaped: a host name like `[/x]` in a record
+is text, not a markup error. Two records are the answer instead, in one line: a config.yaml that cannot
+be read (not a run directory) and a malformed resume.json (the run's epoch: it cannot start again from it).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
 
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.config import ConfigError
-from rl.contract.records import LocalLauncher, ResumeState, RoleRecord, read_optional
+from rl.contract.records import LocalLauncher, RecordError, ResumeState, RoleRecord, read_optional
+
+_TAIL = 65536          # bytes of metrics.jsonl read from its end
+_CONFIG_LIMIT = 16 << 20
 
 
-def _alive(host: str, pid: int) -> str:
+def _is_pid(pid) -> bool:
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
+
+
+def _alive(host, pid) -> str:
+    if not _is_pid(pid):
+        return f"not a pid ({str(pid)[:40]!r})"
     if host != socket.gethostname():
-        return f"on {host}"
+        return f"on {str(host)[:80]}"
     try:
         os.kill(pid, 0)
         return "running"
@@ -29,88 +47,199 @@ def _alive(host: str, pid: int) -> str:
         return "exited"
     except PermissionError:
         return "running"
+    except OverflowError:  # a pid past the C int range
+        return f"not a pid ({pid})"
 
 
-def _last_metrics(run_dir: Path) -> dict | None:
+def _last_metrics(run_dir: Path, unreadable: list[str]) -> dict | None:
+    """The newest complete line of metrics.jsonl that is an object with a step number (or no step)."""
+    path = paths.metrics_file(run_dir)
     try:
-        with open(paths.metrics_file(run_dir), "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-        for ln in reversed(lines):
-            try:
-                return json.loads(ln)
-            except ValueError:
-                continue  # a line being appended right now
-    except OSError:
-        pass
+        fd = safefs.open_read(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        unreadable.append(str(e) if isinstance(e, safefs.UnsafePath) else f"{path}: {e.strerror or e}")
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, _TAIL, max(0, size - _TAIL))
+    finally:
+        os.close(fd)
+    for ln in reversed([ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]):
+        try:
+            m = json.loads(ln)
+        except ValueError:
+            continue  # a line being appended right now, or the cut-off first line of the tail
+        if isinstance(m, dict) and ("step" not in m or _is_step(m["step"])):
+            return m
     return None
 
 
-def status(run_dir: str | os.PathLike) -> dict:
-    """Everything `launch status` prints, as a JSON-able dict."""
+def _is_step(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> float | None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _config(run_dir: Path) -> dict:
     import yaml
-    from rl import exchange
-    run_dir = Path(run_dir).absolute()
     cfg_file = paths.config_file(run_dir)
-    if not cfg_file.is_file():
-        raise ConfigError(f"{cfg_file}: not found (is {run_dir} a run directory?)")
-    cfg = yaml.safe_load(cfg_file.read_text())
-    backend = cfg["cluster"]["backend"]
-    out: dict = {"run_dir": str(run_dir), "experiment": cfg.get("experiment"), "backend": backend,
-                 "max_steps": cfg["trainer"]["max_steps"], "done": paths.done_file(run_dir).exists()}
-    if backend == "slurm":
-        from launch.slurm import current_job, job_state
-        job = current_job(run_dir)
-        st = job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""}
-        out["job"] = {"id": job, **st}
-    else:
-        rec = LocalLauncher.read(run_dir)
-        state = "NEVER STARTED" if rec is None else {"running": "RUNNING", "exited": "ENDED"}.get(
-            _alive(rec.host, rec.pid), f"ON {rec.host}")
-        out["job"] = {"id": None if rec is None else f"local pid {rec.pid}", "state": state, "reason": ""}
-    if out["done"] and out["job"]["state"] in ("ENDED", "GONE"):
-        out["job"]["state"] = "COMPLETED"
-    for kind in (paths.ROLLOUTS, paths.WEIGHTS, paths.CHECKPOINTS):
-        steps = exchange.list_steps(run_dir, kind)
-        out[f"latest_{kind}"] = steps[-1] if steps else None
-    resume = read_optional(ResumeState, paths.resume_file(run_dir))
-    out["restart"] = resume.restart if resume else None
-    out["roles"] = {r.role: {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
-                             "restart": r.slurm_restart_count} for r in RoleRecord.read_all(run_dir)}
-    from rl.contract.vllm_log import engine_deaths  # standard library only
-    out["engine_deaths"] = engine_deaths(paths.logs_dir(run_dir))
-    m = _last_metrics(run_dir)
-    out["step"] = m["step"] + 1 if m and "step" in m else 0
-    out["reward"] = m.get("reward_mean") if m else None
-    out["last_metrics"] = m
+    try:
+        text = safefs.read_text(cfg_file, limit=_CONFIG_LIMIT)
+    except FileNotFoundError:
+        raise ConfigError(f"{cfg_file}: not found (is {run_dir} a run directory?)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{cfg_file}: not UTF-8 text") from None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{cfg_file}: not YAML ({' '.join(str(e).split())[:200]})") from None
+    backend = cfg.get("cluster", {}).get("backend") if isinstance(cfg, dict) and isinstance(
+        cfg.get("cluster"), dict) else None
+    if backend not in ("local", "slurm"):
+        raise ConfigError(f"{cfg_file}: cluster.backend={str(backend)[:40]!r} is not local or slurm "
+                          f"(not a config.yaml the launcher wrote)")
+    return cfg
+
+
+def _roles(run_dir: Path, unreadable: list[str]) -> dict:
+    out = {}
+    for r in RoleRecord.read_all(run_dir):  # records that do not parse are skipped there
+        if not (isinstance(r.role, str) and isinstance(r.host, str) and _is_pid(r.pid)):
+            unreadable.append(f"{paths.roles_dir(run_dir)}: a record of role {str(r.role)[:40]!r} has "
+                              f"host={str(r.host)[:40]!r} pid={str(r.pid)[:20]!r} (not a host and pid)")
+            continue
+        out[r.role] = {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
+                       "restart": r.slurm_restart_count}
     return out
 
 
+def _engine_deaths(logs: Path, unreadable: list[str]) -> dict[str, str]:
+    """rl.contract.vllm_log's reading of every `*.vllm.log`, for the regular files only: a FIFO planted
+    as a log would block its reader, and a link would read someone else's file."""
+    from rl.contract.vllm_log import describe  # standard library only
+    try:
+        names = sorted(e.name for e in os.scandir(logs) if e.name.endswith(".vllm.log"))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError as e:
+        unreadable.append(f"{logs}: {e.strerror or e}")
+        return {}
+    out = {}
+    for name in names:
+        try:
+            safefs.check_path(logs / name, kind="file")
+        except safefs.UnsafePath as e:
+            unreadable.append(str(e))
+            continue
+        if (d := describe(logs / name)) is not None:
+            out[name.split(".")[0]] = d
+    return out
+
+
+def status(run_dir: str | os.PathLike) -> dict:
+    """Everything `launch status` prints, as a JSON-able dict. Records that could not be used are named
+    under "unreadable", one line each."""
+    from rl import exchange
+    run_dir = safefs.resolve_run_dir(run_dir)
+    cfg = _config(run_dir)
+    unreadable: list[str] = []
+    backend = cfg["cluster"]["backend"]
+    trainer = cfg.get("trainer") if isinstance(cfg.get("trainer"), dict) else {}
+    out: dict = {"run_dir": str(run_dir), "experiment": cfg.get("experiment"), "backend": backend,
+                 "max_steps": trainer.get("max_steps"), "done": os.path.lexists(paths.done_file(run_dir))}
+    if backend == "slurm":
+        from launch.slurm import current_job, job_state
+        try:
+            job = current_job(run_dir)
+        except (ConfigError, OSError) as e:  # a malformed or planted submissions record
+            unreadable.append(str(e))
+            out["job"] = {"id": None, "state": "UNKNOWN", "reason": "the job record could not be read"}
+        else:
+            st = job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""}
+            out["job"] = {"id": job, **st}
+    else:
+        try:
+            rec = LocalLauncher.read(run_dir)
+        except (RecordError, OSError) as e:
+            unreadable.append(str(e))
+            out["job"] = {"id": None, "state": "UNKNOWN", "reason": "local.json could not be read"}
+        else:
+            alive = None if rec is None else _alive(rec.host, rec.pid)
+            state = "NEVER STARTED" if rec is None else {"running": "RUNNING", "exited": "ENDED"}.get(
+                alive, f"ON {str(rec.host)[:80]}" if alive.startswith("on ") else "UNKNOWN")
+            out["job"] = {"id": None if rec is None else f"local pid {str(rec.pid)[:20]}", "state": state,
+                          "reason": "" if rec is None or state != "UNKNOWN" else alive}
+    if out["done"] and out["job"]["state"] in ("ENDED", "GONE"):
+        out["job"]["state"] = "COMPLETED"
+    for kind in (paths.ROLLOUTS, paths.WEIGHTS, paths.CHECKPOINTS):
+        try:
+            steps = exchange.list_steps(run_dir, kind)
+        except OSError as e:  # RUN/<kind> is a link or not a directory
+            unreadable.append(str(e))
+            steps = []
+        out[f"latest_{kind}"] = steps[-1] if steps else None
+    # resume.json is the run's epoch: a run cannot start again from a malformed one, so that is the
+    # answer (RecordError, one line naming the file and key), not a row among the others
+    resume = read_optional(ResumeState, paths.resume_file(run_dir))
+    out["restart"] = resume.restart if resume else None
+    out["roles"] = _roles(run_dir, unreadable)
+    out["engine_deaths"] = _engine_deaths(paths.logs_dir(run_dir), unreadable)
+    m = _last_metrics(run_dir, unreadable)
+    out["step"] = m["step"] + 1 if m and "step" in m else 0
+    out["reward"] = _number(m.get("reward_mean")) if m else None
+    out["last_metrics"] = m
+    out["unreadable"] = unreadable
+    return out
+
+
+def _cell(v, limit: int = 120) -> str:
+    text = str(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def render(st: dict, console=None) -> None:
-    """Print `status()` as a rich table."""
+    """Print `status()` as a rich table (every value escaped: records are data, not markup)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
     console = console or Console()
-    t = Table(title=f"hetrl run {st['run_dir']}", show_header=False)
+
+    def row(k, v) -> None:
+        t.add_row(escape(_cell(k, 60)), escape(_cell(v, 300)))
+
+    t = Table(title=escape(f"hetrl run {st['run_dir']}"), show_header=False)
     job = st["job"]
-    t.add_row("experiment", f"{st['experiment']} ({st['backend']})")
-    t.add_row("job", f"{job.get('id') or '-'}  {job['state']}"
-              + (f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else ""))
+    row("experiment", f"{st['experiment']} ({st['backend']})")
+    row("job", f"{job.get('id') or '-'}  {job['state']}"
+        + (f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else ""))
     if job.get("nodes"):
-        t.add_row("nodes", "  |  ".join(f"group {i}: {n}" for i, n in enumerate(job["nodes"])))
-    t.add_row("restarts", str(st.get("restart")))
+        row("nodes", "  |  ".join(f"group {i}: {n}" for i, n in enumerate(job["nodes"])))
+    row("restarts", st.get("restart"))
     reward = st.get("reward")
-    t.add_row("step", f"{st['step']}/{st['max_steps']}" + (f"  reward {reward:.3f}" if reward is not None else ""))
+    row("step", f"{st['step']}/{st['max_steps']}" + (f"  reward {reward:.3f}" if reward is not None else ""))
     for kind in (paths.ROLLOUTS, paths.WEIGHTS, paths.CHECKPOINTS):
-        t.add_row(f"newest {kind}", str(st.get(f"latest_{kind}")))
+        row(f"newest {kind}", st.get(f"latest_{kind}"))
     for role, r in sorted(st["roles"].items()):
-        t.add_row(f"role {role}", f"{r['state']} (pid {r['pid']} on {r['host']})")
+        row(f"role {role}", f"{r['state']} (pid {r['pid']} on {r['host']})")
     for server, death in sorted(st.get("engine_deaths", {}).items()):
-        t.add_row(f"{server} engine", f"died: {death}")
+        row(f"{server} engine", f"died: {death}")
     m = st.get("last_metrics")
     if m:
-        t.add_row("last metrics", "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in list(m.items())[:8]))
-    t.add_row("done", "yes" if st["done"] else "no")
+        row("last metrics", "  ".join(f"{_cell(k, 40)}={v:.4g}" if isinstance(v, float) else
+                                      f"{_cell(k, 40)}={_cell(v, 40)}" for k, v in list(m.items())[:8]))
+    row("done", "yes" if st["done"] else "no")
+    for line in st.get("unreadable", [])[:20]:
+        row("not read", line)
+    if len(st.get("unreadable", [])) > 20:
+        row("not read", f"... and {len(st['unreadable']) - 20} more")
     console.print(t)

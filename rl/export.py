@@ -27,8 +27,13 @@ Tensors of the start checkpoint the trainer does not hold (a vision tower, MTP l
 through from `model.hf_path` when it is readable, dequantized if it stored them in FP8, so the export
 replaces the start checkpoint one for one.
 
-The directory is written under `<out>.tmp-<pid>` and renamed into place at the end: an interrupted
-export leaves no directory that looks complete.
+The directory is written under a fresh `.<out>.tmp-<pid>-<random>` beside it (created mode 0700, so
+nobody else can plant a link inside while it fills) and renamed into place at the end: an interrupted
+export leaves no directory that looks complete. `--out` must be a new path or an empty directory,
+reached without a symlink anywhere on the way (rl.contract.safefs.check_path): a link there would send
+the weights, and the rename, wherever it points. Every tensor written is checked to be finite first
+(`isfinite().all()` per entry, as it is read): a checkpoint holding a NaN or inf, which an older trainer
+could save, is refused with NonFiniteWeights naming the tensor and the step, and nothing is left behind.
 """
 from __future__ import annotations
 
@@ -36,12 +41,14 @@ import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from rl import exchange, fp8
+from rl.contract import safefs
 from rl.contract.config import ConfigError
 
 DTYPES = ("bfloat16", "fp8")
@@ -51,23 +58,52 @@ _SKIP_ASSETS = (exchange.MANIFEST, "model.safetensors.index.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+class NonFiniteWeights(ValueError):
+    """A tensor to export holds a NaN or inf; the message names it and the checkpoint step."""
+
+
+def _finite(name: str, t: torch.Tensor, where: str) -> torch.Tensor:
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        n = int((~torch.isfinite(t)).sum())
+        raise NonFiniteWeights(f"{where}: tensor {name} holds {n} NaN or inf value(s) of {t.numel()}: "
+                               f"refusing to export it")
+    return t
+
+
+def _check_out(out_dir: Path) -> None:
+    """--out must be a new path or an empty directory, with no symlink on the way (ConfigError, one line)."""
+    try:
+        safefs.check_path(out_dir, kind="dir")
+    except safefs.UnsafePath as e:
+        raise ConfigError(f"--out: {e}") from None
+    try:
+        entries = os.listdir(out_dir)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: {e.strerror or e}") from None
+    if entries:
+        raise ConfigError(f"--out {out_dir}: exists and is not an empty directory (choose a new one)")
+
+
 def export(run_dir, out_dir, *, step: int | None = None, dtype: str = "bfloat16",
            shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
     """Write the policy of `checkpoints/step_<step>` (default: the newest complete one) of `run_dir` as an
     HF checkpoint in `out_dir`, which must not exist or be empty. Returns a summary (step, files,
-    tensors, bytes, seconds). One-line ConfigError for what the caller asked wrong, CorruptStep for a
-    checkpoint that does not verify."""
+    tensors, bytes, seconds). One-line ConfigError for what the caller asked wrong (`--out` a link, on a
+    link's way, or a non-empty directory), CorruptStep for a checkpoint that does not verify,
+    NonFiniteWeights for a tensor holding a NaN or inf."""
     from rl.contract import config as config_mod
     from rl.contract import hf
     from rl.exchange import layout
+    from rl.trainer import checkpoint as ckpt
 
     t0 = time.monotonic()
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = safefs.resolve_run_dir(run_dir), Path(os.path.abspath(out_dir))
+    _check_out(out_dir)
     cfg = config_mod.load(run_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConfigError(f"--out {out_dir}: exists and is not an empty directory (choose a new one)")
     ckpt_step = _pick_step(run_dir, step)
     assets = exchange.step_dir(run_dir, "assets", 0)
     if not assets.is_dir():
@@ -77,26 +113,29 @@ def export(run_dir, out_dir, *, step: int | None = None, dtype: str = "bfloat16"
     prefix, ignored = hf.weight_prefix(start_cfg), hf.ignored_modules(start_cfg)
     quantize = layout.quantize_except(ignored) if dtype == "fp8" else (lambda name, t: False)
 
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    safefs.makedirs(out_dir.parent)
+    _check_out(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp, 0o700)  # new (never an existing path) and closed to others until the rename
     try:
-        for p in sorted(assets.iterdir()):
+        for p in sorted(assets.iterdir()):  # verified above: regular files of the step, no links
             if p.is_file() and p.name not in _SKIP_ASSETS and not p.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(p, tmp / p.name)
         writer = _ShardWriter(tmp, shard_bytes, quantize)
         produced = set()
+        where = f"{ckpt.KIND}/step_{ckpt_step:06d}"
         for name, t in _policy_tensors(run_dir, ckpt_step, cfg.model, start_cfg):
             produced.add(prefix + name)
-            writer.add(prefix + name, t)
+            writer.add(prefix + name, _finite(prefix + name, t, where))
         passed = 0
         for name, t in _pass_through(cfg.model.hf_path, produced):
-            writer.add(name, t)
+            writer.add(name, _finite(name, t, f"model.hf_path {cfg.model.hf_path}"))
             passed += 1
         index, quantized = writer.finish()
         _write_config(tmp, start_cfg, dtype, writer.two_dim, quantized)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
+        os.chmod(tmp, 0o755)
+        if os.path.lexists(out_dir):
+            os.rmdir(out_dir)  # an empty directory, checked above; a link swapped in since is not removed
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

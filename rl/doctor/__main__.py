@@ -14,18 +14,21 @@ from rl.doctor import guarded
 
 
 def main(argv=None) -> int:
+    from rl.doctor import args as t  # bad values are refused here, in one line
     ap = argparse.ArgumentParser(prog="python -m rl.doctor", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="where the rows go (JSON)")
+    ap.add_argument("--out", type=t.out_file, required=True, help="where the rows go (JSON)")
     ap.add_argument("--gpu", action="store_true", help="run the trainer, memory, publish and vLLM checks")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--families", default="", help="comma-separated families (default: all)")
-    ap.add_argument("--share", type=float, default=0.3, help="GPU memory share of the mid-size model")
-    ap.add_argument("--steps", type=int, default=0, help="timed mid-size steps (default 3 on cuda, 2 on cpu)")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU")
-    ap.add_argument("--publish-dir", default=None, help="where the publish is measured (default: a temp dir)")
-    ap.add_argument("--publish-repeats", type=int, default=3)
+    ap.add_argument("--families", type=t.families, default="", help="comma-separated families (default: all)")
+    ap.add_argument("--share", type=t.number(0, 1), default=0.3, help="GPU memory share of the mid-size model")
+    ap.add_argument("--steps", type=t.count(0, 1000), default=0,
+                    help="timed mid-size steps (default 3 on cuda, 2 on cpu)")
+    ap.add_argument("--peak-tflops", type=t.number(0, 1e6), default=None, help="dense bf16 peak for MFU")
+    ap.add_argument("--publish-dir", type=t.directory, default=None,
+                    help="where the publish is measured (default: a temp dir)")
+    ap.add_argument("--publish-repeats", type=t.count(1, 100), default=3)
     ap.add_argument("--vllm", default="auto", choices=("auto", "on", "off"))
-    ap.add_argument("--vllm-timeout", type=float, default=300.0)
+    ap.add_argument("--vllm-timeout", type=t.number(0, 86400), default=300.0)
     a = ap.parse_args(argv)
     from rl.contract import families
     from rl.doctor import env, fill, gpu_checks

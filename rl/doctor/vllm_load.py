@@ -13,10 +13,11 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rl.doctor.vllm_load", description=__doc__.splitlines()[0])
-    ap.add_argument("model_dir")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=8)
+    from rl.doctor import args as t
+    ap.add_argument("model_dir", type=t.existing_dir)
+    ap.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
+    ap.add_argument("--vocab", type=t.count(11, 1 << 24), default=512)
+    ap.add_argument("--tokens", type=t.count(1, 4096), default=8)
     a = ap.parse_args(argv)
     from vllm import LLM, SamplingParams
     t0 = time.perf_counter()

@@ -27,6 +27,11 @@ whole-checkpoint verify and use), and DCP reads its data files through `rl.excha
 symlink followed, no FIFO opened). DCP's non-tensor entries (the optimizer's hyperparameters) are read
 with `torch.load(weights_only=True)` instead of DCP's default `weights_only=False`; tensor shards already are.
 
+A checkpoint never holds a NaN or inf: `save` first checks every floating tensor of the model and the
+optimizer state (`isfinite().all()` on each rank's local shard, one read-back per device, the count
+summed over ranks so all stop together) and refuses with NonFiniteCheckpoint, one line naming the first
+such tensor and the step, before writing anything: the previous checkpoint stays the newest.
+
 Checkpoints saved before `dcp_metadata.json` existed (an older run directory) still load, so that
 upgrading never strands a run: their `.metadata` is unpickled from the verified bytes by
 `_MetadataUnpickler`, which resolves exactly the (module, name) pairs such a file holds (DCP's metadata
@@ -63,6 +68,13 @@ RNG_FILE = "rng.safetensors"
 DCP_DIR = "dcp"
 METADATA_FILE = "dcp_metadata.json"
 _FORMAT = "hetrl-dcp-metadata"
+
+
+_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class NonFiniteCheckpoint(RuntimeError):
+    """A checkpoint refused because the state to save holds a NaN or inf; the message names the tensor."""
 
 
 @dataclass
@@ -112,13 +124,61 @@ def _has_state(optimizer) -> bool:
     return any(len(o.state) for o in optimizer.optimizers)
 
 
+def _local(v):
+    return v.to_local() if hasattr(v, "to_local") else v  # this rank's shard of a DTensor
+
+
+def check_finite(model, optimizer, what: str, dist=None) -> None:
+    """Raise NonFiniteCheckpoint on every rank if any rank's part of the model or optimizer state holds a
+    NaN or inf, naming `what` and the first such tensor (its FQN, or the optimizer key and parameter)."""
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+
+    def add(name: str, v) -> None:
+        v = _local(v)
+        if torch.is_tensor(v) and v.dtype in _CHECKED_DTYPES and v.numel():
+            flags.setdefault(v.device, []).append((name, torch.isfinite(v).all()))
+
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    for m in parts:
+        for k, v in m.state_dict().items():
+            add(k, v)
+    if optimizer is not None:
+        names = {id(p): n for m in parts for n, p in m.named_parameters()}
+        for o in getattr(optimizer, "optimizers", [optimizer]):
+            for p, state in o.state.items():
+                for key, v in state.items():
+                    add(f"optimizer {key} of {names.get(id(p), 'a parameter')}", v)
+    bad = []
+    for items in flags.values():  # one read-back per device: a sync per tensor costs thousands of them
+        ok = torch.stack([f for _, f in items]).tolist()
+        bad += [k for (k, _), good in zip(items, ok) if not good]
+    n_bad = len(bad)
+    if dist is not None and dist.distributed:
+        n_bad = int(dist.sum(torch.tensor(float(n_bad), device=dist.device)))
+    if n_bad:
+        rank = f" (rank {dist.rank})" if dist is not None and dist.distributed else ""
+        where = f"{bad[0]}{rank}" if bad else "on another rank"
+        raise NonFiniteCheckpoint(f"{what}: refusing to save a checkpoint holding NaN or inf: {n_bad} tensor(s), "
+                                  f"first {where}; the newest checkpoint stays the previous one")
+
+
 def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str = "trainer",
          dist=None) -> exchange.Published | None:
-    """Publish `checkpoints/step_<step>`; `overwrite` so a re-run step replaces a stale one.
+    """Publish `checkpoints/step_<step>`; `overwrite` so a re-run step replaces a stale one. Refused
+    (NonFiniteCheckpoint, nothing written) when the state holds a NaN or inf.
 
     `dist` (rl.trainer.parallel.Dist): under torchrun every rank calls this; rank 0 publishes and
     returns the Published, the others write their DCP shards and return None.
     """
+    with_opt = _has_state(optimizer)
+    # every rank, before any writes: a collective, so all stop together
+    check_finite(model, optimizer if with_opt else None, f"{KIND}/step_{step:06d}", dist)
+    return _publish(run_dir, step, model, optimizer, progress, producer=producer, dist=dist)
+
+
+def _publish(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str,
+             dist) -> exchange.Published | None:
+    """`save` without the check (tests use it to make what an older hetrl could have saved)."""
     import torch.distributed.checkpoint as dcp
 
     with_opt = _has_state(optimizer)
