@@ -165,16 +165,22 @@ def _print_memory(console, cfg: dict, plan: dict):
 
 def _frozen(run_dir: str) -> dict:
     import yaml
-    from rl.contract import paths
+    from rl.contract import paths, safefs
     p = paths.config_file(run_dir)
-    if not p.is_file():
-        raise ConfigError(f"{p}: not found (is {run_dir} a run directory?)")
-    return yaml.safe_load(p.read_text())
+    try:
+        cfg = yaml.safe_load(safefs.read_text(p, limit=16 << 20))
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: not found (is {run_dir} a run directory?)") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not a YAML config ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: not a mapping of config keys")
+    return cfg
 
 
 def cmd_resume(ns) -> int:
     cfg = _frozen(ns.run_dir)
-    cfg["run_dir"] = str(Path(ns.run_dir).absolute())
+    cfg["run_dir"] = ns.run_dir  # resolved by main (safefs.resolve_run_dir)
     if ns.overrides:
         from launch.compose import compose_points
         over = compose_points(list(ns.overrides) + [f"run_dir={cfg['run_dir']}"], False)[0]
@@ -205,10 +211,14 @@ def cmd_cancel(ns) -> int:
     # Only processes that are still the recorded ones (this host, started before their record): a pid
     # from another host or reused since is never signalled. A live launcher stops its roles itself.
     from launch.local import recorded_processes
-    from launch.procs import signal_recorded
-    procs = recorded_processes(Path(ns.run_dir))
-    launcher = [r for r in procs if r.what == "launcher" and r.alive()[0]]
-    done, skipped = signal_recorded(launcher or [r for r in procs if r.what != "launcher"], signal.SIGTERM)
+    from launch.procs import cancel_local
+    from rl.contract.records import RecordError
+    try:
+        procs = recorded_processes(Path(ns.run_dir))
+    except RecordError as e:   # a crafted local.json names nothing we would signal
+        print(f"launch cancel: {e}; nothing signalled", file=sys.stderr)
+        return 1
+    done, skipped = cancel_local(procs, signal.SIGTERM)
     for r, why in skipped:
         print(f"not signalled: {r.what} (pid {r.pid}): {why}")
     print(f"sent SIGTERM to {', '.join(r.what for r in done) or 'nothing'} of {ns.run_dir}")
@@ -216,11 +226,17 @@ def cmd_cancel(ns) -> int:
 
 
 def cmd_logs(ns) -> int:
+    import os
+    from rl.contract import safefs
+    if "/" in ns.role or ns.role in ("", ".", ".."):
+        raise ConfigError(f"role {ns.role!r}: not a role name")
     p = Path(ns.run_dir) / "logs" / f"{ns.role}.log"
-    if not p.exists():
-        have = sorted(x.stem for x in (Path(ns.run_dir) / "logs").glob("*.log"))
-        raise ConfigError(f"role {ns.role!r}: no log in {p.parent} (have: {', '.join(have) or 'none'})")
-    with open(p, errors="replace") as f:
+    try:  # through safefs: a log that is a link or a FIFO is refused, never followed or blocked on
+        fd = safefs.open_read(p)
+    except FileNotFoundError:
+        have = sorted(n[:-4] for n, _ in safefs.scandir(p.parent) if n.endswith(".log"))
+        raise ConfigError(f"role {ns.role!r}: no log in {p.parent} (have: {', '.join(have) or 'none'})") from None
+    with os.fdopen(fd, errors="replace") as f:
         sys.stdout.write(f.read())
         while ns.follow:
             line = f.readline()
@@ -284,6 +300,18 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     if ns.cmd in ("run", "plan"):
         ns.multirun = ns.multirun or multirun
+    if getattr(ns, "run_dir", None) is not None:
+        # resolved once, here: a run under a symlinked path (/scratch -> /lustre/scratch) works, and below
+        # it every reader and writer refuses links (rl.contract.safefs, docs/run-directory-safety.md)
+        from rl.contract.safefs import resolve_run_dir
+        ns.run_dir = str(resolve_run_dir(ns.run_dir))
+    if ns.cmd in ("export", "report") and getattr(ns, "out", None):
+        # the user's own output path: the links on the way to it are the user's choice and followed here;
+        # the file or directory itself is then written without following a link (a report's name is kept,
+        # an export directory is resolved whole: it is the user's, not the run's)
+        from rl.contract.safefs import resolve_run_dir
+        out = Path(ns.out).expanduser()
+        ns.out = str(resolve_run_dir(out) if ns.cmd == "export" else resolve_run_dir(out.parent) / out.name)
     try:
         return {"run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
                 "cancel": cmd_cancel, "logs": cmd_logs, "export": cmd_export,
@@ -300,9 +328,10 @@ def main(argv=None) -> int:
     except Exception as e:
         from launch.slurm import SlurmError
         from rl.contract.records import RecordError
-        # sbatch's own words, or a run-directory record that does not parse (its message names the file):
-        # one line each, never a traceback
-        if isinstance(e, (SlurmError, RecordError)):
+        from rl.contract.secret import SecretError
+        # sbatch's own words, a run-directory record that does not parse (its message names the file), or
+        # a run secret refused (mode, owner, a link in its place): one line each, never a traceback
+        if isinstance(e, (SlurmError, RecordError, SecretError)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

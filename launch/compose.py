@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rl.contract.config import ConfigError, register, resolve_ports, to_container
+from launch.rundir import check_run_dir_choice
 from rl.contract.validation import check_run_dir, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -113,7 +114,10 @@ def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
             c["run_dir"] = default_run_dir(c["experiment"], ts if multirun else None, i if multirun else None)
         elif multirun and len(points) > 1:
             c["run_dir"] = str(Path(c["run_dir"]) / str(i))
-        c["run_dir"] = str(Path(c["run_dir"]).absolute())
+        try:  # resolved once, here: below it every writer refuses links (docs/run-directory-safety.md)
+            c["run_dir"] = str(check_run_dir_choice(c["run_dir"]))
+        except ConfigError as e:
+            raise ConfigError(f"{e}" + (f" (sweep point {i}: {' '.join(point)})" if len(points) > 1 else "")) from None
         if multirun and len(points) > 1:
             resolve_ports({**c, "run_dir": str(Path(c["run_dir"]).parent)}, offset=i)
         else:

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from launch.procs import LOCK, Recorded
-from launch.rundir import freeze_run_dir
-from rl.contract import paths
+from launch.procs import LOCK, Recorded, process_start_time
+from launch.rundir import check_run_dir_choice, freeze_run_dir
+from rl.contract import paths, safefs
 from rl.contract.config import ConfigError
 from rl.contract.plan import Plan
 from rl.contract.records import LocalLauncher, RoleRecord
@@ -82,22 +82,30 @@ def cpu_split(plan: Plan, cpus: list[int], environ: dict) -> tuple[dict[str, dic
     return env, (f"cpus ({n}): " + ", ".join(words)) if words else ""
 
 
+def _end(path: Path, nbytes: int) -> str:
+    """The last `nbytes` of a log, opened through safefs (a link or FIFO in its place is refused)."""
+    fd = safefs.open_read(path)
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, nbytes, max(0, size - nbytes)).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _tail(path: Path, n: int = 25) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(_end(path, 1 << 16).splitlines()[-n:])
     except FileNotFoundError:
         return "(no log)"
+    except safefs.UnsafePath as e:
+        return f"(not read: {e})"
 
 
 def _last_line(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - 4096))
-            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        lines = [ln for ln in _end(path, 4096).splitlines() if ln.strip()]
         return lines[-1][:100] if lines else ""
-    except FileNotFoundError:
+    except (FileNotFoundError, safefs.UnsafePath):
         return ""
 
 
@@ -154,7 +162,8 @@ def recorded_processes(run_dir: Path) -> list[Recorded]:
     out = []
     launcher = LocalLauncher.read(run_dir)
     if launcher is not None:
-        out.append(Recorded("launcher", launcher.host, launcher.pid, launcher.started, run_dir))
+        out.append(Recorded("launcher", launcher.host, launcher.pid, launcher.started, run_dir,
+                            proc_started=launcher.proc_started))
         out += [Recorded(f"role {r}", launcher.host, pid, launcher.started, run_dir)
                 for r, pid in launcher.roles.items()]
     seen = {(r.host, r.pid) for r in out}
@@ -164,13 +173,20 @@ def recorded_processes(run_dir: Path) -> list[Recorded]:
     return out
 
 
+def open_role_log(run_dir: Path, role: str) -> int:
+    """fd of RUN_DIR/logs/<role>.log for appending (the role's stdout): through rl.contract.safefs, so a
+    link planted there (to a file of the user's) or a FIFO is refused, never written through."""
+    return safefs.open_write(paths.log_file(run_dir, role), append=True)
+
+
 def _take_run_dir(run_dir: Path):
     """Hold RUN_DIR/launcher.lock for this launcher's lifetime and refuse a run directory whose earlier
     launcher or roles still run (a second launcher would start a second trainer on the same steps).
     Returns the open lock file (the lock lives as long as it)."""
     import fcntl
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / LOCK, "a+")
+    check_run_dir_choice(run_dir)
+    # through safefs: a lock planted as a link (to another run's lock, /dev/null) or a FIFO is refused
+    f = os.fdopen(safefs.open_write(run_dir / LOCK, append=True, readable=True), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -187,7 +203,7 @@ def _take_run_dir(run_dir: Path):
 
 
 def run_local(cfg: dict, plan: Plan) -> int:
-    run_dir = Path(cfg["run_dir"])
+    run_dir = Path(cfg["run_dir"]).absolute()
     lock = _take_run_dir(run_dir)
     try:
         return _run_local(cfg, plan, run_dir)
@@ -217,13 +233,16 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
     if said:
         print(said, flush=True)
     for role, (cmd, role_env) in role_processes(plan).items():
-        log = open(paths.log_file(run_dir, role), "ab")
-        procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**env, **role_env, **split.get(role, {})},
-                                       cwd=REPO, start_new_session=True)
-        log.close()
+        log = open_role_log(run_dir, role)
+        try:
+            procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**env, **role_env, **split.get(role, {})},
+                                           cwd=REPO, start_new_session=True)
+        finally:
+            os.close(log)
     LocalLauncher(host=socket.gethostname(), pid=os.getpid(), started=time.time(),
-                  roles={r: p.pid for r, p in procs.items()}).write(run_dir)
+                  roles={r: p.pid for r, p in procs.items()},
+                  proc_started=process_start_time(os.getpid())).write(run_dir)
     print("roles: " + ", ".join(f"{r} (pid {p.pid})" for r, p in procs.items()) + f"; logs in {logs}", flush=True)
 
     stopping = {"reason": None}

@@ -18,11 +18,12 @@ import re
 import shlex
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 from rl.contract.config import ClusterConfig, ConfigError, typed
 from launch.plan import REPO, make_plan
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.plan import Plan
 
 TEMPLATE_DIR = REPO / "sbatch"
@@ -113,12 +114,22 @@ def submit(run_dir: str | os.PathLike, script: str | os.PathLike, hold: bool = F
     """sbatch SCRIPT from RUN_DIR (held with `hold`); returns the job id and appends it to
     RUN_DIR/slurm_jobs.jsonl."""
     run_dir = Path(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    safefs.makedirs(run_dir / "logs")  # Slurm opens --output there itself: a linked logs/ is refused first
     r = _run("sbatch", "--parsable", *(["--hold"] if hold else []), f"--chdir={run_dir}", str(script))
     job_id = job_id_arg(r.stdout.strip().split(";")[0].split("+")[0], "sbatch --parsable printed job id")
-    with open(run_dir / JOBS_FILE, "a") as f:
-        f.write(json.dumps({"job_id": job_id, "time": time.time()}) + "\n")
+    try:
+        record_job(run_dir, job_id)
+    except OSError:
+        cancel(job_id)  # an unrecorded job could never be found again (status, cancel, resume)
+        raise
     return job_id
+
+
+def record_job(run_dir: str | os.PathLike, job_id: str) -> None:
+    """Append the job to RUN_DIR/slurm_jobs.jsonl through rl.contract.safefs (a link or FIFO planted in its
+    place is refused: UnsafePath)."""
+    safefs.append_bytes(Path(run_dir) / JOBS_FILE,
+                        (json.dumps({"job_id": job_id_arg(job_id), "time": time.time()}) + "\n").encode())
 
 
 def job_state(job_id: str) -> dict:
@@ -173,8 +184,8 @@ def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
     wrong partition, account or limit) leaves the run directory as it was and the same command, corrected,
     can be run again. The job is submitted held and released after the files are in place: it cannot start
     and read a run directory that is not written yet. If freezing fails, the held job is cancelled."""
-    from launch.rundir import check_resume, freeze_run_dir
-    run_dir = Path(run_dir).absolute()
+    from launch.rundir import check_resume, check_run_dir_choice, freeze_run_dir
+    run_dir = check_run_dir_choice(Path(run_dir).absolute())
     cfg = dict(cfg, run_dir=str(run_dir))
     cfg.pop("_overrides", None)
     old = current_job(run_dir)
@@ -183,16 +194,22 @@ def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
                           f"(python -m launch cancel {run_dir})")
     plan, script = prepare_run(cfg, run_dir)
     check_resume(cfg, run_dir)
+    pending = run_dir / f".{paths.JOB_SCRIPT}.pending-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        pending = run_dir / f".{paths.JOB_SCRIPT}.pending-{os.getpid()}"
-        pending.write_text(script)
+        safefs.makedirs(run_dir / "logs")
+        fd = safefs.open_write(pending, exclusive=True)  # a fresh name: nothing planted is written through
+        try:
+            os.write(fd, script.encode())
+        finally:
+            os.close(fd)
+    except safefs.UnsafePath as e:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: {e}") from None
     except OSError as e:
         raise ConfigError(f"run_dir={str(run_dir)!r}: cannot be written ({e.strerror or e})") from None
     try:
         job_id = submit(run_dir, pending, hold=True)
     finally:
-        pending.unlink(missing_ok=True)
+        safefs.remove(pending)
     try:
         freeze_run_dir(cfg, run_dir, plan, script, backend="slurm")
     except BaseException:
@@ -207,9 +224,10 @@ def resume_slurm(run_dir: str | os.PathLike, max_steps: int | None = None) -> st
     import yaml
     run_dir = Path(run_dir).absolute()
     p = paths.config_file(run_dir)
-    if not p.exists():
-        raise ConfigError(f"run_dir={str(run_dir)!r}: no config.yaml, not a run directory")
-    cfg = yaml.safe_load(p.read_text())
+    try:
+        cfg = yaml.safe_load(safefs.read_text(p, limit=16 << 20))
+    except FileNotFoundError:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: no config.yaml, not a run directory") from None
     if max_steps is not None:
         cfg["trainer"]["max_steps"] = int(max_steps)
     return launch_slurm(cfg, run_dir)
@@ -221,9 +239,11 @@ ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEU
 
 def current_job(run_dir: str | os.PathLike) -> str | None:
     p = Path(run_dir) / JOBS_FILE
-    if not p.exists():
+    try:  # safefs: a link or FIFO in the record's place is UnsafePath, never followed or blocked on
+        text = safefs.read_bytes(p, limit=64 << 20).decode("utf-8", "replace")
+    except FileNotFoundError:
         return None
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         return None
     try:

@@ -33,6 +33,8 @@ import socket
 import sys
 import time
 
+from rl.contract import safefs
+
 EXIT_FAULT = 97
 ENV = "HETRL_FAULT"
 LOG_ENV = "HETRL_FAULT_LOG"
@@ -74,34 +76,37 @@ def _parse() -> dict:
     if action not in ACTIONS:
         raise ValueError(f"{ENV}={spec!r}: action must be one of {', '.join(ACTIONS)}")
     return {"point": point, "role": role or None, "nth": int(parts[1]) if len(parts) > 1 else 1,
-            "action": action, "log": os.environ.get(LOG_ENV) or None}
+            "action": action, "log": _log_path(os.environ.get(LOG_ENV))}
+
+
+def _log_path(value: str | None) -> str | None:
+    """The harness's log file with its directory resolved once (a link on the way to where the harness
+    put it is its own choice); below that, safefs refuses links (a planted one at the file itself)."""
+    if not value:
+        return None
+    return os.path.join(safefs.resolve_run_dir(os.path.dirname(os.path.abspath(value))), os.path.basename(value))
 
 
 def _next_pass(path: str) -> int:
     """The number (1-based) of this pass of the armed point over every process that logged one so far."""
     try:
-        with open(path, "rb") as f:
-            n = sum(1 for ln in f if ln.strip()) + 1
+        data = safefs.read_bytes(path)
     except FileNotFoundError:
-        n = 1
-    return n
+        return 1
+    return sum(1 for ln in data.splitlines() if ln.strip()) + 1
 
 
 def _write_pass(path: str, rec: dict) -> None:
-    """One fsynced line, raw O_APPEND: not rl.exchange's appender, which is itself a crash point."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(rec) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """One fsynced line, one O_APPEND write through rl.contract.safefs (a link or FIFO planted at the log is
+    refused): not rl.exchange's appender, which is itself a crash point."""
+    safefs.append_bytes(path, (json.dumps(rec) + "\n").encode())
 
 
 def read_log(path) -> list[dict]:
     """The passes recorded in a HETRL_FAULT_LOG file (a torn line is skipped)."""
     out = []
     try:
-        lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+        lines = safefs.read_bytes(path).decode("utf-8", "replace").splitlines()
     except FileNotFoundError:
         return out
     for ln in lines:

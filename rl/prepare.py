@@ -32,7 +32,11 @@ refuses, in one line and before it changes anything, a resume.json that is malfo
 not a non-negative integer, fields of the wrong type, not an object) or that went backwards (its restart
 below the newest incarnation recorded in `incarnations/`, or missing while some are recorded): numbering
 on from a rewound count would hand out an epoch a stale process already holds. After writing resume.json
-it records the new incarnation there (rl.exchange.record_incarnation). No torch.
+it records the new incarnation there (rl.exchange.record_incarnation). A resume.json rewound together
+with incarnations/ is refused too: the steps the newer incarnation published carry its epoch
+(rl.exchange.fencing.published_epoch). Truncating metrics.jsonl and eval/results.jsonl reads them
+through their schemas (rl.contract.record_schemas): a malformed line is skipped with one warning naming
+file:line, never a traceback; a record that is a link or a FIFO is refused in one line. No torch.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from pathlib import Path
 from rl import exchange
 from rl.faults import crash_point, set_role
 from rl.contract import config as _config
-from rl.contract import offpolicy, paths
+from rl.contract import offpolicy, paths, safefs
 from rl.contract.records import RecordError, ResumeState, read_optional
 
 KINDS = paths.KINDS
@@ -142,8 +146,9 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     set_role("prepare")
     try:
-        state = prepare(ns.run_dir, from_scratch=ns.from_scratch)
-    except (NoCheckpoint, RecordError) as e:
+        state = prepare(safefs.resolve_run_dir(ns.run_dir), from_scratch=ns.from_scratch)
+    except (NoCheckpoint, RecordError, safefs.UnsafePath) as e:
+        # a record that is malformed, went backwards or is not a regular file (a link, a FIFO): one line
         sys.exit(f"[prepare] error: {e}")
     where = "from scratch" if state.checkpoint_step is None else f"from checkpoint step {state.checkpoint_step}"
     gone = {k: v for k, v in state.discarded.items() if v}

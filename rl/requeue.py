@@ -25,6 +25,7 @@ from rl import exchange
 from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.records import RecordError, ResumeState
+from rl.contract.safefs import resolve_run_dir
 
 
 def decide(run_dir: str | Path, restart: int | None = None) -> tuple[bool, str]:
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl.requeue")
     p.add_argument("--run-dir", required=True, type=Path)
     ns = p.parse_args(argv)
+    ns.run_dir = resolve_run_dir(ns.run_dir)  # once, here: below it no link is followed (rl.contract.safefs)
     env_restart = os.environ.get("SLURM_RESTART_COUNT")
     if env_restart and not (env_restart.isascii() and env_restart.isdigit()):
         print(f"not requeueing: SLURM_RESTART_COUNT={env_restart!r} is not a non-negative integer", flush=True)

@@ -23,6 +23,7 @@ from rl.contract import paths
 from rl.contract.plan import Plan
 from rl.contract.records import ResumeState, RoleRecord
 from rl.contract.atomic import atomic_write_json
+from rl.contract.safefs import resolve_run_dir
 from rl.exchange import check_fence, fence
 
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
@@ -34,6 +35,9 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
     for args, kwargs in (extra or []):
         p.add_argument(*args, **kwargs)
     ns = p.parse_args(argv)
+    # resolved once, here: a run under a symlinked path works; below it every reader and writer refuses
+    # links (rl.contract.safefs, docs/run-directory-safety.md)
+    ns.run_dir = resolve_run_dir(ns.run_dir)
     if not paths.config_file(ns.run_dir).is_file():
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
     start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)

@@ -14,7 +14,12 @@ On disk it is one safetensors file of numpy arrays (no pickle, no torch needed) 
 `RolloutBatch.load` checks what it read before anyone trains on it (`validate`): a checksum only proves
 the file is the one its producer wrote, not that the producer wrote something trainable. Every array is
 there with its layout's dtype and length, offsets run from 0 to the number of tokens without going
-back, float arrays are finite, token ids lie in [0, vocab_size) and the loss mask is 0/1. Anything else
+back, float arrays are finite, token ids lie in [0, vocab_size), the loss mask is 0/1, policy versions
+are -1 (not generated) or a version, and logprobs are logprobs (in [-1e4, 0], vLLM's -inf being -9999).
+The bookkeeping in meta.json (which groups and rollouts the batch trains) is checked against its schema
+(rl.contract.record_schemas.batch_meta) and against the arrays: entry j of `entries` is the samples of
+dense group j, and a part's rewards are those samples' rewards. The orchestrator's resume believes that
+bookkeeping, so a batch whose meta does not describe its arrays is not trained on either. Anything else
 is `InvalidBatch` with a one-line reason naming the file, the field and the value; the trainer sets
 such a batch aside like a corrupt one (rl.trainer.loop.next_batch).
 """
@@ -28,6 +33,9 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from rl.contract import record_schemas, safefs
+from rl.contract.record_schemas import LOGPROB_MAX, LOGPROB_MIN, MAX_STEP
+
 BATCH_FILE = "batch.safetensors"
 META_FILE = "meta.json"
 
@@ -35,6 +43,7 @@ PER_TOKEN = ("tokens", "loss_mask", "logprobs", "versions")  # one entry per tok
 PER_SAMPLE = ("rewards", "advantages", "groups")
 ARRAYS = ("tokens", "offsets", *PER_TOKEN[1:], *PER_SAMPLE)  # always stored; routed_experts optionally
 _FLOAT = ("logprobs", "rewards", "advantages")
+_MAX_META = 256 << 20   # meta.json lists a few numbers per sample; a file beyond this is not one
 
 
 class InvalidBatch(ValueError):
@@ -150,8 +159,8 @@ class RolloutBatch:
             # a header safetensors cannot parse is SafetensorError; one naming a dtype numpy lacks (BF16,
             # F8_*) fails inside its numpy loader as TypeError / AttributeError
             raise InvalidBatch(f"{f}: not a readable safetensors file of numpy arrays ({e})") from None
-        try:
-            meta = json.loads(mf.read_text())
+        try:  # never through a link, never blocking on a FIFO (rl.contract.safefs)
+            meta = json.loads(safefs.read_bytes(mf, limit=_MAX_META))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidBatch(f"{mf}: not valid JSON ({e})") from None
         if not isinstance(meta, dict):
@@ -163,7 +172,35 @@ class RolloutBatch:
                                f"routed_experts)")
         batch = cls(routed_experts=a.pop("routed_experts", None), meta=meta, **a)
         batch.validate(vocab_size, where=str(f))
+        batch.validate_meta(where=str(mf))
         return batch
+
+    def validate_meta(self, group_size: int | None = None, where: str = "rollout batch meta") -> None:
+        """Raise InvalidBatch unless meta.json's bookkeeping is well-formed (record_schemas.batch_meta)
+        and describes these arrays: entry j's rollouts are the samples of dense group j, a part's
+        rewards are theirs. Call after `validate` (the arrays are known to be consistent)."""
+        if (why := record_schemas.batch_meta(self.meta, num_samples=self.num_samples,
+                                             group_size=group_size)) is not None:
+            raise InvalidBatch(f"{where}: {why}")
+        entries = self.meta.get("entries")
+        if entries is None:
+            return
+        counts = np.bincount(self.groups.astype(np.int64), minlength=len(entries)) if len(self.groups) else \
+            np.zeros(len(entries), np.int64)
+        if len(self.groups) and (self.groups.min() < 0 or len(counts) != len(entries)):
+            raise InvalidBatch(f"{where}: the batch's dense groups run {int(self.groups.min())}.."
+                               f"{int(self.groups.max())}, meta.json has {len(entries)} entries")
+        parts = self.meta.get("partial_groups") or {}
+        for j, (g, idx) in enumerate(entries):
+            if counts[j] != len(idx):
+                raise InvalidBatch(f"{where}: entry {j} (group {g}) lists {len(idx)} rollouts, the batch has "
+                                   f"{int(counts[j])} samples of it")
+            if str(g) in parts:
+                have = self.rewards[self.groups == j].astype(np.float64)
+                if not np.allclose(have, parts[str(g)]["rewards"], rtol=1e-5, atol=1e-5):
+                    raise InvalidBatch(f"{where}: partial_groups[{g}].rewards="
+                                       f"{record_schemas.shown(parts[str(g)]['rewards'])} are not its samples' "
+                                       f"rewards {record_schemas.shown(have.tolist())}")
 
     def validate(self, vocab_size: int | None = None, where: str = "rollout batch") -> None:
         """Raise InvalidBatch (one line: `where`, the field, the value) unless the trainer can train on
@@ -216,3 +253,11 @@ class RolloutBatch:
         if ((self.loss_mask != 0) & (self.loss_mask != 1)).any():
             i = _first((self.loss_mask != 0) & (self.loss_mask != 1))
             bad(f"loss_mask[{i}] = {self.loss_mask[i]}, must be 0 or 1")
+        v = self.versions.astype(np.int64)
+        if (off := (v < -1) | (v > MAX_STEP)).any():
+            i = _first(off)
+            bad(f"versions[{i}] = {v[i]} is not a policy version (>= 0) nor -1 (a token no policy generated)")
+        if (off := (self.logprobs < LOGPROB_MIN) | (self.logprobs > LOGPROB_MAX)).any():
+            i = _first(off)
+            bad(f"logprobs[{i}] = {self.logprobs[i]} is not a logprob (in [{LOGPROB_MIN:g}, 0]; "
+                f"{int(off.sum())} such of {n_tok})")

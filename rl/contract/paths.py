@@ -36,6 +36,13 @@ CONSUMED = "consumed.jsonl"
 CORRUPT = "corrupt"
 SUBDIRS = ("logs", "roles", ROLLOUTS, WEIGHTS, CHECKPOINTS, "inference")
 
+# Every name hetrl itself makes at the top of a run directory. A non-empty directory holding anything else
+# and no config.yaml is not a run directory, and the launcher refuses to write into it (launch.rundir):
+# a directory holding only these is one whose first launch stopped before config.yaml was frozen.
+RUN_ENTRIES = frozenset({CONFIG, PLAN, JOB_SCRIPT, SUBMISSIONS, SLURM_JOBS, SECRET, RESUME, DONE, METRICS,
+                         EVAL, WANDB_ID, LOCAL_PIDS, *KINDS, *SUBDIRS, "incarnations", "sandboxes",
+                         "launcher.lock", "report.html", "wandb"})
+
 # Exit status of a role that stopped early because it was asked to (preemption, time limit, Ctrl-C):
 # the batch script and the local backend tell it apart from a crash and requeue / report "stopped".
 EXIT_PREEMPTED = 3

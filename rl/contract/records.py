@@ -96,7 +96,9 @@ class ResumeState:
     _checks = {
         "checkpoint_step": (_opt_count, "a step number or null"),
         "restart": (_count, "a non-negative integer"),
-        "discarded": (lambda v: isinstance(v, dict), "an object"),
+        "discarded": (lambda v: isinstance(v, dict) and all(
+            isinstance(k, str) and isinstance(s, list) and all(_count(n) for n in s) for k, s in v.items()),
+            "an object of step lists ({kind: [step, ...]})"),
         "cleaned_tmp": (lambda v: _count(v) or isinstance(v, list), "a count"),
         "time": (_time, "a non-negative time in seconds"),
         "slurm_job_id": (lambda v: v is None or isinstance(v, str), "a string or null"),
@@ -257,6 +259,18 @@ class LocalLauncher:
     pid: int
     started: float
     roles: dict = field(default_factory=dict)   # role -> pid
+    proc_started: Optional[float] = None        # the launcher's start time as /proc gives it (cancel checks it)
+
+    # cancel signals what this record names: a value of the wrong type is refused in one line here, not
+    # a TypeError inside the liveness check
+    _checks = {
+        "host": (lambda v: isinstance(v, str), "a host name"),
+        "pid": (lambda v: _count(v) and v > 1, "a process id"),
+        "started": (_time, "a time in seconds"),
+        "roles": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _count(p) and p > 1
+                                                         for k, p in v.items()), "an object of role -> pid"),
+        "proc_started": (lambda v: v is None or _time(v), "a time in seconds or null"),
+    }
 
     def write(self, run_dir) -> None:
         _write(paths.p(run_dir, paths.LOCAL_PIDS), self)

@@ -250,3 +250,127 @@ def check_path(path: PathLike, *, kind: str = "file") -> None:
             raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a {'regular file' if kind == 'file' else 'directory'}")
     finally:
         os.close(dfd)
+
+
+# -- directory operations: each opens the parent by the walk above and acts on one name inside it ------
+def _parent(path: PathLike, create: bool = False) -> tuple[int, str, str]:
+    """(O_PATH fd of the parent, final name, normalised path); the caller closes the fd."""
+    norm, comps = _parts(path)
+    if not comps:
+        raise UnsafePath(f"{path}: not a path below /")
+    return open_dir("/" + "/".join(comps[:-1]), create=create), comps[-1], norm
+
+
+def lstat(path: PathLike) -> os.stat_result | None:
+    """The stat of `path` itself (a final symlink is described, not followed), None when it or its parent
+    is missing; UnsafePath for a link or non-directory on the way to it."""
+    try:
+        dfd, name, _ = _parent(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+
+
+def is_dir(path: PathLike) -> bool:
+    """`path` is a real directory (False when missing); UnsafePath when it, or anything on the way, is a
+    symlink, or it is something other than a directory."""
+    st = lstat(path)
+    if st is None:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        dfd, name, norm = _parent(path)
+        try:
+            raise _not_dir(dfd, name, norm)
+        finally:
+            os.close(dfd)
+    return True
+
+
+def mkdir(path: PathLike, *, mode: int = 0o755) -> Path:
+    """Make the directory `path` (its parents as `makedirs`); FileExistsError when it exists (a fresh,
+    private directory: a step's tmp dir), UnsafePath for a link on the way."""
+    dfd, name, _ = _parent(path, create=True)
+    try:
+        os.mkdir(name, mode, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    return Path(path)
+
+
+def scandir(path: PathLike) -> list[tuple[str, int]]:
+    """[(name, st_mode of the entry itself)] of the real directory `path` ([] when missing); UnsafePath
+    when it, or a component on the way, is a symlink or not a directory. Entries are not followed."""
+    try:
+        pfd = open_dir(path)
+    except FileNotFoundError:
+        return []
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+    out = []
+    try:
+        for name in os.listdir(fd):
+            try:
+                out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+    finally:
+        os.close(fd)
+    return out
+
+
+def rename(src: PathLike, dst: PathLike) -> None:
+    """rename(2) of `src` to `dst` within their parent directories, each opened by the walk: a link on the
+    way to either is refused (UnsafePath); the entries themselves are moved, never followed."""
+    sfd, sname, _ = _parent(src)
+    try:
+        dfd, dname, _ = _parent(dst)
+        try:
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+def remove(path: PathLike) -> None:
+    """Remove `path`: a directory with its contents (rmtree relative to its opened parent; links inside are
+    unlinked, never followed), anything else unlinked. Missing is fine; a link on the way is UnsafePath."""
+    import shutil
+    try:
+        dfd, name, _ = _parent(path)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+        else:
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(dfd)
+
+
+def fsync_dir(path: PathLike) -> None:
+    """fsync the real directory `path` (its entries: a rename into it is durable)."""
+    pfd = open_dir(path)
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -12,7 +12,11 @@ say so: `secret_or_none` returns None for a missing file only when `HETRL_UNAUTH
 switch rl.inference.auth honours); an empty or short file is refused even then, as it is the signature of
 the crash above, not of a choice.
 
-Torch-free and imports nothing else of rl (rl/contract's rule).
+The file is opened and written through rl.contract.safefs (no link followed, no FIFO opened), and it must
+be the user's own with mode 0600: a secret others can read is no secret, so it is refused in one line
+(chmod 600) rather than used.
+
+Torch-free; imports nothing of rl but its sibling rl.contract.safefs (rl/contract's rule).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
+
+from rl.contract import safefs
 
 SECRET = "secret"                     # rl.contract.paths.SECRET: the same name, not imported (no rl imports)
 MIN_CHARS = 32                        # token_hex(16): 128 bits; anything shorter is a damaged file
@@ -47,30 +53,50 @@ def _problem(text: str | None) -> str | None:
     return None
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path) -> tuple[str, os.stat_result] | None:
+    """(text, stat) of the secret file, None when missing. Opened through rl.contract.safefs: a symlink
+    at it or on the way, a FIFO or a device is SecretError (one line), never followed or blocked on."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = safefs.open_read(path)
     except FileNotFoundError:
         return None
+    except safefs.UnsafePath as e:
+        raise SecretError(f"{e}; the run's secret must be a regular file") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise SecretError(f"{path}: not a regular file; the run's secret must be one")
-        return f.read(4096).decode("utf-8", "replace")
+        st = os.fstat(f.fileno())
+        return f.read(4096).decode("utf-8", "replace"), st
+
+
+def _access_problem(path: Path, st: os.stat_result) -> str | None:
+    """Why a secret with this owner and mode may be known to someone else, None if it may not."""
+    if st.st_uid != os.getuid():
+        return (f"{path}: owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); the run's secret "
+                f"must be this user's own file (remove it and re-submit the run to write a new one)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return (f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, readable or writable by others; the run's "
+                f"secret must be mode 0600 (chmod 600 {path}, or remove it and re-submit the run for a new "
+                f"one if others may have read it)")
+    return None
 
 
 def read_secret(run_dir: str | os.PathLike) -> str:
-    """The run's secret; SecretError (one line) when the file is missing, empty or short."""
+    """The run's secret; SecretError (one line) when the file is missing, empty, short, not a regular
+    file, someone else's, or readable by others (mode other than 0600)."""
     path = _file(run_dir)
     try:
-        text = _read(path)
+        got = _read(path)
+    except SecretError:
+        raise
     except OSError as e:
         raise SecretError(f"{path}: cannot be read ({e.strerror or e}); servers do not start without the "
                           "run's secret") from None
-    why = _problem(text)
+    why = _problem(None if got is None else got[0])
     if why:
         raise SecretError(f"{path}: {why}: servers do not start without the run's secret (re-submit the "
                           "run to write a new one)")
-    return text.strip()
+    if bad := _access_problem(path, got[1]):
+        raise SecretError(bad)
+    return got[0].strip()
 
 
 def secret_or_none(run_dir: str | os.PathLike, env=None) -> str | None:
@@ -85,38 +111,47 @@ def secret_or_none(run_dir: str | os.PathLike, env=None) -> str | None:
 def create_secret(run_dir: str | os.PathLike) -> bool:
     """Make sure RUN_DIR/secret holds a usable secret: keep a good one, else write a new one atomically
     (temp file 0600, write, fsync, then link into place if absent or rename over a damaged one). Returns
-    True if it wrote one."""
+    True if it wrote one. Refused (SecretError, one line) rather than replaced: a good secret that is
+    someone else's or readable by others (the user decides: chmod 600, or remove it), and a symlink, FIFO
+    or directory in its place (planted: never written through, and not silently removed either). Every
+    operation is relative to the run directory opened by rl.contract.safefs (no link followed)."""
     path = _file(run_dir)
+    got = _read(path)
+    if got is not None and _problem(got[0]) is None:
+        if bad := _access_problem(path, got[1]):
+            raise SecretError(bad)
+        return False
+    dfd = safefs.open_dir(path.parent, create=True)
+    tmp = f".{SECRET}.tmp-{secrets.token_hex(8)}"
     try:
-        if _problem(_read(path)) is None:
-            return False
-    except SecretError:
-        pass  # not a regular file: replaced below (rename replaces the entry, never writes through it)
-    tmp = path.with_name(f".{SECRET}.tmp-{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-            f.flush()
-            os.fsync(f.fileno())
-        try:  # absent: link() creates it only if no other launcher did meanwhile (theirs is then kept)
-            os.link(tmp, path)
-        except FileExistsError:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # whatever the umask
+                f.write(secrets.token_hex(32))
+                f.flush()
+                os.fsync(f.fileno())
+            try:  # absent: link() creates it only if no other launcher did meanwhile (theirs is then kept)
+                os.link(tmp, SECRET, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                try:
+                    now = _read(path)
+                except SecretError:
+                    raise
+                if now is not None and _problem(now[0]) is None:
+                    return False
+                # damaged (empty or short): replaced whole, never seen half-written
+                os.replace(tmp, SECRET, src_dir_fd=dfd, dst_dir_fd=dfd)
+            rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
             try:
-                good = _problem(_read(path)) is None
-            except SecretError:
-                good = False
-            if good:
-                return False
-            os.replace(tmp, path)  # damaged (empty or short): replaced whole, never seen half-written
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
+                os.fsync(rfd)
+            finally:
+                os.close(rfd)
+            return True
         finally:
-            os.close(dfd)
-        return True
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
     finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        os.close(dfd)

@@ -31,6 +31,7 @@ import torch
 from rl import fp8
 from rl.exchange.files import CorruptStep
 from rl.exchange.steps import delta_base, delta_chain
+from rl.contract import safefs
 from rl.contract.atomic import atomic_write_json
 from rl.exchange import shards
 from rl.exchange.shard_reader import ShardReader, VerifiedOnNode
@@ -102,7 +103,7 @@ def write_delta_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tenso
     fname = f"model-r{rank:05d}-00001.safetensors"
     head, ranges = shards._header([o for o, _ in stored])
     t0 = time.perf_counter()
-    with open(Path(out_dir) / fname, "wb") as f:
+    with os.fdopen(safefs.open_write(Path(out_dir) / fname, truncate=True), "wb") as f:
         f.write(head)
         for o, t in stored:
             mv = shards._bytes(t)
@@ -121,7 +122,7 @@ def write_delta_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tenso
     part["files"][fname] = {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
     part["bytes"] = size
     part["seconds"] = spent
-    (Path(out_dir) / shards.PARTS).mkdir(exist_ok=True)
+    safefs.makedirs(Path(out_dir) / shards.PARTS)
     atomic_write_json(Path(out_dir) / shards.PARTS / f"rank-{rank:05d}.json", part)
     return part
 

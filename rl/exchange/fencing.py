@@ -10,13 +10,25 @@ The restart count in `resume.json` is trusted only as far as it is well-formed a
 backwards: rl.prepare also leaves one file per incarnation in `incarnations/` (`record_incarnation`,
 append-only), and a `resume.json` whose count is lower than the newest of those, or lower than any this
 process saw or was launched for, is refused (a rewound count would otherwise let a stale incarnation
-publish again). Split from rl/exchange/__init__.py (issue 23); it reads files through rl.exchange.files.
+publish again).
+
+Someone who rewinds both resume.json and incarnations/ (deletes the newest incarnation's file) still
+cannot let a frozen process of an older incarnation publish: the steps the newer incarnation published
+carry its epoch in their manifests, and those are not touched by rewinding either record. A strict
+`incarnation` (every fence check, rl.prepare, the requeue) therefore also reads the epochs of the newest
+steps of each kind (`published_epoch`) and refuses a resume.json below the highest, as it refuses one
+below incarnations/. That costs a few stats per kind per check (`_newest_steps`: one listing, then only
+the names above the newest steps seen are probed), and a manifest only the first time a step is seen
+(cached by inode: a step republished under the same number is a new directory).
+Split from rl/exchange/__init__.py (issue 23); it reads files through rl.exchange.files.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +36,7 @@ from rl.contract import paths
 from rl.contract.atomic import atomic_write_json
 from rl.contract.records import RecordError, ResumeState, read_optional
 
-from rl.exchange.files import CorruptStep, read_regular, step_name
+from rl.exchange.files import _STEP_RE, MANIFEST, CorruptStep, read_in_step, read_regular, step_name
 
 
 class Fenced(RuntimeError):
@@ -77,6 +89,83 @@ def _newest_recorded(run_dir: Path) -> tuple[Incarnation, str] | None:
     return Incarnation(restart, t, job), name
 
 
+# Per published step (kind directory, name, inode): the epoch its manifest records (None: none, unreadable).
+_STEP_EPOCHS: dict[tuple[str, str, int], int | None] = {}
+# Per kind directory: its inode and mtime when last looked at, and its newest steps then [(step, inode)].
+_LISTED: dict[str, tuple[tuple[int, int], list[tuple[int, int]]]] = {}
+_NEWEST = 4          # steps per kind whose manifests are read: a stale process may have published above
+_RACY_S = 3.0        # a look at a directory modified this recently is not reused (mtime granularity)
+
+
+def _step_epoch(base: Path, name: str, ino: int) -> int | None:
+    key = (str(base), name, ino)
+    if key not in _STEP_EPOCHS:
+        epoch = None
+        try:
+            m = json.loads(read_in_step(base / name, MANIFEST, missing_ok=True) or b"null")
+            e = m.get("epoch") if isinstance(m, dict) else None
+            epoch = e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else None
+        except (CorruptStep, OSError, ValueError):
+            pass  # unreadable: says nothing; verify sets such a step aside
+        if len(_STEP_EPOCHS) > 100_000:
+            _STEP_EPOCHS.clear()
+        _STEP_EPOCHS[key] = epoch
+    return _STEP_EPOCHS[key]
+
+
+def _step_ino(base: Path, step: int) -> int | None:
+    try:
+        st = os.stat(base / step_name(step), follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_ino if stat.S_ISDIR(st.st_mode) else None
+
+
+def _newest_steps(base: Path) -> list[tuple[int, int]] | None:
+    """The newest `_NEWEST` steps of a kind directory as [(step, inode)], ascending; None if it is missing.
+
+    A full listing the first time; after that, while the newest steps seen are still in place (same
+    inodes), only the names above them are probed (steps are published in increasing order), so a check
+    costs a few stats however many steps the directory holds. A step gone or replaced (a resume's
+    discard, a republish) makes it list the directory again."""
+    try:
+        st = os.stat(base, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    stamp = (st.st_ino, st.st_mtime_ns)
+    cached = _LISTED.get(str(base))
+    if cached is not None and cached[0] == stamp and time.time() - st.st_mtime > _RACY_S:
+        return cached[1]
+    newest = None
+    if cached is not None and cached[1] and all(_step_ino(base, s) == ino for s, ino in cached[1]):
+        newest, s = list(cached[1]), cached[1][-1][0] + 1
+        while (ino := _step_ino(base, s)) is not None:
+            newest.append((s, ino))
+            s += 1
+        newest = newest[-_NEWEST:]
+    if newest is None:
+        try:
+            newest = sorted((int(m.group(1)), e.inode()) for e in os.scandir(base)
+                            if (m := _STEP_RE.match(e.name)) and e.is_dir(follow_symlinks=False))[-_NEWEST:]
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    _LISTED[str(base)] = (stamp, newest)
+    return newest
+
+
+def published_epoch(run_dir: str | os.PathLike) -> tuple[int, str] | None:
+    """The highest epoch in the manifests of the newest published steps of each kind, and that step
+    (`kind/step_N`); None when no step records one. The module docstring says why."""
+    best = None
+    for kind in paths.KINDS:
+        base = Path(run_dir) / kind
+        for step, ino in _newest_steps(base) or []:
+            e = _step_epoch(base, step_name(step), ino)
+            if e is not None and (best is None or e > best[0]):
+                best = (e, f"{kind}/{step_name(step)}")
+    return best
+
+
 def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnation | None:
     """The run's newest incarnation (resume.json, floored by `incarnations/`), None before the first
     prepare. `strict`: a malformed resume.json, or one whose restart count is below the newest recorded
@@ -90,6 +179,11 @@ def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnati
             raise
         r = None
     resume = None if r is None else Incarnation(r.restart, float(r.time), r.slurm_job_id)
+    says = "is missing" if resume is None else f"says restart {resume.restart}"
+    if strict and (pub := published_epoch(run_dir)) is not None and pub[0] > (0 if resume is None else resume.restart):
+        # both records rewound: the steps the newer incarnation published still carry its epoch
+        raise RecordError(f"{run_dir / RESUME} {says}, but {pub[1]} was published by incarnation {pub[0]} "
+                          f"(its manifest): the record went backwards; refused")
     rec = _newest_recorded(run_dir)
     if rec is None:
         return resume
@@ -97,7 +191,6 @@ def incarnation(run_dir: str | os.PathLike, *, strict: bool = True) -> Incarnati
     if resume is not None and resume.restart >= floor.restart:
         return resume
     if strict:
-        says = "is missing" if resume is None else f"says restart {resume.restart}"
         raise RecordError(f"{run_dir / RESUME} {says}, but incarnation {floor.restart} was started "
                           f"({INCARNATIONS}/{name}): the record went backwards; refused")
     return floor

@@ -18,9 +18,10 @@ import errno
 import hashlib
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
+
+from rl.contract import safefs
 
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -193,8 +194,6 @@ def _check_tree(step: Path) -> None:
 
 def _remove(p: Path) -> None:
     """Remove a step-like entry: a symlink (a corrupt step) is unlinked, never followed into what it
-    names; a directory is removed with its contents."""
-    if p.is_symlink() or not p.is_dir():
-        p.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(p, ignore_errors=True)
+    names; a directory is removed with its contents, relative to its parent opened without following a
+    link (rl.contract.safefs.remove: a kind directory swapped for a link is refused, not emptied)."""
+    safefs.remove(p)

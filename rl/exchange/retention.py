@@ -20,13 +20,14 @@ No torch.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rl.contract import offpolicy
+from rl.contract import offpolicy, safefs
 from rl.faults import crash_point
 from rl.exchange.files import MANIFEST, CorruptStep, _remove, step_dir
 from rl.exchange.steps import delta_base, latest_complete, list_steps, verify
@@ -39,7 +40,9 @@ def _verifies(path: Path, checksums: bool) -> bool:
     key = None
     try:
         if checksums:
-            st = (path / MANIFEST).stat()
+            st = safefs.lstat(path / MANIFEST)
+            if st is None:
+                raise CorruptStep(f"{path}: no {MANIFEST}")
             key = (st.st_ino, st.st_mtime_ns)
             checksums = _HASHED.get(str(path)) != key
         verify(path, checksums=checksums)
@@ -81,7 +84,7 @@ def prune(run_dir: str | os.PathLike, kind: str, keep_last: int, protect: Iterab
         if s not in keep and s < kept[0]:
             p = step_dir(run_dir, kind, s)
             trash = p.with_name(p.name + f".tmp-prune-{uuid.uuid4().hex[:6]}")
-            os.rename(p, trash)  # atomic: a reader sees the whole step or nothing
+            safefs.rename(p, trash)  # atomic: a reader sees the whole step or nothing
             _remove(trash)  # a symlink in a step's place is unlinked, never followed
             gone.append(s)
             crash_point("prune.mid")
@@ -95,16 +98,26 @@ def served_versions(run_dir: str | os.PathLike) -> set[int]:
     records of a previous incarnation, so only this incarnation's servers count."""
     inference = Path(run_dir) / "inference"
     out = set()
-    for rec in sorted(inference.glob("server_*.json")):
-        try:
-            r = json.loads(rec.read_text())
-            version, index, since = int(r["version"]), int(r["index"]), rec.stat().st_mtime
-        except (OSError, ValueError, KeyError, TypeError):
+    for name, _ in sorted(safefs.scandir(inference)):
+        if not fnmatch.fnmatchcase(name, "server_*.json"):
+            continue
+        rec = inference / name
+        try:  # through safefs: a link or FIFO in a record's place is refused (UnsafePath), not followed
+            r = json.loads(safefs.read_bytes(rec, limit=1 << 20))
+            version, index, since = int(r["version"]), int(r["index"]), safefs.lstat(rec).st_mtime
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being rewritten, or not a server record: the bound below still holds
-        for rep in (inference / "reloads" / f"server_{index}").glob("*.json"):
+        reloads = inference / "reloads" / f"server_{index}"
+        try:
+            entries = safefs.scandir(reloads)
+        except OSError:
+            entries = []
+        for rname, _ in entries:
+            if not rname.endswith(".json"):
+                continue
             try:
-                rr = json.loads(rep.read_text())
-                if rr.get("loaded") and rep.stat().st_mtime >= since:
+                rr = json.loads(safefs.read_bytes(reloads / rname, limit=1 << 20))
+                if rr.get("loaded") and safefs.lstat(reloads / rname).st_mtime >= since:
                     version = max(version, int(rr["version"]))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from rl import fp8
+from rl.contract import safefs
 from rl.exchange.files import CorruptStep, MANIFEST, open_in_step, read_in_step, rel_ok, sha256_fd
 from rl.exchange import steps
 from rl.exchange.steps import parse_delta
@@ -54,22 +55,28 @@ class VerifiedOnNode:
     (a resume that discarded and republished it) never matches an old entry."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)  # node-local, but /tmp is shared with the node's other users: safefs
+        safefs.makedirs(self.path.parent)
         self._seen: set[str] = set()
         self._offset = 0
         self._refresh()
 
     def _refresh(self) -> None:  # read only what was appended since the last look
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                tail = f.read()
+            fd = safefs.open_read(self.path)
         except FileNotFoundError:
             return
+        try:
+            parts, off = [], self._offset
+            while b := os.pread(fd, 1 << 20, off):
+                parts.append(b)
+                off += len(b)
+            tail = b"".join(parts)
+        finally:
+            os.close(fd)
         complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended is read next time
         self._offset += len(complete)
-        self._seen.update(complete.decode().split())
+        self._seen.update(complete.decode(errors="replace").split())
 
     def __contains__(self, key: str) -> bool:
         if key not in self._seen:
@@ -79,7 +86,7 @@ class VerifiedOnNode:
     def add(self, keys: Iterable[str]) -> None:
         lines = "".join(k + "\n" for k in keys)
         if lines:  # one O_APPEND write: lines of concurrent writers never interleave
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            fd = safefs.open_write(self.path, append=True, mode=0o600)
             try:
                 os.write(fd, lines.encode())
             finally:

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import queue
-import shutil
 import struct
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Callable, Mapping
 import torch
 
 from rl import fp8
+from rl.contract import safefs
 from rl.exchange.steps import Published, commit
 from rl.contract.atomic import atomic_write_json
 from rl.faults import crash_point
@@ -222,7 +222,8 @@ def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *,
         for i, group in enumerate(groups, 1):
             fname = f"model-r{rank:05d}-{i:05d}.safetensors"
             head, ranges = _header(group)
-            with open(out_dir / fname, "wb") as f:
+            # safefs: the file is new in begin()'s private tmp dir; a link or FIFO planted there is refused
+            with os.fdopen(safefs.open_write(out_dir / fname, truncate=True), "wb") as f:
                 f.write(head)
                 for expect in group:
                     item = handoff.get()
@@ -261,7 +262,7 @@ def write_part(out_dir: Path, rank: int, tensors: Mapping[str, torch.Tensor], *,
     finally:
         producer.join()
     part["seconds"] = spent
-    (out_dir / PARTS).mkdir(exist_ok=True)
+    safefs.makedirs(out_dir / PARTS)
     atomic_write_json(out_dir / PARTS / f"rank-{rank:05d}.json", part)
     return part
 
@@ -303,17 +304,17 @@ def merge_parts(tmp: Path, parts: list[dict]) -> dict[str, dict]:
             known[fname] = {"size": info["size"], "verify": CHECKSUMS}
         quantized += part["quantized"]
     first = parts[0]
-    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                        indent=1, sort_keys=True))
-    (tmp / FP8_META).write_text(json.dumps(
+    safefs.write_atomic(tmp / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=1, sort_keys=True).encode())
+    safefs.write_atomic(tmp / FP8_META, json.dumps(
         {"enabled": bool(quantized), "block": first["block"], "fmt": "e4m3", "scale_dtype": "float32",
-         "wire_dtype": first["wire_dtype"], "quantized": sorted(quantized)}, indent=1))
-    (tmp / CHECKSUMS).write_text(json.dumps({"algorithm": "sha256", "tensors": tensors, "headers": headers,
-                                             "sparse": sparse}, indent=1, sort_keys=True))
+         "wire_dtype": first["wire_dtype"], "quantized": sorted(quantized)}, indent=1).encode())
+    safefs.write_atomic(tmp / CHECKSUMS, json.dumps({"algorithm": "sha256", "tensors": tensors, "headers": headers,
+                                                     "sparse": sparse}, indent=1, sort_keys=True).encode())
     (base,) = bases
     if base is not None and sparse:  # a delta where nothing paid off is a full version: no chain kept
-        (tmp / DELTA).write_text(json.dumps({"base": int(base)}))
-    shutil.rmtree(tmp / PARTS)
+        safefs.write_atomic(tmp / DELTA, json.dumps({"base": int(base)}).encode())
+    safefs.remove(tmp / PARTS)
     return known
 
 

@@ -29,15 +29,15 @@ import errno
 import json
 import os
 import re
-import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rl.contract import paths
+from rl.contract import paths, record_schemas, safefs
 from rl.contract.atomic import atomic_write_bytes
 from rl.faults import crash_point
 
@@ -67,13 +67,13 @@ def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[P
     new one is in place.
     """
     final = step_dir(run_dir, kind, step)
-    if final.exists() and not overwrite:
+    if safefs.lstat(final) is not None and not overwrite:  # a link in its place: read_manifest refuses it
         return Published(final, step, read_manifest(final))
     tmp = begin(run_dir, kind, step)
     try:
         write(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        safefs.remove(tmp)
         raise
     return commit(run_dir, kind, step, tmp, producer=producer, policy_version=policy_version, meta=meta,
                   checksum=checksum, overwrite=overwrite)
@@ -83,11 +83,16 @@ def begin(run_dir: str | os.PathLike, kind: str, step: int, token: str | None = 
     """The private directory a step is written into before `commit`: `kind/step_N.tmp-<token>`.
 
     Several writers (the ranks of one trainer) share one directory by passing the same `token`; without
-    one, a fresh random directory is made."""
+    one, a fresh random directory is made. Both are made through rl.contract.safefs: a symlink at the kind
+    directory or anywhere on the way is refused (UnsafePath), so the private directory a producer hands
+    to its libraries (safetensors, torch) is a real directory of this run and nothing inside it existed
+    before (a fresh name, or the shared token's directory, which is itself refused if it is a link)."""
     base = Path(run_dir) / kind
-    base.mkdir(parents=True, exist_ok=True)
     tmp = base / f"{step_name(step)}.tmp-{token or uuid.uuid4().hex[:10]}"
-    tmp.mkdir(exist_ok=token is not None)
+    if token is None:
+        safefs.mkdir(tmp)
+    else:
+        safefs.makedirs(tmp)
     return tmp
 
 
@@ -105,6 +110,8 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
     final = base / step_name(step)
     known = known or {}
     try:
+        if not _inside(tmp, base) or not safefs.is_dir(tmp):
+            raise ValueError(f"{tmp}: not a step directory made by begin() in {base}")
         files = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_symlink() or not (p.is_file() or p.is_dir()):
@@ -135,32 +142,40 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}),
         }
         atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_path(tmp)
+        safefs.fsync_dir(tmp)
         _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
         crash_point("commit.before_rename")
-        if final.exists():
+        if safefs.lstat(final) is not None:
             if not overwrite:
-                shutil.rmtree(tmp, ignore_errors=True)
+                safefs.remove(tmp)
                 return Published(final, step, read_manifest(final))
             # not `.tmp-`: until the new step is in place the aside is the only copy (restore_asides)
             aside = base / f"{step_name(step)}.aside-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
+            safefs.rename(final, aside)
             crash_point("commit.between_renames")
-            os.rename(tmp, final)
+            safefs.rename(tmp, final)
             _remove(aside)
         else:
             try:
-                os.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
+                safefs.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
             except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.exists():
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or safefs.lstat(final) is None:
                     raise
-                shutil.rmtree(tmp, ignore_errors=True)
+                safefs.remove(tmp)
                 return Published(final, step, read_manifest(final))
-        _fsync_path(base)
+        safefs.fsync_dir(base)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if _inside(tmp, base):
+            try:
+                safefs.remove(tmp)
+            except OSError:
+                pass  # the error being raised says more than a failed cleanup (rl.prepare removes tmp dirs)
         raise
     return Published(final, step, manifest)
+
+
+def _inside(tmp, base: Path) -> bool:
+    return os.path.dirname(os.path.abspath(tmp)) == os.path.abspath(base)
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -231,16 +246,15 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
 
 
 def list_steps(run_dir: str | os.PathLike, kind: str) -> list[int]:
-    """Steps of `kind` whose directory is in place (complete by construction), ascending."""
-    base = Path(run_dir) / kind
-    if not base.is_dir():
-        return []
+    """Steps of `kind` whose directory is in place (complete by construction), ascending. The kind
+    directory itself is opened through rl.contract.safefs: `RUN/rollouts` linked to another run's is
+    UnsafePath, never listed as this run's own."""
     steps = []
-    for entry in os.scandir(base):
-        m = _STEP_RE.match(entry.name)
+    for name, mode in safefs.scandir(Path(run_dir) / kind):
+        m = _STEP_RE.match(name)
         # a symlink named like a step is listed (it occupies the name) so that readers verify it, refuse
         # it and set it aside; what it points to is never looked at
-        if m and (entry.is_dir(follow_symlinks=False) or entry.is_symlink()):
+        if m and (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -262,10 +276,10 @@ def set_aside(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
     corrupt_dir = paths.corrupt_dir
     src = step_dir(run_dir, kind, step)
     dest = corrupt_dir(run_dir, kind) / f"{src.name}-{int(time.time())}"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    while dest.exists():
+    safefs.makedirs(dest.parent)
+    while safefs.lstat(dest) is not None:
         dest = dest.with_name(f"{dest.name}-{uuid.uuid4().hex[:4]}")
-    os.rename(src, dest)
+    safefs.rename(src, dest)
     return dest
 
 
@@ -277,28 +291,28 @@ def restore_asides(run_dir: str | os.PathLike, kinds: Iterable[str]) -> list[str
     done = []
     for kind in kinds:
         base = Path(run_dir) / kind
-        if not base.is_dir():
-            continue
-        for p in sorted(base.iterdir()):
-            m = _ASIDE_RE.match(p.name)
+        for name, _ in sorted(safefs.scandir(base)):
+            m = _ASIDE_RE.match(name)
             if not m:
                 continue
-            final = base / m.group(1)
-            if os.path.lexists(final):
+            p, final = base / name, base / m.group(1)
+            if safefs.lstat(final) is not None:
                 _remove(p)
                 done.append(f"removed {kind}/{p.name}")
             else:
-                os.rename(p, final)
+                safefs.rename(p, final)
                 done.append(f"restored {kind}/{final.name}")
     return done
 
 
 def wait_for(run_dir: str | os.PathLike, kind: str, step: int, *, timeout: float | None = None,
              poll: float = 0.2, should_stop: Callable[[], bool] | None = None) -> Path | None:
-    """Block until `kind/step_N` exists. Returns None on timeout or when should_stop() says so."""
+    """Block until `kind/step_N` exists. Returns None on timeout or when should_stop() says so. Whatever
+    occupies the name ends the wait (a symlink or file in a step's place included: the consumer's verify
+    refuses it and sets it aside); a link on the way to it is UnsafePath."""
     path = step_dir(run_dir, kind, step)
     deadline = None if timeout is None else time.monotonic() + timeout
-    while not path.is_dir():
+    while safefs.lstat(path) is None:
         if should_stop is not None and should_stop():
             return None
         if deadline is not None and time.monotonic() > deadline:
@@ -312,11 +326,9 @@ def clean_tmp(run_dir: str | os.PathLike, kinds: Iterable[str]) -> int:
     n = 0
     for kind in kinds:
         base = Path(run_dir) / kind
-        if not base.is_dir():
-            continue
-        for p in base.iterdir():
-            if ".tmp-" in p.name:
-                _remove(p)
+        for name, _ in safefs.scandir(base):
+            if ".tmp-" in name:
+                _remove(base / name)
                 n += 1
     return n
 
@@ -327,7 +339,7 @@ def discard_after(run_dir: str | os.PathLike, kind: str, step: int) -> list[int]
     for s in gone:
         p = step_dir(run_dir, kind, s)
         trash = p.with_name(p.name + f".tmp-discard-{uuid.uuid4().hex[:6]}")
-        os.rename(p, trash)  # atomic: a reader sees either the whole step or nothing
+        safefs.rename(p, trash)  # atomic: a reader sees either the whole step or nothing
         _remove(trash)
     return gone
 
@@ -338,7 +350,7 @@ class ConsumedLog:
     def __init__(self, run_dir: str | os.PathLike, kind: str, consumer: str):
         consumed_log = paths.consumed_log
         self.path = consumed_log(run_dir, kind)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        safefs.makedirs(self.path.parent)
         self.consumer = consumer
 
     def record(self, step: int, **extra) -> None:
@@ -346,7 +358,7 @@ class ConsumedLog:
         append_jsonl(self.path, {"step": step, "consumer": self.consumer, "time": time.time(), **extra})
 
     def entries(self) -> list[dict]:
-        return [e for e in read_jsonl(self.path) if e.get("consumer") == self.consumer]
+        return [e for e in read_jsonl(self.path, check=record_schemas.consumed) if e.get("consumer") == self.consumer]
 
     def steps(self) -> list[int]:
         return [e["step"] for e in self.entries()]

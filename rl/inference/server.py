@@ -53,7 +53,7 @@ import httpx
 
 import rl
 from rl import exchange, runtime
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
@@ -284,7 +284,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
                 else local)
     base_env = {**os.environ, paths.NODE_DIR_VAR: str(node_dir)}
     claim(node_dir, run_dir, name)
-    dtype = torch_dtype(str(cfg.inference.dtype), json.loads((assets / "config.json").read_text()))
+    dtype = torch_dtype(str(cfg.inference.dtype), json.loads(exchange.read_in_step(assets, "config.json")))
     t0 = time.monotonic()
     planned_dir = Path(expand([replica.model_dir], base_env)[0])
     model_dir = materialize(assets, weights, planned_dir, dtype=dtype, fp8=fp8)
@@ -295,17 +295,21 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     env = vllm_env(replica, version=version, secret=secret, base=base_env)
     argv = expand(planned, env)
     log_path = paths.vllm_log_file(run_dir, index, rank)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     url = advertised_url(replica.host, replica.port)
     if head and port_in_use(replica.host, replica.port):
         raise RuntimeError(f"inference.port: {replica.host}:{replica.port} is already in use (another server, "
                            f"or a leftover of an earlier run?); pick another inference.port or stop that process")
     log(f"{name}: starting vLLM {'on ' + url if head else '(headless data-parallel ranks)'} (log: {log_path})")
-    with open(log_path, "ab") as logf:   # through rl.inference.guard: a dead role leaves no server behind
+    # the log is appended through rl.contract.safefs: a link planted at it (or at logs/) is refused, never
+    # written through by vLLM
+    logf = safefs.open_write(log_path, append=True)
+    try:   # through rl.inference.guard: a dead role leaves no server behind
         proc = subprocess.Popen([sys.executable, "-m", "rl.inference.guard", "--", *argv],
                                 env={**env, guard.PARENT_ENV: str(os.getpid())}, stdout=logf,
                                 stderr=subprocess.STDOUT, cwd=str(node_dir), start_new_session=True,
                                 preexec_fn=guard.die_with_parent)
+    finally:
+        os.close(logf)
     vllm_pid = guard.server_pid(proc.pid) or proc.pid
     try:
         if head:

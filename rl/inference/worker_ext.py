@@ -166,6 +166,7 @@ class WeightSyncExtension:
         """
         from rl.exchange import CorruptStep
         from rl.exchange.deltas import stored_tensors
+        from rl.contract.safefs import resolve_run_dir
         from rl.exchange.shard_reader import VerifiedOnNode, dequantize_stream, expert_selector
         from rl.exchange.shards import NeedsBase
 
@@ -175,7 +176,9 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         select = expert_selector(served_experts(model))
         vdir = os.environ.get(VERIFIED_ENV)
-        verified = VerifiedOnNode(Path(vdir) / f"{Path(weights_dir).name}.txt") if vdir else None
+        # the node-local base may sit under a symlink (/local -> /mnt/local): resolved here, once; below it
+        # VerifiedOnNode refuses links (rl.contract.safefs)
+        verified = (VerifiedOnNode(resolve_run_dir(vdir) / f"{Path(weights_dir).name}.txt") if vdir else None)
         cache = getattr(self, "_hetrl_wire", None)
         try:
             # verify everything this worker will load before touching a weight: the selection is held in

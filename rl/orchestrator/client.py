@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from rl.faults import crash_point
+from rl.contract import safefs
 from rl.contract.http import ROUTED_PATHS, ROUTER_RESET_INDEX, SESSION_HEADER
 from rl.contract.plan import SERVED_MODEL_NAME as MODEL_NAME
 
@@ -247,7 +248,7 @@ class InferenceClient:
             kwargs = {"weights_dir": str(weights_dir), "version": int(version)}
             if report_dir is not None:
                 shutil.rmtree(report_dir, ignore_errors=True)  # a retried reload must not read old reports
-                Path(report_dir).mkdir(parents=True, exist_ok=True)
+                safefs.makedirs(report_dir)   # in the run directory: never through a planted link
                 kwargs["report_dir"] = str(report_dir)
             rpc = {"method": "load_policy", "kwargs": kwargs}
             if timeout is not None:

@@ -22,7 +22,9 @@ skipped rather than queued, since the servers cannot serve it again.
 Records. `eval/results.jsonl` gets one fsynced line per evaluated version: `{"version": v, "eval/...":
 ...}`. The trainer folds new lines into its metrics (metrics.jsonl and wandb, keys `eval/...` with
 `eval/version`). A resumed orchestrator reads the file and evaluates no version twice; `rl.prepare`
-drops the lines of versions the resume discards (their weights are trained again).
+drops the lines of versions the resume discards (their weights are trained again). Every reader checks
+each line against its schema (rl.contract.record_schemas.eval_result: an integer `version`, scalar
+`eval/...` values, finite numbers) and skips a malformed one with a warning naming file:line.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rl import exchange
-from rl.contract import paths
+from rl.contract import paths, record_schemas, safefs
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
@@ -44,7 +46,9 @@ def results_file(run_dir: str | Path) -> Path:
 
 
 def read_results(run_dir: str | Path) -> list[dict]:
-    return exchange.read_jsonl(results_file(run_dir))
+    """The well-formed rows (rl.contract.record_schemas.eval_result); a malformed line is skipped with
+    one warning naming file:line, so it never keeps the orchestrator from resuming."""
+    return exchange.read_jsonl(results_file(run_dir), check=record_schemas.eval_result)
 
 
 def due(version: int, every: int, final: int) -> bool:
@@ -109,8 +113,8 @@ class Evaluator:
         self.sampler = sampler.view(int(self.ecfg.max_concurrency), group_size=int(self.ecfg.samples),
                                     temperature=float(self.ecfg.temperature), top_p=float(self.ecfg.top_p),
                                     max_tokens=self.ecfg.max_tokens)
-        self.done = {int(r["version"]) for r in read_results(self.run_dir)}
-        results_file(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
+        self.done = {r["version"] for r in read_results(self.run_dir)}
+        safefs.makedirs(results_file(self.run_dir).parent)
 
     async def evaluate(self, version: int) -> dict:
         t0 = time.monotonic()
@@ -137,7 +141,7 @@ class Evaluator:
                 except Exception as e:  # noqa: BLE001 - evaluation is a view: it never takes training down
                     log(ROLE, f"eval of policy version {v} failed ({type(e).__name__}: {e}); recorded, not retried")
                     exchange.append_jsonl(results_file(self.run_dir), {"version": v, "eval/version": v,
-                                                                       "eval/error": f"{type(e).__name__}: {e}"})
+                                                                       "eval/error": f"{type(e).__name__}: {e}"[:1000]})
                     self.done.add(v)
                 continue
             if is_done(self.run_dir) and v >= self.final:

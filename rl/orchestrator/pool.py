@@ -70,7 +70,7 @@ from rl import exchange, runtime
 from rl.contract import offpolicy, paths
 from rl.orchestrator.accounting import (GROUP, WASTE, PoolStats, RolloutAcct, length_stats, mask_stale,
                                         min_version, policy_tokens)
-from rl.orchestrator.grouplog import GroupLog, partial_rollouts, resume_order, unresolved
+from rl.orchestrator.grouplog import GroupLog, resume_plan, unresolved
 from rl.orchestrator.groups import DurationModel, Group, choose, default_max_inflight, entries_meta, stale_policy, task_key
 from rl.runtime import is_done, log
 
@@ -95,9 +95,9 @@ class ContinuousPool:
         self.masking = self.policy in ("mask", "admit", "release")
         self.releasing = self.policy == "release"
         self.log = GroupLog(self.run_dir, restart)
-        self.retry, self.next_gid = resume_order(self.run_dir, self.group_size)
-        # {group: ({rollout: reward} trained, {rollout} dropped)} before a restart (stale_policy=release)
-        self.partials = partial_rollouts(self.run_dir, self.group_size)
+        # the retry order, the next id and {group: ({rollout: reward} trained, {rollout} dropped)} before a
+        # restart (stale_policy=release), from one read of the log and the trusted batches
+        self.retry, self.next_gid, self.partials = resume_plan(self.run_dir, self.group_size)
         # The newest step seen published, and the steps whose going missing again was already answered:
         # a step at or below it that is missing was set aside by the trainer (a corrupt or invalid batch).
         self.high = max(exchange.list_steps(self.run_dir, paths.ROLLOUTS), default=-1)

@@ -14,7 +14,11 @@ Run-directory use, in order:
 
 A rollout batch that fails verification (truncated, checksum mismatch, unreadable) or validation (a
 malformed header or meta.json, non-finite floats, token ids outside the vocabulary, inconsistent offsets
-or lengths: rl.contract.batch.RolloutBatch.validate) is never trained on. The trainer logs the one-line
+or lengths, versions below -1, numbers that are not logprobs, group bookkeeping in meta.json that does
+not describe the arrays, such as a part with fewer rewards than rollouts: rl.contract.batch.RolloutBatch
+.validate and .validate_meta) is never trained on. The orchestrator's resume judges the same meta.json
+the same way (rl.orchestrator.grouplog.trusted_meta), so the groups of a batch set aside here are
+played again, never counted trained. The trainer logs the one-line
 reason, moves the step aside to `rollouts/corrupt/step_N-<time>` (rl.exchange.set_aside: out of every
 reader's sight, kept for inspection) and waits for the step to be published again: the orchestrator
 produces every missing step, and exiting instead would not help, since a restart keeps rollout steps up

@@ -89,11 +89,11 @@ def test_a_step_published_between_the_check_and_the_rename_is_kept(tmp_path, mon
     must not replace it: its tmp is dropped and the other's step is returned, nothing half-written."""
     real_rename, raced = os.rename, []
 
-    def rename(src, dst):
+    def rename(src, dst, **kw):
         if not raced and Path(dst).name == "step_000001":
             raced.append(1)
             exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"first"}), producer="other")
-        return real_rename(src, dst)
+        return real_rename(src, dst, **kw)
     monkeypatch.setattr(steps.os, "rename", rename)
     got = exchange.publish(tmp_path, "rollouts", 1, _write({"f": b"second"}), producer="t")
     assert raced and (tmp_path / "rollouts" / "step_000001" / "f").read_bytes() == b"first"
@@ -259,11 +259,11 @@ def test_the_trainer_sets_a_batch_with_a_malformed_manifest_aside(tmp_path):
 def _crash_after_first_rename(monkeypatch):
     real_rename, calls = os.rename, []
 
-    def rename(src, dst):
+    def rename(src, dst, **kw):
         calls.append((Path(src).name, Path(dst).name))
         if len(calls) == 2:
             raise OSError("killed between the two renames")
-        return real_rename(src, dst)
+        return real_rename(src, dst, **kw)
     monkeypatch.setattr(steps.os, "rename", rename)
     return calls
 

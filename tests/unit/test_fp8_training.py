@@ -144,8 +144,8 @@ def _trainer(tmp_path, twin, family, fp8_on: bool = True) -> Trainer:
     from omegaconf import OmegaConf
     from builders import compose_cfg
     path = twin(family)
-    if family == "glm_moe_dsa":
-        path = _glm5_fp8_ignores(path, tmp_path / "glm_fp8")
+    if family == "glm_moe_dsa":  # beside the run dir: a run dir holds only what hetrl puts there
+        path = _glm5_fp8_ignores(path, tmp_path.with_name(tmp_path.name + "-glm_fp8"))
     return Trainer(OmegaConf.create(compose_cfg(
         tmp_path, f"model.hf_path={path}", f"model.family={family}", f"trainer.fp8={str(fp8_on).lower()}",
         "trainer.lr=1e-2", "trainer.warm_start.steps=0")))

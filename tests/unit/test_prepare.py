@@ -99,11 +99,11 @@ def test_prepare_restores_a_checkpoint_whose_overwrite_was_killed_between_rename
     _publish(d, "weights", range(7))
     real_rename, calls = os.rename, []
 
-    def rename(src, dst):
+    def rename(src, dst, **kw):
         calls.append(dst)
         if len(calls) == 2:
             raise OSError("killed")
-        return real_rename(src, dst)
+        return real_rename(src, dst, **kw)
     monkeypatch.setattr(steps.os, "rename", rename)
     tmp = exchange.begin(d, "checkpoints", 5)
     (tmp / "f.bin").write_bytes(b"new")
