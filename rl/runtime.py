@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +22,9 @@ from rl import faults
 from rl.contract import config as _config
 from rl.contract import paths
 from rl.contract.plan import Plan
-from rl.contract.records import ResumeState, RoleRecord
+from rl.contract.records import RecordError, ResumeState, RoleRecord
 from rl.contract.atomic import atomic_write_json
-from rl.contract.safefs import resolve_run_dir
+from rl.contract.safefs import UnsafePath, resolve_run_dir
 from rl.exchange import check_fence, fence
 
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
@@ -42,7 +43,22 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
     start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)
     faults.set_role(role)
+    _one_line_refusals(role)
     return ns
+
+
+def _one_line_refusals(role: str) -> None:
+    """A role that stops on a planted link or FIFO (UnsafePath) or a record that fails its schema
+    (RecordError) says so in one line naming the path, not in a traceback: the message is the whole
+    story, and `launch status` shows a log's last line."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, (UnsafePath, RecordError)):
+            print(f"rl.{role}: refused: {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, tb)
+    sys.excepthook = hook
 
 
 def load_config(run_dir: str | os.PathLike) -> DictConfig:

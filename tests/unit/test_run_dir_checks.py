@@ -182,3 +182,25 @@ def test_a_secret_planted_as_a_link_or_fifo_is_refused_not_replaced(tmp_path):
     for f in (read_secret, create_secret):
         with pytest.raises(SecretError, match="FIFO"):
             f(run)
+
+
+def test_a_role_stopped_by_a_planted_link_says_so_in_one_line(tmp_path):
+    """A role's own writer meeting a planted link ends the role with one line naming it, no traceback."""
+    import subprocess
+    import sys as _sys
+    from builders import make_run_dir
+    run = tmp_path / "run"
+    make_run_dir(run)
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    (run / "rollouts").mkdir(exist_ok=True)
+    (run / "rollouts" / "groups.jsonl").symlink_to(victim)
+    code = ("import sys\nfrom rl.runtime import parse_role_args\nfrom rl.exchange import append_jsonl\n"
+            "ns = parse_role_args('orchestrator', ['--run-dir', sys.argv[1]])\n"
+            "append_jsonl(ns.run_dir / 'rollouts' / 'groups.jsonl', {'group': 0})\n")
+    p = subprocess.run([_sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr
+    assert lines[0].startswith("rl.orchestrator: refused: ") and "groups.jsonl: a symlink" in lines[0]
+    assert victim.read_text() == "keep\n"
