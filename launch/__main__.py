@@ -87,7 +87,7 @@ def cmd_plan(ns) -> int:
     from launch.compose import compose_points
     from rich.console import Console
     from rich.table import Table
-    from launch.plan import summary_rows
+    from launch.plan import server_lines, summary_rows
     console = Console()
     from launch import memory
     from launch.plan import make_plan
@@ -99,6 +99,7 @@ def cmd_plan(ns) -> int:
         for row in summary_rows(plan):
             t.add_row(*map(str, row))
         console.print(t)
+        print("\n".join(server_lines(plan, bool(c["trainer"]["router_replay"]))))
         print(_model_line(c))
         report = _print_memory(console, c, plan)
         _print_perf(console, c, ns)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -386,3 +387,21 @@ def summary_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
             what = "rollouts, advantages, weight updates"
         rows.append((r.name, str(r.het_group), span, what))
     return rows
+
+
+RETURN_ROUTES = "--enable-return-routed-experts"
+
+
+def server_lines(plan: Plan, router_replay: bool) -> list[str]:
+    """`launch plan`'s lines under the table: whether router replay (R3) is on and which servers return
+    routed experts, then each vLLM server's argv on its head node, as plan.json has it."""
+    have = [f"{r.name} ({r.pool})" for r in plan.inference.replicas if RETURN_ROUTES in r.vllm_command]
+    if not router_replay:
+        r3 = "router replay (R3): off (trainer.router_replay=false)"
+    elif have:
+        r3 = (f"router replay (R3): on; {RETURN_ROUTES} in {', '.join(have)}; each turn asks only for the "
+              "routes of tokens its episode does not hold (routed_experts_prompt_start)")
+    else:
+        r3 = ("router replay (R3): on, but no server returns routed experts (vLLM returns them from GPU MoE "
+              "kernels only): the trainer replays its own routing")
+    return [r3] + [f"{r.name} ({r.pool}) argv: {shlex.join(r.vllm_argv(0))}" for r in plan.inference.replicas]

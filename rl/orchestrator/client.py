@@ -88,7 +88,9 @@ def versions_from_updates(n: int, start_version: int, updates: list[tuple[int, i
 
 
 def decode_routed_experts(b64: str | None):
-    """vLLM's base64 `.npy` of routed experts, [tokens - 1, layers, top_k], as a numpy array."""
+    """vLLM's base64 `.npy` of routed experts as a numpy array: [tokens - 1 - routed_experts_prompt_start,
+    layers, top_k], the rows of positions routed_experts_prompt_start .. tokens - 2 (the last token sampled
+    was never forwarded)."""
     if b64 is None:
         return None
     import numpy as np
@@ -103,7 +105,7 @@ class Completion:
     request_id: str                      # engine-side key, as in update_weights()["in_flight"]
     versions: list[int] | None = None    # per token, when the server reported spans
     prompt_ids: list[int] | None = None
-    routed_experts: object | None = None  # numpy [prompt+completion-1, layers, top_k] when enabled
+    routed_experts: object | None = None  # numpy [prompt+completion-1-start, layers, top_k] when enabled
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -168,7 +170,9 @@ class InferenceClient:
                        extra: dict | None = None, priority: int | None = None) -> Completion:
         """Sample one completion. endpoint="generate" (token-in/token-out, per-token versions) or
         "completions" (OpenAI /v1/completions, versions from update_weights counts). `priority`: vLLM's
-        request priority (lower is served first; the server must run `--scheduling-policy priority`)."""
+        request priority (lower is served first; the server must run `--scheduling-policy priority`).
+        `extra`: more sampling parameters, e.g. `routed_experts_prompt_start` (a multi-turn episode asks
+        only for the routed-expert rows it does not hold)."""
         request_id = request_id or uuid.uuid4().hex
         prio = {"priority": int(priority)} if priority is not None else {}
         sp = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0,

@@ -19,6 +19,16 @@ Model tokens carry their sampling logprob and the policy version that produced t
 version spans); observation tokens get loss mask 0, logprob 0 and version -1. The reward comes from the
 episode at the end.
 
+Routed experts (router replay, R3; servers started with `--enable-return-routed-experts`): vLLM returns
+one row per token of the request but the last one sampled, from position `routed_experts_prompt_start`
+on. Each turn asks only for the rows the episode does not hold yet (`routed_start` = rows held) and
+appends them, so the last model token of a turn and the observation after it get their rows from the
+prefill of the next turn, the one that processed them, and the engine sends each row once: the routed
+bytes of an episode grow with its tokens, not with turns x context. The sample carries one row per
+token, in order (`Rollout.routed`). An engine that returns rows for some turns only, or not the rows
+asked for, fails the episode with one line naming the turn (its group is dropped, not trained on a
+misaligned routing).
+
 Limits, per turn and per rollout: a turn gets at most `orchestrator.max_tokens` new tokens and never more
 than what is left of the rollout's token budget (`orchestrator.max_rollout_tokens`, default and at most
 `inference.max_model_len`, prompt and observations included); a rollout ends after `env.max_turns` model
@@ -36,7 +46,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from rl.envs.base import call, chat_prompt_ids, default_turn_info, observation_messages
-from rl.contract.batch import Sample
+from rl.contract.batch import Sample, expert_ids
 from rl.orchestrator import accounting
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
@@ -131,6 +141,45 @@ class Rollout:
     end_reason: str = "open"
     seconds: float = 0.0
     env_metrics: dict = field(default_factory=dict)
+    routed_chunks: list = field(default_factory=list, repr=False)  # engine rows, in position order
+    routed_rows: int = 0                                             # rows held (= next routed_start)
+
+    def add_routes(self, rows, start: int, n_prompt: int, n_new: int, turn: int) -> None:
+        """The engine's routed experts of one turn: `rows` ([prompt + new - 1 - start, layers, top_k] or
+        None) for a request of `n_prompt` tokens that asked for them from position `start`."""
+        if rows is None:
+            if self.routed_rows:
+                raise ValueError(f"turn {turn}: the engine returned no routed_experts, earlier turns did "
+                                 f"({self.routed_rows} rows held)")
+            return
+        if turn > 0 and not self.routed_rows:
+            raise ValueError(f"turn {turn}: the engine returned routed_experts, earlier turns did not")
+        want = max(n_prompt + n_new - 1 - start, 0)
+        if start != self.routed_rows or len(rows) != want:
+            raise ValueError(f"turn {turn}: routed_experts has {len(rows)} rows from position {start}, "
+                             f"expected {want} (prompt {n_prompt} + generated {n_new} - 1 - {start}; "
+                             f"{self.routed_rows} rows held)")
+        self.routed_chunks.append(expert_ids(rows))
+        self.routed_rows += len(rows)
+
+    def routed(self):
+        """One row per token of the sample ([prompt + ids, layers, top_k]) or None. The rows the engine
+        never returned are the tail after the last forwarded position (the final sampled token, and an
+        observation a timed-out turn never read): no trained token's logprob depends on them (the loss
+        on token j reads the logits at j - 1, causal in positions < j), so they repeat the last row."""
+        if not self.routed_chunks:
+            return None
+        n = len(self.prompt_ids) + len(self.ids)
+        trained = [len(self.prompt_ids) + i for i, m in enumerate(self.mask) if m]
+        if trained and self.routed_rows < trained[-1]:
+            raise ValueError(f"routed experts cover {self.routed_rows} positions, the last trained token "
+                             f"is at {trained[-1]}")
+        r = np.concatenate(self.routed_chunks) if len(self.routed_chunks) > 1 else self.routed_chunks[0]
+        if len(r) > n:
+            raise ValueError(f"routed experts cover {len(r)} tokens, the sample has {n}")
+        if len(r) < n:
+            r = np.concatenate([r, np.repeat(r[-1:], n - len(r), axis=0)])
+        return expert_ids(r)
 
     def add_model(self, ids, logprobs, versions):
         if not (len(ids) == len(logprobs) == len(versions)):
@@ -151,11 +200,13 @@ class Rollout:
         return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
                       completion_logprobs=list(self.logprobs), completion_versions=list(self.versions),
                       completion_mask=list(self.mask), reward=float(self.reward), group=group,
+                      routed_experts=self.routed(),
                       info={"finish_reason": self.turns[-1].finish_reason if self.turns else None,
                             "multiturn": self})
 
 
-# generate(prompt_ids, max_tokens, turn) -> (Completion, per-token versions)
+# generate(prompt_ids, max_tokens, turn[, routed_start=k]) -> (Completion, per-token versions); routed_start
+# (vLLM's routed_experts_prompt_start) is passed once the episode holds k > 0 rows of routed experts
 Generate = Callable[[list, int, int], Awaitable[tuple[Any, list[int]]]]
 
 
@@ -194,14 +245,16 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the
             # turn completes, and a group the pool cancelled (counted dropped) would play on and be trained
             try:
+                held = r.routed_rows
                 async with asyncio.timeout(timeout):
                     c, versions = await generate(r.prompt_ids + r.ids, min(limits.max_tokens_per_turn, room),
-                                                 len(r.turns))
+                                                 len(r.turns), **({"routed_start": held} if held else {}))
             except TimeoutError:
                 end = "wall_time"  # the unfinished turn is abandoned: nothing of it is kept
                 break
             gen_s = time.monotonic() - tg
             new = list(c.ids)
+            r.add_routes(getattr(c, "routed_experts", None), held, n, len(new), len(r.turns))
             r.add_model(new, c.logprobs, versions)
             n += len(new)
             text = bridge.decode(new)
@@ -260,10 +313,11 @@ async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: 
     async def one(i: int) -> Rollout:
         accounting.rollout_begin(i)  # the pool accounts rollouts one by one: this one's slot frees at its end
 
-        async def generate(ids, max_tokens, turn):
+        async def generate(ids, max_tokens, turn, routed_start=0):
             async with sampler.request_sem:
                 seed = hash((sampler.cfg.seed, step, attempt, group, i, turn)) & 0x7FFFFFFF
-                return await sampler.sample_one(client, ids, seed, max_tokens=max_tokens)
+                return await sampler.sample_one(client, ids, seed, max_tokens=max_tokens,
+                                                routed_start=routed_start)
         r = await run_episode(sampler.env, task, generate, sampler.bridge, limits, sampler.env_sem)
         s = r.sample(group)
         accounting.rollout_end(i, s)

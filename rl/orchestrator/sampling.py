@@ -90,8 +90,10 @@ class Sampler:
         return self.clients[group % len(self.clients)]
 
     async def sample_one(self, client: InferenceClient, ids: list[int], seed: int,
-                         max_tokens: int | None = None):
-        """One completion of `ids` and the policy version of each of its tokens."""
+                         max_tokens: int | None = None, routed_start: int = 0):
+        """One completion of `ids` and the policy version of each of its tokens. `routed_start`: the
+        routed-expert rows the caller already holds (a multi-turn episode); the engine returns only the
+        rows from that position on (vLLM's `routed_experts_prompt_start`)."""
         await self.gate.wait()
         if self.router_client is not None:  # generation goes through the router (inference.router)
             client = self.router_client
@@ -104,7 +106,9 @@ class Sampler:
             prio = {"priority": int(g.start_version)} if g is not None else {}
             c = await client.generate(ids, max_tokens=max_tokens or self.o.max_tokens,
                                       temperature=self.o.temperature, top_p=self.o.top_p, seed=seed,
-                                      request_id=rid, **prio)
+                                      request_id=rid, **prio,
+                                      **({"extra": {"routed_experts_prompt_start": int(routed_start)}}
+                                         if routed_start else {}))
         except BaseException:
             self.tracker.forget(rid)
             raise

@@ -131,8 +131,10 @@ class Trainer:
         """Replay without recorded routing: record it with the trainer's own eval-mode forward (CPU)."""
         if row.routed is None:
             if not self._warned_self_recorded and self.dist.is_main:
-                log(ROLE, "router_replay: the batch carries no routed experts; replaying the trainer's own "
-                          "eval-mode routing (exercises R3, no mismatch reduction; see rl.models.replay)")
+                log(ROLE, "router_replay: the batch carries no routed experts (the servers returned none: vLLM "
+                          "records them only in GPU MoE kernels, with --enable-return-routed-experts, which "
+                          "launch.plan passes when inference.gpus_per_node > 0); replaying the trainer's own "
+                          "eval-mode routing instead (exercises R3, no mismatch reduction; see rl.models.replay)")
                 self._warned_self_recorded = True
             row.routed = replay.record_routing(self.model, row.tokens, row.positions, row.masks)
 

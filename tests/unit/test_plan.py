@@ -161,6 +161,38 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
+SWE = [("kimi_swe", "kimi_k2_7"), ("glm5_swe", "glm_moe_dsa"), ("glm5_seed", "glm_moe_dsa"),
+       ("nemotron3_swe", "nemotron_h")]
+
+
+@pytest.mark.parametrize("name,card", SWE, ids=[n for n, _ in SWE])
+def test_swe_experiments_replay_the_engines_routing(name, card, tmp_path):
+    """R3 on every SWE run: the trainer replays, and every server (prefill and decode) returns routes."""
+    from launch.plan import RETURN_ROUTES, server_lines
+    cfg, plan = plan_of([f"+experiment={name}", "cluster=slurm", f"model.hf_path={REPO}/conf/checkpoints/{card}"],
+                        str(tmp_path / "run"))
+    assert cfg["trainer"]["router_replay"] is True
+    assert {r.pool for r in plan.inference.replicas} == {"prefill", "decode"}
+    assert all(RETURN_ROUTES in r.vllm_argv(0) for r in plan.inference.replicas)
+    lines = server_lines(plan, True)
+    assert lines[0].startswith(f"router replay (R3): on; {RETURN_ROUTES} in inference_0 (prefill), inference_1 (decode)")
+    assert all(RETURN_ROUTES in line for line in lines[1:]) and len(lines) == 1 + len(plan.inference.replicas)
+
+
+def test_launch_plan_prints_router_replay_and_server_argv():
+    out = subprocess.run([sys.executable, "-m", "launch", "plan", "+experiment=glm5_seed", "cluster=slurm",
+                          f"model.hf_path={REPO}/conf/checkpoints/glm_moe_dsa", "run_dir=/tmp/hetrl-plan-test"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "router replay (R3): on; --enable-return-routed-experts in inference_0 (prefill), inference_1 (decode)" in out
+    argv = [line for line in out.splitlines() if " argv: " in line]
+    assert [line.split(" argv: ")[0] for line in argv] == ["inference_0 (prefill)", "inference_1 (decode)",
+                                                          "inference_2 (decode)"]
+    assert all("--enable-return-routed-experts" in line for line in argv)
+    off = subprocess.run([sys.executable, "-m", "launch", "plan", "run_dir=/tmp/hetrl-plan-test"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert "router replay (R3): off (trainer.router_replay=false)" in off
+
+
 def test_template_cluster_settings_and_syntax(tmp_path):
     cfg, plan = plan_of(["cluster=slurm", "cluster.account=acme", "cluster.partition=gpu", "cluster.qos=high",
                          "cluster.constraint=h200", "cluster.gres=gpu:8", "cluster.time=01:00:00",

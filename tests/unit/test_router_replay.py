@@ -148,10 +148,14 @@ def test_trainer_replays_the_batch_routing(tmp_path):
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
-def test_trainer_without_engine_routing_replays_its_own(tmp_path):
+def test_trainer_without_engine_routing_replays_its_own(tmp_path, capsys):
     cfg = _cfg(tmp_path, router_replay=True)
     a, b = Trainer(cfg), Trainer(_cfg(tmp_path))
     batch = _batch(cfg, routed=False)
     ma, mb = a.train_step(batch, 0), b.train_step(batch, 0)
     assert ma["routing_recorded_by_engine"] == 0
+    # the CPU fallback says so, and why: the servers returned no routing (CPU vLLM cannot record it)
+    warned = [line for line in capsys.readouterr().out.splitlines() if "router_replay:" in line]
+    assert len(warned) == 1 and "the servers returned none" in warned[0] and "own" in warned[0]
+    assert "--enable-return-routed-experts" in warned[0] and "gpus_per_node > 0" in warned[0]
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6)  # its own routing: the same step
