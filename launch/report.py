@@ -33,7 +33,6 @@ the report overwrite `~/.ssh/authorized_keys`) is refused, not written through.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from launch.report_svg import clip, esc, fmt, line_chart, page
 from launch.report_svg import finite as _num  # a finite float, or None
 from rl.contract import paths, safefs
 from rl.contract.config import ConfigError
+from rl.doctor.args import count  # the one integer-range argparse type (standard library only)
 
 STEPS_SHOWN = 8          # steps of the trajectory view (first, last and evenly between)
 EPISODES_PER_STEP = 4    # per step: the best, the worst and others of distinct groups
@@ -55,25 +55,12 @@ MAX_NOTES = 50           # records-not-read lines listed on the page
 _RECORD_LIMIT = 16 << 20  # a JSON record or config.yaml larger than this is not read
 
 
-def _count(lo: int, hi: int):
-    """argparse type: an integer in [lo, hi], refused in one line otherwise."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"{v} is not in {lo}..{hi}")
-        return v
-    return parse
-
-
 def add_arguments(s) -> None:
     s.add_argument("run_dir")
     s.add_argument("--out", default=None, help="the HTML file to write (default: RUN_DIR/report.html)")
-    s.add_argument("--steps", type=_count(0, 1000), default=STEPS_SHOWN,
+    s.add_argument("--steps", type=count(0, 1000), default=STEPS_SHOWN,
                    help="steps in the trajectory view (0: none)")
-    s.add_argument("--episodes", type=_count(1, 100), default=EPISODES_PER_STEP, help="episodes shown per step")
+    s.add_argument("--episodes", type=count(1, 100), default=EPISODES_PER_STEP, help="episodes shown per step")
 
 
 def run(ns) -> int:
