@@ -22,6 +22,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
+from rl.contract.batch import RolloutBatch, batch_digest  # noqa: E402
 from rl.faults import read_log  # noqa: E402
 import _fault_slurm  # noqa: E402
 from _fault_trial import (ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes,  # noqa: E402
@@ -69,9 +70,8 @@ def check(trial: Trial, reference: dict[str, str] | None) -> None:
     check_exactly_once(trial, fail)
     if exchange.latest_complete(run_dir, "weights") != steps:
         fail(f"newest weights {exchange.latest_complete(run_dir, 'weights')}, not {steps}")
-    from safetensors.numpy import load_file
     for s in exchange.list_steps(run_dir, "rollouts"):
-        v = load_file(str(exchange.step_dir(run_dir, "rollouts", s) / "batch.safetensors"))["versions"]
+        v = RolloutBatch.load(exchange.step_dir(run_dir, "rollouts", s)).versions
         v = v[v >= 0]
         if v.size and int(v.min()) < s - trial.max_off_policy:
             fail(f"rollouts/step_{s:06d} holds version {int(v.min())} (bound {trial.max_off_policy})")
@@ -154,8 +154,9 @@ def check_exactly_once(trial: Trial, fail) -> None:
     for e in lineage:
         d = exchange.step_dir(run_dir, "rollouts", e["step"])
         try:
-            got = _sha256((d / "batch.safetensors").read_bytes())
-            want = json.loads((d / "manifest.json").read_text())["files"]["batch.safetensors"]["sha256"]
+            files = json.loads((d / "manifest.json").read_text())["files"]
+            got = batch_digest({f: {"sha256": _sha256((d / f).read_bytes())} for f in files})
+            want = batch_digest(files)
         except (OSError, ValueError, KeyError) as err:
             fail(f"rollouts/step_{e['step']:06d}: {err}")
             continue

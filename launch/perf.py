@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch import dataplane
 from launch.simulate import SimConfig, SimResult, from_metrics, lognormal_source, read_jsonl, simulate
 from rl.contract.config import Config, ConfigError, typed
 
@@ -158,6 +159,7 @@ class Prediction:
     prefill_turn_s: float = 0.0   # prefill latency of one turn's new tokens
     sync_s: float = 0.0           # mean version: publish + load (the version's latency to the servers)
     load_s: float = 0.0           # mean version: the servers' pause to read, verify and copy it in
+    data: dataplane.DataPlane | None = None   # the rollout batch's bytes and seconds (launch.dataplane)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -427,16 +429,25 @@ def predict(cfg, workload: Workload | None = None, assume: dict | None = None) -
              f"{w.turns:g} turns, {w.env_s:g} s of environment per turn",
              f"hardware: {hw.gpu} presets (docs/perf.md), mfu {hw.mfu:g}, inference mfu {hw.inference_mfu:g}, "
              f"HBM efficiency {hw.hbm_efficiency:g}"]
+    data = dataplane.predict(dataplane.Volume.from_cfg(cfg, w),   # its warnings print as perf notes
+                             fs=dataplane.SharedFS.from_hardware(hw, cfg.trainer.gpus_per_node))
+    notes += [f"warning: {x}" for x in dataplane.warnings(data, cfg.cluster.target_step_s, step)]
     return Prediction(terms=terms, trainer_s=train_s, inference_s=inf["total"], publish_s=mean["publish"],
                       pipeline_s=pipeline, step_s=step, bottleneck=bottleneck, dominant=dominant,
                       sync_full_s=full["total"], sync_delta_s=delta["total"], rollouts_per_hour=inf["per_hour"],
                       episode_s=inf["episode"], decode_batch=inf["b"], decode_tok_s_gpu=inf["tok_s"], workload=w,
                       hardware=hw, token_s=inf["token_s"], prefill_turn_s=inf["prefill_turn_s"],
-                      sync_s=mean["total"], load_s=mean["load"], notes=notes)
+                      sync_s=mean["total"], load_s=mean["load"], notes=notes, data=data)
+
+
+def data_volume(cfg, assume: dict | None = None) -> dataplane.Volume:
+    """The data-plane volume of `cfg` under the workload `predict` assumes (`--assume` overrides)."""
+    return dataplane.Volume.from_cfg(cfg, Workload.from_cfg(typed(cfg), assume))
 
 
 def table_rows(pred: Prediction) -> list[tuple[str, str, str]]:
-    """Header, the terms (overlapped ones in parentheses: shown, not added), then the summary rows."""
+    """Header, the terms (overlapped ones in parentheses: shown, not added), the summary rows, then the
+    rollout data plane's (launch.dataplane)."""
     rows = [("role", "term", "s per step")]
     for t in pred.terms:
         rows.append((t.role, t.name, f"({t.seconds:.2f})" if t.overlapped else f"{t.seconds:.2f}"))
@@ -449,7 +460,7 @@ def table_rows(pred: Prediction) -> list[tuple[str, str, str]]:
              ("", f"decode: {pred.decode_batch:.1f} sequences per GPU, tokens/s per GPU", f"{pred.decode_tok_s_gpu:.0f}"),
              ("sync", "weight sync, full version (publish + load)", f"{pred.sync_full_s:.1f}"),
              ("sync", f"weight sync, delta version ({DELTA_FRACTION:.1%})", f"{pred.sync_delta_s:.1f}")]
-    return rows
+    return rows + (dataplane.table_rows(pred.data) if pred.data else [])
 
 
 @dataclass

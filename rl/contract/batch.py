@@ -1,57 +1,62 @@
-"""The rollout batch: what the orchestrator hands the trainer for one step.
+"""The rollout batch: what the orchestrator hands the trainer for one step, and how it lies on disk.
 
-Samples have different lengths, so the batch is stored packed: one flat token array and offsets, the
-layout the trainer's sequence packing wants anyway. Per token it carries the loss mask (1 = a token the
-policy generated and is trained on; 0 = prompt, tool output, observation), the logprob the inference
-engine assigned when sampling it and the policy version that produced it (-1 for tokens the policy did
-not generate). Per sample: reward, advantage, group id. Optionally routed expert ids recorded at
-inference, [tokens, layers, top_k], as uint8 while every id fits (up to 256 experts) and as uint16
-beyond (Kimi-K2 routes to 384 experts, GLM-5 to 256): the narrowest width that holds the family's ids,
-since for a long SWE episode these ids outweigh every other per-token field.
+Samples have different lengths, so a batch is packed: one flat token array and offsets, the layout the
+trainer's sequence packing wants anyway. Per token it carries the loss mask (1 = a token the policy
+generated and is trained on; 0 = prompt, tool output, observation), the logprob the inference engine
+assigned when sampling it and the policy version that produced it (-1 for tokens the policy did not
+generate). Per sample: reward, advantage, group id. Optionally routed expert ids recorded at inference,
+[tokens, layers, top_k], as uint8 while every id fits (up to 256 experts) and as uint16 beyond (Kimi-K2
+routes to 384 experts, GLM-5 to 256): the narrowest width that holds the family's ids, since for a long
+SWE episode these ids outweigh every other per-token field (GLM-5: 600 B a token against 13).
 
-On disk it is one safetensors file of numpy arrays (no pickle, no torch needed) plus `meta.json`.
+On disk (a published `rollouts/step_N`, numpy arrays in safetensors files, no pickle, no torch):
+- `meta.json`: the batch's bookkeeping, and `layout`, the shard table: which samples each trainer data
+  rank trains and in which micro-batches (`ShardPlan`);
+- `samples.safetensors`: the per-sample arrays of the whole batch (offsets, rewards, advantages, groups,
+  and per sample its loss tokens, their version sum and minimum: the step's totals without the tokens);
+- `shard_<r>.safetensors`, one per data rank: the per-token arrays of exactly the samples rank r trains.
+Each file has its own sha256 in the manifest, so a trainer rank reads and verifies meta.json, the small
+index and its own shard: its share of the bytes, not the batch (128 ranks reading a 10 GB batch whole
+would read 1.3 TB a step). The orchestrator cuts the shards by the rule the trainer packs by (greedy in
+order to `trainer.micro_batch_tokens`, micro-batches round robin over data ranks: `micro_batches`), read
+from the config both share. `RolloutBatch.load` reads every shard back into the whole batch in sample
+order (tools; a trainer whose layout differs from the batch's, e.g. resumed with another parallelism).
 
-`RolloutBatch.load` checks what it read before anyone trains on it (`validate`): a checksum only proves
-the file is the one its producer wrote, not that the producer wrote something trainable. Every array is
-there with its layout's dtype and length, offsets run from 0 to the number of tokens without going
-back, float arrays are finite, token ids lie in [0, vocab_size), the loss mask is 0/1, policy versions
-are -1 (not generated) or a version, and logprobs are logprobs (in [-1e4, 0], vLLM's -inf being -9999).
-The bookkeeping in meta.json (which groups and rollouts the batch trains) is checked against its schema
-(rl.contract.record_schemas.batch_meta) and against the arrays: entry j of `entries` is the samples of
-dense group j, and a part's rewards are those samples' rewards. The orchestrator's resume believes that
-bookkeeping, so a batch whose meta does not describe its arrays is not trained on either. Anything else
-is `InvalidBatch` with a one-line reason naming the file, the field and the value; the trainer sets
-such a batch aside like a corrupt one (rl.trainer.loop.next_batch).
+Building is array work: `write_samples` concatenates each rank's samples' numpy arrays (routes may be
+memory maps of the orchestrator's spill files) and writes each file straight from them while hashing,
+so the orchestrator holds one shard at a time, never the batch nor a Python list per token.
+
+What a reader checks before training is rl.contract.batch_checks (InvalidBatch with a one-line reason).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
 
 from rl.contract import record_schemas, safefs
-from rl.contract.record_schemas import LOGPROB_MAX, LOGPROB_MIN, MAX_STEP
+from rl.contract.batch_checks import (  # noqa: F401  (re-exported: the batch's API)
+    ARRAYS, PER_SAMPLE, PER_TOKEN, ChecksumMismatch, InvalidBatch, check_arrays, check_layout, check_meta,
+    read_file, read_safetensors)
+from rl.contract.record_schemas import MAX_STEP
 
-BATCH_FILE = "batch.safetensors"
 META_FILE = "meta.json"
-
-PER_TOKEN = ("tokens", "loss_mask", "logprobs", "versions")  # one entry per token, like routed_experts
-PER_SAMPLE = ("rewards", "advantages", "groups")
-ARRAYS = ("tokens", "offsets", *PER_TOKEN[1:], *PER_SAMPLE)  # always stored; routed_experts optionally
-_FLOAT = ("logprobs", "rewards", "advantages")
+INDEX_FILE = "samples.safetensors"
+INDEX = ("offsets", *PER_SAMPLE, "loss_tokens", "version_sum", "version_min")
+SHARD = ("tokens", "offsets", *PER_TOKEN[1:])   # and routed_experts when recorded
 _MAX_META = 256 << 20   # meta.json lists a few numbers per sample; a file beyond this is not one
+_NP_CODE = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8",
+            np.dtype(np.uint16): "U16", np.dtype(np.float32): "F32"}
 
 
-class InvalidBatch(ValueError):
-    """A rollout batch that must not be trained on; the message is one line naming file, field and value."""
-
-
-def _first(bad: np.ndarray) -> int:
-    return int(np.flatnonzero(bad)[0])
+def shard_file(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
 
 
 def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | None:
@@ -72,6 +77,8 @@ def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | N
 def expert_ids(r: np.ndarray) -> np.ndarray:
     """Expert ids in the batch layout: uint8 when they all fit, else uint16 (up to 65536 experts)."""
     r = np.asarray(r)
+    if r.dtype in (np.uint8, np.uint16) and r.dtype == np.min_scalar_type(int(r.max(initial=0))):
+        return r
     if r.size and (r.min() < 0 or r.max() > np.iinfo(np.uint16).max):
         raise ValueError(f"expert ids must lie in [0, 65535], got [{r.min()}, {r.max()}]")
     return r.astype(np.uint8 if r.max(initial=0) <= np.iinfo(np.uint8).max else np.uint16)
@@ -79,17 +86,185 @@ def expert_ids(r: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    completion_versions: list[int]
+    """One rollout; the id/logprob/version/mask fields are lists or numpy arrays."""
+    prompt_ids: Any
+    completion_ids: Any
+    completion_logprobs: Any
+    completion_versions: Any
     reward: float
     group: int
     advantage: float = 0.0
     # 1 where the completion token is the policy's own (multi-turn rollouts put observations in between)
-    completion_mask: list[int] | None = None
-    routed_experts: np.ndarray | None = None  # [prompt+completion tokens, layers, top_k]
+    completion_mask: Any = None
+    routed_experts: np.ndarray | None = None  # [prompt+completion tokens, layers, top_k]; may be a memmap
     info: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Its per-token arrays in the batch layout (prompt then completion)."""
+        p = np.asarray(self.prompt_ids, np.int32)
+        c = np.asarray(self.completion_ids, np.int32)
+        lp = np.asarray(self.completion_logprobs, np.float32)
+        v = np.asarray(self.completion_versions, np.int32)
+        if not (len(lp) == len(v) == len(c)):
+            raise ValueError("completion ids, logprobs and versions differ in length")
+        cm = np.ones(len(c), np.uint8) if self.completion_mask is None else \
+            np.asarray(self.completion_mask).astype(np.uint8)
+        if len(cm) != len(c):
+            raise ValueError(f"completion mask has {len(cm)} entries for {len(c)} completion tokens")
+        z = np.zeros(len(p), np.uint8)
+        return {"tokens": np.concatenate([p, c]), "loss_mask": np.concatenate([z, cm]),
+                "logprobs": np.concatenate([z.astype(np.float32), np.where(cm > 0, lp, np.float32(0))]),
+                "versions": np.concatenate([np.full(len(p), -1, np.int32), np.where(cm > 0, v, np.int32(-1))])}
+
+
+def micro_batches(lengths: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
+    """The trainer's packing rule: greedy, in order, whole samples into micro-batches of at most
+    `max_tokens` tokens (a longer sample gets one of its own). [start, end) sample ranges."""
+    out, start, size = [], 0, 0
+    for i, n in enumerate(np.asarray(lengths, np.int64).tolist()):
+        if i > start and size + n > max_tokens:
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    if len(lengths):
+        out.append((start, len(lengths)))
+    return out
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a batch is cut for the trainer: its data ranks (dp_shard x ep; cp ranks of one data rank read
+    the same shard) and the micro-batch size it packs to. None: not packed here (one shard, the trainer
+    packs it whole)."""
+    data_ranks: int = 1
+    micro_batch_tokens: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "ShardPlan":
+        p = cfg.trainer.parallel
+        return cls(int(p.dp_shard) * int(p.ep), int(cfg.trainer.micro_batch_tokens))
+
+    def layout(self, lengths: np.ndarray) -> dict:
+        """meta.json's `layout`: per data rank its samples (in the order it trains them) and micro-batches
+        (sample counts); micro-batch m goes to rank m mod data_ranks, as rl.trainer.packing deals them."""
+        if self.micro_batch_tokens is None:
+            if self.data_ranks != 1:
+                raise ValueError("a batch for several data ranks is cut by micro_batch_tokens")
+            n = len(lengths)
+            return {"data_ranks": 1, "micro_batch_tokens": None, "micro_batches": int(n > 0),
+                    "ranks": [{"samples": list(range(n)), "micro_batches": [n] if n else []}]}
+        mbs = micro_batches(lengths, self.micro_batch_tokens)
+        ranks = [{"samples": [], "micro_batches": []} for _ in range(self.data_ranks)]
+        for m, (a, b) in enumerate(mbs):
+            e = ranks[m % self.data_ranks]
+            e["samples"] += list(range(a, b))
+            e["micro_batches"].append(b - a)
+        return {"data_ranks": self.data_ranks, "micro_batch_tokens": self.micro_batch_tokens,
+                "micro_batches": len(mbs), "ranks": ranks}
+
+
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> dict:
+    """Write `arrays` as a safetensors file straight from their memory, hashing as it goes (no serialized
+    copy); returns the manifest entry {size, sha256} (the file is fsynced: rl.exchange.commit(known=))."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    header, off = {}, 0
+    for k, v in arrays.items():
+        header[k] = {"dtype": _NP_CODE[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + v.nbytes]}
+        off += v.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)   # safetensors aligns the data to 8 bytes
+    head = len(h).to_bytes(8, "little") + h
+    sha = hashlib.sha256(head)
+    fd = safefs.open_write(path, exclusive=True)
+    try:
+        _write_all(fd, memoryview(head))
+        for v in arrays.values():
+            mv = memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
+            sha.update(mv)
+            _write_all(fd, mv)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": len(head) + off, "sha256": sha.hexdigest()}
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    while len(mv):
+        mv = mv[os.write(fd, mv[: 1 << 30]):]
+
+
+def _write_json(path: Path, obj: dict) -> dict:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    fd = safefs.open_write(path, exclusive=True)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _index(lengths, rewards, advantages, groups, per_sample_mask_versions) -> dict[str, np.ndarray]:
+    loss, vsum, vmin = [], [], []
+    for mask, vers in per_sample_mask_versions:
+        on = vers[mask > 0].astype(np.int64)
+        loss.append(len(on))
+        vsum.append(int(on.sum()))
+        vmin.append(int(on.min()) if len(on) else MAX_STEP)
+    return {"offsets": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+            "rewards": np.asarray(rewards, np.float32), "advantages": np.asarray(advantages, np.float32),
+            "groups": np.asarray(groups, np.int32), "loss_tokens": np.asarray(loss, np.int64),
+            "version_sum": np.asarray(vsum, np.int64), "version_min": np.asarray(vmin, np.int64)}
+
+
+def _write(out_dir: Path, meta: dict, plan: ShardPlan, lengths: np.ndarray, index: dict,
+           rank_arrays: Callable[[list[int]], dict[str, np.ndarray]]) -> dict[str, dict]:
+    layout = plan.layout(lengths)
+    known = {}
+    for r, e in enumerate(layout["ranks"]):
+        arrays = rank_arrays(e["samples"])
+        known[shard_file(r)] = write_arrays(Path(out_dir) / shard_file(r), arrays)
+        del arrays   # one shard in memory at a time
+    known[INDEX_FILE] = write_arrays(Path(out_dir) / INDEX_FILE, index)
+    known[META_FILE] = _write_json(Path(out_dir) / META_FILE, {**meta, "layout": layout})
+    return known
+
+
+def write_samples(out_dir: Path, samples: list[Sample], meta: dict, plan: ShardPlan | None = None
+                  ) -> dict[str, dict]:
+    """Write a batch of `samples` into the step directory `out_dir`, cut by `plan`; returns the manifest
+    entries (size, sha256) of the files written, for rl.exchange.commit(known=)."""
+    plan = plan or ShardPlan()
+    lengths = np.asarray([len(s) for s in samples], np.int64)
+    routed = [s.routed_experts is not None for s in samples]
+    if any(routed) and not all(routed):
+        raise ValueError("routed experts recorded for some samples only")
+    per = [s.arrays() for s in samples]   # 13 B a token: the routes stay where they are (memmaps) until cut
+    index = _index(lengths, [s.reward for s in samples], [s.advantage for s in samples],
+                   [s.group for s in samples], [(p["loss_mask"], p["versions"]) for p in per])
+
+    def rank_arrays(idx: list[int]) -> dict[str, np.ndarray]:
+        out = _concat([per[i] for i in idx], lengths[idx])
+        if routed and all(routed):
+            rows = [np.asarray(samples[i].routed_experts) for i in idx]
+            for i, rr in zip(idx, rows):
+                if len(rr) != lengths[i]:
+                    raise ValueError(f"sample {i}: routed experts cover {len(rr)} tokens, the sample has "
+                                     f"{lengths[i]}")
+            out["routed_experts"] = expert_ids(np.concatenate(rows)) if rows else \
+                np.zeros((0, *np.shape(samples[0].routed_experts)[1:]), np.uint8)
+        return out
+    return _write(out_dir, meta, plan, lengths, index, rank_arrays)
+
+
+def _concat(parts: list[dict[str, np.ndarray]], lengths: np.ndarray) -> dict[str, np.ndarray]:
+    dtypes = {"tokens": np.int32, "loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32}
+    out = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, dt) for k, dt in dtypes.items()}
+    out["offsets"] = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    return out
 
 
 @dataclass
@@ -104,6 +279,11 @@ class RolloutBatch:
     groups: np.ndarray          # int32 [B]
     routed_experts: np.ndarray | None = None  # uint8/uint16 [T, layers, top_k] (expert_ids)
     meta: dict = field(default_factory=dict)
+    # A data rank's share (load_share): {"rank", "data_ranks", "micro_batch_tokens", "micro_batches" (this
+    # rank's, sample counts), "total_micro_batches", "samples" (global indices)}; None for a whole batch.
+    share: dict | None = None
+    # The whole batch's totals (samples, tokens, loss_tokens, reward_mean, version_sum, version_min).
+    totals: dict | None = None
 
     @property
     def num_samples(self) -> int:
@@ -114,150 +294,208 @@ class RolloutBatch:
 
     @classmethod
     def from_samples(cls, samples: list[Sample], meta: dict | None = None) -> "RolloutBatch":
-        toks, mask, lps, vers, offs, rex = [], [], [], [], [0], []
-        for s in samples:
-            n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
-            if not (len(s.completion_logprobs) == len(s.completion_versions) == n_c):
-                raise ValueError("completion ids, logprobs and versions differ in length")
-            cm = s.completion_mask if s.completion_mask is not None else [1] * n_c
-            toks += list(s.prompt_ids) + list(s.completion_ids)
-            mask += [0] * n_p + list(cm)
-            lps += [0.0] * n_p + [lp if m else 0.0 for lp, m in zip(s.completion_logprobs, cm)]
-            vers += [-1] * n_p + [v if m else -1 for v, m in zip(s.completion_versions, cm)]
-            offs.append(offs[-1] + n_p + n_c)
-            if s.routed_experts is not None:
-                rex.append(s.routed_experts)
-        routed = None
-        if rex:
-            if len(rex) != len(samples):
-                raise ValueError("routed experts recorded for some samples only")
-            routed = expert_ids(np.concatenate(rex))
-        return cls(
-            tokens=np.asarray(toks, np.int32), offsets=np.asarray(offs, np.int64),
-            loss_mask=np.asarray(mask, np.uint8), logprobs=np.asarray(lps, np.float32),
-            versions=np.asarray(vers, np.int32),
-            rewards=np.asarray([s.reward for s in samples], np.float32),
-            advantages=np.asarray([s.advantage for s in samples], np.float32),
-            groups=np.asarray([s.group for s in samples], np.int32),
-            routed_experts=routed, meta=meta or {})
+        per = [s.arrays() for s in samples]
+        lengths = np.asarray([len(p["tokens"]) for p in per], np.int64)
+        c = _concat(per, lengths)
+        rex = [s.routed_experts for s in samples if s.routed_experts is not None]
+        if rex and len(rex) != len(samples):
+            raise ValueError("routed experts recorded for some samples only")
+        return cls(**c, rewards=np.asarray([s.reward for s in samples], np.float32),
+                   advantages=np.asarray([s.advantage for s in samples], np.float32),
+                   groups=np.asarray([s.group for s in samples], np.int32),
+                   routed_experts=expert_ids(np.concatenate([np.asarray(r) for r in rex])) if rex else None,
+                   meta=meta or {})
 
-    def save(self, out_dir: Path) -> None:
-        arrays = {k: getattr(self, k) for k in ("tokens", "offsets", "loss_mask", "logprobs", "versions",
-                                                  "rewards", "advantages", "groups")}
-        if self.routed_experts is not None:
-            arrays["routed_experts"] = self.routed_experts
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(Path(out_dir) / BATCH_FILE))
-        (Path(out_dir) / META_FILE).write_text(json.dumps(self.meta, indent=1, sort_keys=True))
+    def save(self, out_dir: Path, plan: ShardPlan | None = None) -> dict[str, dict]:
+        """Write this (whole) batch into `out_dir` in the on-disk layout, cut by `plan` (default: one
+        shard); returns the manifest entries of the files."""
+        lengths = np.diff(self.offsets).astype(np.int64)
+        masks = [(self.loss_mask[self.sample_slice(i)], self.versions[self.sample_slice(i)])
+                 for i in range(self.num_samples)]
+        index = _index(lengths, self.rewards, self.advantages, self.groups, masks)
+
+        def rank_arrays(idx: list[int]) -> dict[str, np.ndarray]:
+            sl = [self.sample_slice(i) for i in idx]
+            out = {k: np.concatenate([getattr(self, k)[s] for s in sl]) if sl else getattr(self, k)[:0]
+                   for k in PER_TOKEN}
+            out["offsets"] = np.concatenate([[0], np.cumsum(lengths[idx], dtype=np.int64)]).astype(np.int64)
+            if self.routed_experts is not None:
+                out["routed_experts"] = np.concatenate([self.routed_experts[s] for s in sl]) if sl else \
+                    self.routed_experts[:0]
+            return out
+        return _write(Path(out_dir), self.meta, plan or ShardPlan(), lengths, index, rank_arrays)
 
     @classmethod
-    def load(cls, step_dir: Path, vocab_size: int | None = None) -> "RolloutBatch":
-        """Read a batch and `validate` it; InvalidBatch if it is malformed (I/O errors propagate)."""
-        f, mf = Path(step_dir) / BATCH_FILE, Path(step_dir) / META_FILE
-        try:
-            a = load_file(str(f))
-        except (SafetensorError, TypeError, AttributeError) as e:
-            # a header safetensors cannot parse is SafetensorError; one naming a dtype numpy lacks (BF16,
-            # F8_*) fails inside its numpy loader as TypeError / AttributeError
-            raise InvalidBatch(f"{f}: not a readable safetensors file of numpy arrays ({e})") from None
-        try:  # never through a link, never blocking on a FIFO (rl.contract.safefs)
-            meta = json.loads(safefs.read_bytes(mf, limit=_MAX_META))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidBatch(f"{mf}: not valid JSON ({e})") from None
-        if not isinstance(meta, dict):
-            raise InvalidBatch(f"{mf}: must be a JSON object, found {type(meta).__name__}")
-        if missing := [k for k in ARRAYS if k not in a]:
-            raise InvalidBatch(f"{f}: no array {missing[0]!r} (a rollout batch has {', '.join(ARRAYS)})")
-        if extra := sorted(set(a) - set(ARRAYS) - {"routed_experts"}):
-            raise InvalidBatch(f"{f}: unknown array {extra[0]!r} (a rollout batch has {', '.join(ARRAYS)}, "
-                               f"routed_experts)")
-        batch = cls(routed_experts=a.pop("routed_experts", None), meta=meta, **a)
-        batch.validate(vocab_size, where=str(f))
-        batch.validate_meta(where=str(mf))
-        return batch
+    def load(cls, step_dir: Path, vocab_size: int | None = None, files: dict | None = None) -> "RolloutBatch":
+        """The whole batch of a step directory (every shard, in sample order), validated; InvalidBatch if
+        it is malformed (ChecksumMismatch with `files`, the manifest's entries; I/O errors propagate)."""
+        meta, index, _ = _read_head(Path(step_dir), files)
+        return _assemble(Path(step_dir), meta, index, files, vocab_size)[0]
 
     def validate_meta(self, group_size: int | None = None, where: str = "rollout batch meta") -> None:
-        """Raise InvalidBatch unless meta.json's bookkeeping is well-formed (record_schemas.batch_meta)
-        and describes these arrays: entry j's rollouts are the samples of dense group j, a part's
-        rewards are theirs. Call after `validate` (the arrays are known to be consistent)."""
-        if (why := record_schemas.batch_meta(self.meta, num_samples=self.num_samples,
-                                             group_size=group_size)) is not None:
-            raise InvalidBatch(f"{where}: {why}")
-        entries = self.meta.get("entries")
-        if entries is None:
-            return
-        counts = np.bincount(self.groups.astype(np.int64), minlength=len(entries)) if len(self.groups) else \
-            np.zeros(len(entries), np.int64)
-        if len(self.groups) and (self.groups.min() < 0 or len(counts) != len(entries)):
-            raise InvalidBatch(f"{where}: the batch's dense groups run {int(self.groups.min())}.."
-                               f"{int(self.groups.max())}, meta.json has {len(entries)} entries")
-        parts = self.meta.get("partial_groups") or {}
-        for j, (g, idx) in enumerate(entries):
-            if counts[j] != len(idx):
-                raise InvalidBatch(f"{where}: entry {j} (group {g}) lists {len(idx)} rollouts, the batch has "
-                                   f"{int(counts[j])} samples of it")
-            if str(g) in parts:
-                have = self.rewards[self.groups == j].astype(np.float64)
-                if not np.allclose(have, parts[str(g)]["rewards"], rtol=1e-5, atol=1e-5):
-                    raise InvalidBatch(f"{where}: partial_groups[{g}].rewards="
-                                       f"{record_schemas.shown(parts[str(g)]['rewards'])} are not its samples' "
-                                       f"rewards {record_schemas.shown(have.tolist())}")
+        """Raise InvalidBatch unless meta.json's bookkeeping describes these arrays (batch_checks.check_meta)."""
+        check_meta(self.meta, self.groups, self.rewards, group_size, where)
 
     def validate(self, vocab_size: int | None = None, where: str = "rollout batch") -> None:
-        """Raise InvalidBatch (one line: `where`, the field, the value) unless the trainer can train on
-        this batch: layout dtypes and lengths, offsets from 0 to len(tokens) never going back, finite
-        floats, token ids in [0, vocab_size) (vocab_size None: only >= 0), a 0/1 loss mask."""
-        def bad(msg: str):
-            raise InvalidBatch(f"{where}: {msg}")
+        """Raise InvalidBatch unless the trainer can train on this batch (batch_checks.check_arrays)."""
+        check_arrays(self, vocab_size, where)
 
-        for k in ARRAYS:
-            v = getattr(self, k)
-            if not isinstance(v, np.ndarray) or v.ndim != 1:
-                bad(f"{k} must be a 1-d array, found shape {getattr(v, 'shape', type(v).__name__)}")
-            kinds = "f" if k in _FLOAT else ("iub" if k == "loss_mask" else "iu")
-            if v.dtype.kind not in kinds:
-                bad(f"{k} has dtype {v.dtype}, expected {'a float' if k in _FLOAT else 'an integer'} type")
-        n_tok = len(self.tokens)
-        off = self.offsets.astype(np.int64)
-        if len(off) == 0 or off[0] != 0:
-            bad(f"offsets must start at 0, found {off[:1].tolist() or 'no offsets'}")
-        if (back := np.diff(off) < 0).any():
-            i = _first(back) + 1
-            bad(f"offsets decrease at offsets[{i}] = {off[i]} after offsets[{i - 1}] = {off[i - 1]}")
-        if off[-1] != n_tok:
-            bad(f"offsets end at {off[-1]} but there are {n_tok} tokens")
-        for k in PER_TOKEN[1:]:
-            if len(getattr(self, k)) != n_tok:
-                bad(f"{k} has {len(getattr(self, k))} entries, tokens has {n_tok}")
-        for k in PER_SAMPLE:
-            if len(getattr(self, k)) != self.num_samples:
-                bad(f"{k} has {len(getattr(self, k))} entries for {self.num_samples} samples (offsets)")
-        r = self.routed_experts
-        if r is not None:
-            if not isinstance(r, np.ndarray) or r.ndim != 3 or r.dtype not in (np.uint8, np.uint16):
-                bad(f"routed_experts must be uint8/uint16 [tokens, layers, top_k], found "
-                    f"{getattr(r, 'dtype', type(r).__name__)} {getattr(r, 'shape', '')}")
-            if len(r) != n_tok:
-                bad(f"routed_experts has {len(r)} rows, tokens has {n_tok}")
-        for k in _FLOAT:
-            v = getattr(self, k)
-            if (nf := ~np.isfinite(v)).any():
-                i = _first(nf)
-                bad(f"{k}[{i}] = {v[i]} is not finite ({int(nf.sum())} non-finite of {len(v)})")
-        if n_tok:
-            lo, hi = int(self.tokens.min()), int(self.tokens.max())
-            if lo < 0:
-                bad(f"tokens[{_first(self.tokens < 0)}] = {lo} is a negative token id")
-            if vocab_size is not None and hi >= vocab_size:
-                bad(f"tokens[{_first(self.tokens >= vocab_size)}] = {hi} is outside the vocabulary "
-                    f"[0, {vocab_size})")
-        if ((self.loss_mask != 0) & (self.loss_mask != 1)).any():
-            i = _first((self.loss_mask != 0) & (self.loss_mask != 1))
-            bad(f"loss_mask[{i}] = {self.loss_mask[i]}, must be 0 or 1")
-        v = self.versions.astype(np.int64)
-        if (off := (v < -1) | (v > MAX_STEP)).any():
-            i = _first(off)
-            bad(f"versions[{i}] = {v[i]} is not a policy version (>= 0) nor -1 (a token no policy generated)")
-        if (off := (self.logprobs < LOGPROB_MIN) | (self.logprobs > LOGPROB_MAX)).any():
-            i = _first(off)
-            bad(f"logprobs[{i}] = {self.logprobs[i]} is not a logprob (in [{LOGPROB_MIN:g}, 0]; "
-                f"{int(off.sum())} such of {n_tok})")
+
+def _totals(index: dict) -> dict:
+    loss = index["loss_tokens"]
+    return {"samples": len(index["rewards"]), "tokens": int(index["offsets"][-1]),
+            "loss_tokens": int(loss.sum()), "version_sum": int(index["version_sum"].sum()),
+            "version_min": int(index["version_min"][loss > 0].min()) if (loss > 0).any() else None,
+            "reward_mean": float(index["rewards"].mean()) if len(loss) else math.nan}
+
+
+def _assemble(step_dir: Path, meta: dict, index: dict, files: dict | None, vocab_size: int | None
+              ) -> tuple[RolloutBatch, int]:
+    """Every shard read back into the whole batch, in sample order; (batch, bytes read)."""
+    layout = meta["layout"]
+    n = len(index["rewards"])
+    parts, order = [], []
+    for r in range(len(layout["ranks"])):
+        parts.append(_read_shard(step_dir, r, layout, index, files, vocab_size))
+        order += layout["ranks"][r]["samples"]
+    order = np.asarray(order, np.int64)
+    lengths = np.diff(index["offsets"])
+    starts = np.concatenate([[0], np.cumsum(lengths[order])]).astype(np.int64)
+    pos = np.empty(n, np.int64)
+    pos[order] = np.arange(n)   # where each sample sits in the shards' concatenation
+    take = np.concatenate([np.arange(starts[pos[i]], starts[pos[i]] + lengths[i]) for i in range(n)]) \
+        if n else np.zeros(0, np.int64)
+    keys = [*PER_TOKEN, *(["routed_experts"] if parts and all("routed_experts" in p for p in parts) else [])]
+    cat = {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    batch = RolloutBatch(**{k: cat[k][take] for k in PER_TOKEN}, offsets=index["offsets"].astype(np.int64),
+                         rewards=index["rewards"], advantages=index["advantages"], groups=index["groups"],
+                         routed_experts=cat["routed_experts"][take] if "routed_experts" in cat else None,
+                         meta=meta, totals=_totals(index))
+    batch.validate(vocab_size, where=str(step_dir))
+    return batch, sum(v.nbytes for p in parts for v in p.values())
+
+
+def _read(step_dir: Path, name: str, files: dict | None) -> memoryview:
+    info = None if files is None else files.get(name)
+    if files is not None and info is None:
+        raise ChecksumMismatch(f"{step_dir / name}: not in the step's manifest")
+    data, _ = read_file(step_dir / name, None if info is None else info.get("sha256"),
+                        None if info is None else info.get("size"))
+    return data
+
+
+def _read_head(step_dir: Path, files: dict | None) -> tuple[dict, dict, int]:
+    """meta.json and the sample index, checked against each other; (meta, index, bytes read)."""
+    mf = step_dir / META_FILE
+    try:
+        raw = safefs.read_bytes(mf, limit=_MAX_META)
+        want = None if files is None else (files.get(META_FILE) or {}).get("sha256")
+        if files is not None and (want is None or hashlib.sha256(raw).hexdigest() != want):
+            raise ChecksumMismatch(f"{mf}: sha256 does not match the manifest")
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidBatch(f"{mf}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise InvalidBatch(f"{mf}: must be a JSON object, found {type(meta).__name__}")
+    data = _read(step_dir, INDEX_FILE, files)
+    a = read_safetensors(step_dir / INDEX_FILE, data)
+    f = step_dir / INDEX_FILE
+    if missing := [k for k in INDEX if k not in a]:
+        raise InvalidBatch(f"{f}: no array {missing[0]!r} (the sample index has {', '.join(INDEX)})")
+    if extra := sorted(set(a) - set(INDEX)):
+        raise InvalidBatch(f"{f}: unknown array {extra[0]!r} (the sample index has {', '.join(INDEX)})")
+    n = len(a["offsets"]) - 1
+    for k in INDEX:
+        kinds = "f" if k in ("rewards", "advantages") else "iu"
+        if a[k].ndim != 1 or a[k].dtype.kind not in kinds:
+            raise InvalidBatch(f"{f}: {k} must be a 1-d array of {'floats' if kinds == 'f' else 'integers'}, "
+                               f"found {a[k].dtype} {a[k].shape}")
+        if k != "offsets" and len(a[k]) != n:
+            raise InvalidBatch(f"{f}: {k} has {len(a[k])} entries for {n} samples (offsets)")
+    off = a["offsets"].astype(np.int64)
+    if n < 0 or off[0] != 0:
+        raise InvalidBatch(f"{f}: offsets must start at 0, found {off[:1].tolist() or 'no offsets'}")
+    if (back := np.diff(off) < 0).any():
+        i = int(np.flatnonzero(back)[0]) + 1
+        raise InvalidBatch(f"{f}: offsets decrease at offsets[{i}] = {off[i]} after offsets[{i - 1}] = {off[i - 1]}")
+    for k in ("rewards", "advantages"):
+        if (nf := ~np.isfinite(a[k])).any():
+            i = int(np.flatnonzero(nf)[0])
+            raise InvalidBatch(f"{f}: {k}[{i}] = {a[k][i]} is not finite ({int(nf.sum())} non-finite of {n})")
+    check_meta(meta, a["groups"], a["rewards"], where=str(mf))
+    check_layout(meta.get("layout"), n, where=str(mf))
+    return meta, a, len(raw) + len(data)
+
+
+def _read_shard(step_dir: Path, rank: int, layout: dict, index: dict, files: dict | None,
+                vocab_size: int | None) -> dict[str, np.ndarray]:
+    """Shard `rank`'s per-token arrays, checked against the index (its samples' lengths, loss tokens and
+    versions) and as a batch (check_arrays)."""
+    f = step_dir / shard_file(rank)
+    a = read_safetensors(f, _read(step_dir, shard_file(rank), files))
+    if missing := [k for k in SHARD if k not in a]:
+        raise InvalidBatch(f"{f}: no array {missing[0]!r} (a shard has {', '.join(SHARD)})")
+    if extra := sorted(set(a) - set(SHARD) - {"routed_experts"}):
+        raise InvalidBatch(f"{f}: unknown array {extra[0]!r} (a shard has {', '.join(SHARD)}, routed_experts)")
+    idx = np.asarray(layout["ranks"][rank]["samples"], np.int64)
+    b = RolloutBatch(tokens=a["tokens"], offsets=a["offsets"], loss_mask=a["loss_mask"], logprobs=a["logprobs"],
+                     versions=a["versions"], rewards=index["rewards"][idx], advantages=index["advantages"][idx],
+                     groups=index["groups"][idx], routed_experts=a.get("routed_experts"))
+    check_arrays(b, vocab_size, where=str(f))
+    want = np.diff(index["offsets"])[idx]
+    if len(a["offsets"]) != len(idx) + 1 or not np.array_equal(np.diff(a["offsets"]), want):
+        raise InvalidBatch(f"{f}: its samples' lengths are not those of samples {record_schemas.shown(idx.tolist())} "
+                           f"in {INDEX_FILE}")
+    starts = a["offsets"][:-1]
+    on = a["loss_mask"].astype(np.int64)
+    if len(idx) and len(a["tokens"]):
+        loss = np.add.reduceat(on, starts) * (want > 0)
+        vsum = np.add.reduceat(np.where(on > 0, a["versions"].astype(np.int64), 0), starts) * (want > 0)
+        if not (np.array_equal(loss, index["loss_tokens"][idx]) and np.array_equal(vsum, index["version_sum"][idx])):
+            raise InvalidBatch(f"{f}: its loss tokens or their versions differ from {INDEX_FILE}'s totals")
+    return {**{k: a[k] for k in PER_TOKEN}, **({"routed_experts": a["routed_experts"]}
+                                               if "routed_experts" in a else {})}
+
+
+def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, files: dict | None = None,
+               plan: ShardPlan | None = None) -> tuple[RolloutBatch, int]:
+    """Data rank `data_rank`'s share of a step: meta.json, the sample index and its own shard, each read
+    once and (with `files`, the manifest's entries) hashed as read. Returns (the share as a RolloutBatch
+    with `share` and `totals` set, bytes read). When the batch was cut for another layout than `plan`
+    (the reader's data ranks and micro-batch size, None: any; a resumed run with another parallelism) or
+    not cut at all (written unpacked, one shard), the whole batch is returned instead, `share` None. InvalidBatch / ChecksumMismatch if
+    anything is wrong."""
+    step_dir = Path(step_dir)
+    meta, index, n_read = _read_head(step_dir, files)
+    layout = meta["layout"]
+    if plan is not None and (layout["micro_batch_tokens"] is None or layout["data_ranks"] != plan.data_ranks or
+                             plan.micro_batch_tokens not in (None, layout["micro_batch_tokens"])):
+        whole, n = _assemble(step_dir, meta, index, files, vocab_size)
+        return whole, n_read + n
+    if not 0 <= data_rank < len(layout["ranks"]):
+        raise InvalidBatch(f"{step_dir / META_FILE}: layout has {len(layout['ranks'])} data ranks, no rank "
+                           f"{data_rank}")
+    a = _read_shard(step_dir, data_rank, layout, index, files, vocab_size)
+    e = layout["ranks"][data_rank]
+    idx = np.asarray(e["samples"], np.int64)
+    lengths = np.diff(index["offsets"])[idx]
+    share = RolloutBatch(**{k: a[k] for k in PER_TOKEN},
+                         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                         rewards=index["rewards"][idx], advantages=index["advantages"][idx],
+                         groups=index["groups"][idx], routed_experts=a.get("routed_experts"), meta=meta,
+                         share={"rank": data_rank, "data_ranks": layout["data_ranks"],
+                                "micro_batch_tokens": layout["micro_batch_tokens"],
+                                "micro_batches": list(e["micro_batches"]),
+                                "total_micro_batches": layout["micro_batches"], "samples": e["samples"]},
+                         totals=_totals(index))
+    return share, n_read + sum(v.nbytes for v in a.values())
+
+
+def batch_digest(files: dict) -> str:
+    """One sha256 naming a published batch: over its files' names and sha256s (what consumed.jsonl
+    records for the batch a step trained)."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        if name == META_FILE or name == INDEX_FILE or name.startswith("shard_"):
+            h.update(f"{name}\0{files[name].get('sha256', '')}\n".encode())
+    return h.hexdigest()

@@ -180,6 +180,10 @@ class OrchestratorConfig:
     max_rollout_tokens: Optional[int] = None   # prompt + turns + observations; None = inference.max_model_len
     rollout_timeout_s: Optional[float] = None  # wall time of one rollout; None = no limit
     env_concurrency: int = 8                   # environment calls (tool runs, grading) at once
+    # Where in-flight episodes' routed-expert rows (router replay) are spilled as they arrive, one file per
+    # episode in a private per-process directory made under it (rl/orchestrator/spill.py); "" = node-local
+    # scratch ($SLURM_TMPDIR, else $TMPDIR). Needs ~layers x top_k bytes per in-flight token of disk.
+    spill_dir: str = ""
     # How rollouts are scheduled (rl/orchestrator/pool.py): `continuous` keeps up to max_inflight groups
     # generating whatever the batch boundaries and forms batch n from finished groups as soon as
     # prompts_per_step of them are within max_off_policy of n; `batch` samples batch n's groups together

@@ -57,10 +57,12 @@ class Published:
     manifest: dict
 
 
-def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[Path], None], *,
+def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[Path], "dict | None"], *,
             producer: str, policy_version: int | None = None, meta: dict | None = None,
-            checksum: bool = True, overwrite: bool = False) -> Published:
-    """Publish `RUN_DIR/kind/step_N` atomically. `write(tmp_dir)` fills the directory.
+            checksum: bool = True, overwrite: bool = False, hashed: bool = False) -> Published:
+    """Publish `RUN_DIR/kind/step_N` atomically. `write(tmp_dir)` fills the directory; with `hashed` it
+    returns the manifest entries {size, sha256} of the files it fsynced and hashed as it wrote them
+    (rl.contract.batch.write_arrays), which are not read again.
 
     If step_N already exists it is left alone (another incarnation of this producer published it
     before a crash) unless `overwrite`, in which case the old one is moved aside then removed after the
@@ -71,12 +73,12 @@ def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[P
         return Published(final, step, read_manifest(final))
     tmp = begin(run_dir, kind, step)
     try:
-        write(tmp)
+        known = write(tmp)
     except BaseException:
         safefs.remove(tmp)
         raise
     return commit(run_dir, kind, step, tmp, producer=producer, policy_version=policy_version, meta=meta,
-                  checksum=checksum, overwrite=overwrite)
+                  checksum=checksum, overwrite=overwrite, known=known if hashed else None)
 
 
 def begin(run_dir: str | os.PathLike, kind: str, step: int, token: str | None = None) -> Path:
@@ -210,8 +212,10 @@ def _check_manifest(path: Path, manifest) -> None:
             raise CorruptStep(f"{where}: files entry {rel!r} has a malformed sha256")
 
 
-def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
-    """Check every file of a published step against its manifest; return the manifest or raise CorruptStep."""
+def verify(path: str | os.PathLike, checksums: bool = True, only=None) -> dict:
+    """Check every file of a published step against its manifest (sizes, the tree; sha256 with
+    `checksums`, of the files named in `only` when given: a trainer rank hashes its share, not the
+    batch); return the manifest or raise CorruptStep."""
     path = Path(path)
     manifest = read_manifest(path)  # opens the step without following it: a linked-in step is refused
     epoch = manifest.get("epoch")
@@ -237,7 +241,7 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> dict:
             size = os.fstat(fd).st_size
             if size != info["size"]:
                 raise CorruptStep(f"{f}: {size} bytes, manifest says {info['size']} (truncated?)")
-            if checksums and "sha256" in info and sha256_fd(fd) != info["sha256"]:
+            if checksums and "sha256" in info and (only is None or rel in only) and sha256_fd(fd) != info["sha256"]:
                 raise CorruptStep(f"{f}: sha256 does not match the manifest")
         finally:
             os.close(fd)

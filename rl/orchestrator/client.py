@@ -97,6 +97,18 @@ def decode_routed_experts(b64: str | None):
     return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
 
 
+def token_list(ids) -> list[int]:
+    """Token ids as plain ints for JSON: a list, or a numpy array (a multi-turn episode's context)."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+def json_body(body: dict) -> bytes:
+    """`body` as compact JSON bytes. A request's token list exists only while this runs: what a request
+    holds while it waits for the engine is these bytes (~7 a token), not a list of ints (~44 a token),
+    which for thousands of long episodes in flight is most of the orchestrator's memory."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 @dataclass
 class Completion:
     ids: list[int]
@@ -132,12 +144,16 @@ class InferenceClient:
         await self.aclose()
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None,
-                    headers: dict | None = None, attempts: int = 4) -> dict:
+                    headers: dict | None = None, attempts: int = 4, content: bytes | None = None) -> dict:
         # A pooled keep-alive connection may be closed by the server just as it is reused (uvicorn
         # closes idle connections after 5 s): the request never reached the engine, so send it again.
         for attempt in range(attempts):
             try:
-                r = await self._http.post(path, json=json, params=params, headers=headers)
+                if content is not None:  # a body already encoded (json_body)
+                    r = await self._http.post(path, content=content, params=params,
+                                              headers={"Content-Type": "application/json", **(headers or {})})
+                else:
+                    r = await self._http.post(path, json=json, params=params, headers=headers)
                 break
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError) as e:
                 if attempt == attempts - 1:
@@ -164,7 +180,7 @@ class InferenceClient:
         r.raise_for_status()
         return r.json()["weight_version"]
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 1.0,
+    async def generate(self, prompt_ids, max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, seed: int | None = None, request_id: str | None = None,
                        *, ignore_eos: bool = False, endpoint: str = "generate",
                        extra: dict | None = None, priority: int | None = None) -> Completion:
@@ -172,15 +188,15 @@ class InferenceClient:
         "completions" (OpenAI /v1/completions, versions from update_weights counts). `priority`: vLLM's
         request priority (lower is served first; the server must run `--scheduling-policy priority`).
         `extra`: more sampling parameters, e.g. `routed_experts_prompt_start` (a multi-turn episode asks
-        only for the routed-expert rows it does not hold)."""
+        only for the routed-expert rows it does not hold). `prompt_ids`: a list or a numpy array of ids."""
         request_id = request_id or uuid.uuid4().hex
         prio = {"priority": int(priority)} if priority is not None else {}
         sp = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {}), **(extra or {})}
         if endpoint == "generate":
-            body = {"request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": sp,
-                    "model": MODEL_NAME, **prio}
-            data = await self._post("/inference/v1/generate", body)
+            body = json_body({"request_id": request_id, "token_ids": token_list(prompt_ids),
+                              "sampling_params": sp, "model": MODEL_NAME, **prio})
+            data = await self._post("/inference/v1/generate", content=body)
             ch = data["choices"][0]
             ids = ch["token_ids"] or []
             lps = [c["logprob"] for c in (ch.get("logprobs") or {}).get("content") or []]
@@ -188,9 +204,9 @@ class InferenceClient:
             versions = versions_from_spans(spans, len(ids)) if spans is not None else None
             key = generate_key(request_id)
         elif endpoint == "completions":
-            body = {"model": MODEL_NAME, "prompt": list(prompt_ids), "return_token_ids": True,
-                    "request_id": request_id, **sp, **prio}
-            data = await self._post("/v1/completions", body)
+            body = json_body({"model": MODEL_NAME, "prompt": token_list(prompt_ids), "return_token_ids": True,
+                              "request_id": request_id, **sp, **prio})
+            data = await self._post("/v1/completions", content=body)
             ch = data["choices"][0]
             ids = ch["token_ids"] or []
             lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
@@ -312,11 +328,11 @@ SESSION = contextvars.ContextVar("hetrl_router_session", default=None)
 def router_client_class():
     """InferenceClient that tags its requests with the session in SESSION (set it per rollout task)."""
     class RouterClient(InferenceClient):
-        async def _post(self, path, json=None, params=None, headers=None):
+        async def _post(self, path, json=None, params=None, headers=None, attempts=4, content=None):
             sid = SESSION.get()
             if sid is not None and path in ROUTED_PATHS:
                 headers = {**(headers or {}), SESSION_HEADER: str(sid)}
-            return await super()._post(path, json, params, headers)
+            return await super()._post(path, json, params, headers, attempts, content)
 
     return RouterClient
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from rl import exchange
 from rl.contract import paths, record_schemas, safefs
+from rl.orchestrator import accounting
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
@@ -89,8 +90,7 @@ def summarize(groups: list[list | None], solved_reward: float) -> dict:
     played = [g for g in groups if g is not None]
     samples = [s for g in played for s in g]
     rewards = [s.reward for s in samples]
-    versions = [v for s in samples for v, m in zip(s.completion_versions, s.completion_mask or
-                                                   [1] * len(s.completion_versions)) if m and v >= 0]
+    versions = accounting.trained_versions(samples).tolist()  # Sample fields may be numpy arrays
     k = max((len(g) for g in played), default=0)
     return {
         "eval/tasks": len(groups), "eval/failed_tasks": len(groups) - len(played), "eval/samples": len(samples),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from rl.orchestrator.accounting import mask_stale, min_version
 from rl.orchestrator.groups import default_max_inflight, stale_policy
 from rl.orchestrator.pool import ContinuousPool
 from rl.orchestrator.sampling import Sampler
-from rl.contract.batch import RolloutBatch, Sample
+from rl.contract.batch import RolloutBatch, Sample, ShardPlan, write_samples
 from rl.contract.secret import secret_or_none
 from rl.orchestrator.versions import VersionTracker
 from rl.contract import offpolicy, paths
@@ -79,6 +80,21 @@ async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeou
         await asyncio.sleep(0.5)
 
 
+@dataclass
+class Draft:
+    """A finished batch not yet written: its samples (advantages set) and meta.json's bookkeeping. The
+    orchestrator writes it shard by shard (publish_batch); `batch()` is the whole batch in memory."""
+    samples: list[Sample]
+    meta: dict
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def batch(self) -> RolloutBatch:
+        return RolloutBatch.from_samples(self.samples, self.meta)
+
+
 class Orchestrator:
     """Loads each new policy version into the servers, forms and publishes batches. Sampling itself is
     the `Sampler`'s (rl.orchestrator.sampling), shared with the continuous pool."""
@@ -87,6 +103,7 @@ class Orchestrator:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.o = cfg.orchestrator
+        self.shard_plan = ShardPlan.from_config(cfg)   # the trainer's data ranks and packing, from the config
         self.stop = stop or StopFlag(install=False)
         self.sampler = Sampler(cfg, make_env(cfg))
         # held out before any rollout starts: a task-list environment never trains on its eval split
@@ -163,7 +180,7 @@ class Orchestrator:
                 await asyncio.sleep(0.05)
         return True
 
-    async def build_batch(self, step: int) -> RolloutBatch | None:
+    async def build_batch(self, step: int) -> Draft | None:
         """schedule=batch: batch `step`'s groups sampled together, every one awaited; groups outside the
         off-policy bound are dropped and replaced (drop) or kept with their stale tokens masked."""
         oldest = offpolicy.oldest_version(step, self.o.max_off_policy)
@@ -205,7 +222,7 @@ class Orchestrator:
             "stale_policy": stale_policy(self.o)})
 
     def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict,
-                     refs: list | None = None) -> RolloutBatch:
+                     refs: list | None = None) -> Draft:
         """Group-relative advantages and the batch metadata (lags, versions, throughput) of `kept`.
         `refs[j]`: entry j's baseline snapshot under stale_policy=release (rl.orchestrator.groups
         Group.baseline), None for the usual group baseline."""
@@ -220,18 +237,22 @@ class Orchestrator:
         for s, a in zip(samples, adv):
             s.advantage = float(a)
         gen_s = meta["gen_s"]
-        n_gen = sum(len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask) for s in samples)
         # the trained tokens' versions: masked tokens (observations, stale_policy=mask) are not trained
-        versions = [v for s in samples for v, m in zip(s.completion_versions, s.completion_mask or
-                                                         [1] * len(s.completion_versions)) if m and v >= 0]
+        n_gen, vs = 0, []
+        for s in samples:
+            v = np.asarray(s.completion_versions, np.int64)
+            on = np.ones(len(v), bool) if s.completion_mask is None else np.asarray(s.completion_mask) > 0
+            n_gen += int(on.sum())
+            vs.append(v[on & (v >= 0)])
+        versions = np.concatenate(vs) if vs else np.zeros(0, np.int64)
         meta = {
             "step": step, "num_samples": len(samples), "num_groups": len(kept), **meta,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "gen_tokens": n_gen, "gen_tokens_per_s": n_gen / max(gen_s, 1e-9),
-            "version_min": int(min(versions)) if versions else None,
-            "version_max": int(max(versions)) if versions else None,
-            "lag_mean": float(np.mean([step - v for v in versions])) if versions else 0.0,
-            "lag_max": int(max(step - v for v in versions)) if versions else 0,
+            "version_min": int(versions.min()) if len(versions) else None,
+            "version_max": int(versions.max()) if len(versions) else None,
+            "lag_mean": float(step - versions.mean()) if len(versions) else 0.0,
+            "lag_max": int(step - versions.min()) if len(versions) else 0,
             "weight_updates": self.stats["weight_updates"], "weight_update_s": self.stats["weight_update_s"],
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
@@ -240,17 +261,25 @@ class Orchestrator:
         }
         if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))
-        return RolloutBatch.from_samples(samples, meta)
+        return Draft(samples, meta)
 
-    def publish_batch(self, step: int, batch: RolloutBatch) -> None:
-        exchange.publish(self.run_dir, paths.ROLLOUTS, step, batch.save, producer=ROLE,
-                         policy_version=batch.meta["version_min"], meta={"num_samples": batch.num_samples})
+    def publish_batch(self, step: int, batch: "Draft") -> None:
+        """Publish batch `step`, cut into one shard per trainer data rank by the trainer's packing rule
+        (rl.contract.batch.write_samples: array work, one shard in memory at a time, hashed as written)."""
+        t0 = time.monotonic()
+        pub = exchange.publish(self.run_dir, paths.ROLLOUTS, step,
+                               lambda d: write_samples(d, batch.samples, batch.meta, self.shard_plan),
+                               producer=ROLE, policy_version=batch.meta["version_min"],
+                               meta={"num_samples": batch.num_samples}, hashed=True)
+        nbytes = sum(int(f.get("size", 0)) for f in pub.manifest["files"].values())
         m = batch.meta
         pool = (f", pool {m['pool_inflight']} in flight / {m['pool_ready']} ready, cancelled "
                 f"{m['cancelled_groups']}" if m.get("schedule") == "continuous" else "")
         log(ROLE, f"rollouts/step_{step:06d}: reward {m['reward_mean']:.3f}, {m['gen_tokens']} tokens "
                   f"in {m['gen_s']:.1f} s ({m['gen_tokens_per_s']:.0f} tok/s), versions "
-                  f"{m['version_min']}..{m['version_max']}, dropped {m['dropped_groups']}{pool}")
+                  f"{m['version_min']}..{m['version_max']}, dropped {m['dropped_groups']}{pool}; "
+                  f"{nbytes / 2**20:.1f} MiB in {self.shard_plan.data_ranks} shard(s) written in "
+                  f"{time.monotonic() - t0:.2f} s")
 
     # --- main loop -----------------------------------------------------------------------------
     def batch_depth(self) -> int:

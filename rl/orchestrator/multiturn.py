@@ -29,6 +29,12 @@ token, in order (`Rollout.routed`). An engine that returns rows for some turns o
 asked for, fails the episode with one line naming the turn (its group is dropped, not trained on a
 misaligned routing).
 
+Memory: an in-flight rollout holds its tokens in compact numpy arrays (13 bytes a token, at most 26
+with the arrays' spare capacity) and its routed-expert rows not at all: each turn's rows are appended
+to the episode's own file in the process's spill directory (`orchestrator.spill_dir`, default node-local
+temp; rl/orchestrator/spill.py) and the sample maps that file read-only when the episode ends. A failed
+or cancelled episode removes its file.
+
 Limits, per turn and per rollout: a turn gets at most `orchestrator.max_tokens` new tokens and never more
 than what is left of the rollout's token budget (`orchestrator.max_rollout_tokens`, default and at most
 `inference.max_model_len`, prompt and observations included); a rollout ends after `env.max_turns` model
@@ -40,14 +46,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from rl.envs.base import call, chat_prompt_ids, default_turn_info, observation_messages
 from rl.contract.batch import Sample, expert_ids
-from rl.orchestrator import accounting
+from rl.orchestrator import accounting, spill
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
 
@@ -58,6 +64,7 @@ class RolloutLimits:
     max_tokens_per_turn: int
     max_total_tokens: int
     wall_s: float | None = None
+    spill_dir: str = ""   # orchestrator.spill_dir: where routed-expert rows go ("" = node-local temp)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "RolloutLimits":
@@ -66,7 +73,7 @@ class RolloutLimits:
         wall = o.rollout_timeout_s
         return cls(max_turns=int(cfg.env.max_turns), max_tokens_per_turn=int(o.max_tokens),
                    max_total_tokens=int(min(total, cfg.inference.max_model_len)),
-                   wall_s=float(wall) if wall else None)
+                   wall_s=float(wall) if wall else None, spill_dir=str(o.spill_dir or ""))
 
 
 class ChatBridge:
@@ -128,25 +135,99 @@ class Turn:
     finish_reason: str | None
 
 
-@dataclass
 class Rollout:
-    """One finished episode: what the trainer needs plus what the metrics need."""
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)       # everything after the prompt
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    reward: float = 0.0
-    end_reason: str = "open"
-    seconds: float = 0.0
-    env_metrics: dict = field(default_factory=dict)
-    routed_chunks: list = field(default_factory=list, repr=False)  # engine rows, in position order
-    routed_rows: int = 0                                             # rows held (= next routed_start)
+    """One episode, growing turn by turn, then finished: what the trainer needs plus what the metrics need.
+
+    Per-token fields live in compact numpy arrays that grow by amortised doubling (the prompt and the
+    completion's ids in one int32 array, the completion's uint8 loss mask, float32 logprobs and int32
+    versions): 13 bytes a token, at most 26 with the spare capacity, where Python lists took 30-40 bytes
+    per field. `ids`, `mask`, `logprobs`, `versions` and `prompt_ids` are views of them. Routed-expert
+    rows go to a spill file as they arrive (rl.orchestrator.spill); only their count is held here."""
+
+    _MIN_CAP = 256
+
+    def __init__(self, prompt_ids, spill_dir: str = ""):
+        p = np.asarray(prompt_ids, dtype=np.int64)
+        if p.ndim != 1:
+            raise ValueError(f"prompt_ids must be a flat list of token ids, got shape {p.shape}")
+        self._np, self._n = len(p), 0
+        self._tok = np.empty(self._np + self._MIN_CAP, np.int32)
+        self._tok[:self._np] = p
+        self._mask = np.empty(self._MIN_CAP, np.uint8)
+        self._lp = np.empty(self._MIN_CAP, np.float32)
+        self._ver = np.empty(self._MIN_CAP, np.int32)
+        self.turns: list[Turn] = []
+        self.reward = 0.0
+        self.end_reason = "open"
+        self.seconds = 0.0
+        self.env_metrics: dict = {}
+        self.routed_rows = 0                        # engine rows held (= the next turn's routed_start)
+        self._spill_dir = spill_dir
+        self._routes: spill.RouteSpill | None = None
+
+    def __repr__(self) -> str:
+        return (f"Rollout(prompt={self._np}, tokens={self._n}, turns={len(self.turns)}, "
+                f"end_reason={self.end_reason!r}, reward={self.reward}, routed_rows={self.routed_rows})")
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self._tok[:self._np]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Everything after the prompt (model turns and observations)."""
+        return self._tok[self._np:self._np + self._n]
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self._mask[:self._n]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._lp[:self._n]
+
+    @property
+    def versions(self) -> np.ndarray:
+        return self._ver[:self._n]
+
+    def __len__(self) -> int:
+        """Tokens of the sequence so far, prompt included."""
+        return self._np + self._n
+
+    def context(self) -> np.ndarray:
+        """The whole sequence so far, the next request's prompt: a view, no copy (the client encodes it to
+        JSON bytes once; nothing is appended while the request is out)."""
+        return self._tok[:self._np + self._n]
+
+    def _grow(self, k: int) -> None:
+        need = self._n + k
+        if need <= len(self._mask):
+            return
+        cap = max(2 * len(self._mask), need)
+        for name in ("_mask", "_lp", "_ver"):
+            old = getattr(self, name)
+            new = np.empty(cap, old.dtype)
+            new[:self._n] = old[:self._n]
+            setattr(self, name, new)
+        tok = np.empty(self._np + cap, np.int32)
+        tok[:self._np + self._n] = self._tok[:self._np + self._n]
+        self._tok = tok
+
+    def _append(self, ids, mask: int, logprobs, versions) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        k = len(ids)
+        self._grow(k)
+        a, b = self._n, self._n + k
+        self._tok[self._np + a:self._np + b] = ids
+        self._mask[a:b] = mask
+        self._lp[a:b] = logprobs
+        self._ver[a:b] = versions
+        self._n = b
 
     def add_routes(self, rows, start: int, n_prompt: int, n_new: int, turn: int) -> None:
         """The engine's routed experts of one turn: `rows` ([prompt + new - 1 - start, layers, top_k] or
-        None) for a request of `n_prompt` tokens that asked for them from position `start`."""
+        None) for a request of `n_prompt` tokens that asked for them from position `start`. They go to
+        the episode's spill file; only their count stays in memory."""
         if rows is None:
             if self.routed_rows:
                 raise ValueError(f"turn {turn}: the engine returned no routed_experts, earlier turns did "
@@ -159,47 +240,56 @@ class Rollout:
             raise ValueError(f"turn {turn}: routed_experts has {len(rows)} rows from position {start}, "
                              f"expected {want} (prompt {n_prompt} + generated {n_new} - 1 - {start}; "
                              f"{self.routed_rows} rows held)")
-        self.routed_chunks.append(expert_ids(rows))
+        if self._routes is None:
+            if np.ndim(rows) != 3:
+                raise ValueError(f"turn {turn}: routed_experts has shape {np.shape(rows)}, expected "
+                                 "[tokens, layers, top_k]")
+            self._routes = spill.directory(self._spill_dir).new(np.shape(rows)[1:])
+        self._routes.append(rows)
         self.routed_rows += len(rows)
 
+    def discard_routes(self) -> None:
+        """Remove the episode's spill file (a failed or cancelled episode)."""
+        if self._routes is not None:
+            self._routes.discard()
+
     def routed(self):
-        """One row per token of the sample ([prompt + ids, layers, top_k]) or None. The rows the engine
-        never returned are the tail after the last forwarded position (the final sampled token, and an
-        observation a timed-out turn never read): no trained token's logprob depends on them (the loss
-        on token j reads the logits at j - 1, causal in positions < j), so they repeat the last row."""
-        if not self.routed_chunks:
+        """One row per token of the sample ([prompt + ids, layers, top_k], a read-only np.memmap of the
+        spill file) or None. The rows the engine never returned are the tail after the last forwarded
+        position (the final sampled token, and an observation a timed-out turn never read): no trained
+        token's logprob depends on them (the loss on token j reads the logits at j - 1, causal in
+        positions < j), so they repeat the last row."""
+        if self._routes is None or not self.routed_rows:
             return None
-        n = len(self.prompt_ids) + len(self.ids)
-        trained = [len(self.prompt_ids) + i for i, m in enumerate(self.mask) if m]
-        if trained and self.routed_rows < trained[-1]:
+        trained = np.flatnonzero(self.mask)
+        if len(trained) and self.routed_rows < self._np + int(trained[-1]):
             raise ValueError(f"routed experts cover {self.routed_rows} positions, the last trained token "
-                             f"is at {trained[-1]}")
-        r = np.concatenate(self.routed_chunks) if len(self.routed_chunks) > 1 else self.routed_chunks[0]
-        if len(r) > n:
-            raise ValueError(f"routed experts cover {len(r)} tokens, the sample has {n}")
-        if len(r) < n:
-            r = np.concatenate([r, np.repeat(r[-1:], n - len(r), axis=0)])
-        return expert_ids(r)
+                             f"is at {self._np + int(trained[-1])}")
+        n = len(self)
+        if self.routed_rows > n:
+            raise ValueError(f"routed experts cover {self.routed_rows} tokens, the sample has {n}")
+        return self._routes.seal(n)
 
     def add_model(self, ids, logprobs, versions):
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"a model turn has {len(ids)} ids, {len(logprobs)} logprobs, "
                              f"{len(versions)} versions")
-        self.ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += [float(x) for x in logprobs]
-        self.versions += [int(v) for v in versions]
+        self._append(ids, 1, np.asarray(logprobs, np.float32), np.asarray(versions, np.int64))
 
     def add_env(self, ids):
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
+        self._append(ids, 0, 0.0, -1)
 
     def sample(self, group: int) -> Sample:
-        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
-                      completion_logprobs=list(self.logprobs), completion_versions=list(self.versions),
-                      completion_mask=list(self.mask), reward=float(self.reward), group=group,
+        """The finished episode as a Sample of numpy arrays. The arrays are trimmed to their length (the
+        growth capacity is freed) and the sample's fields are views of them: editing the sample's mask in
+        place (accounting.mask_stale) edits this rollout's."""
+        n = self._np + self._n
+        if len(self._tok) != n:
+            self._tok = self._tok[:n].copy()
+            self._mask, self._lp, self._ver = (a[:self._n].copy() for a in (self._mask, self._lp, self._ver))
+        return Sample(prompt_ids=self.prompt_ids, completion_ids=self.ids,
+                      completion_logprobs=self.logprobs, completion_versions=self.versions,
+                      completion_mask=self.mask, reward=float(self.reward), group=group,
                       routed_experts=self.routed(),
                       info={"finish_reason": self.turns[-1].finish_reason if self.turns else None,
                             "multiturn": self})
@@ -218,9 +308,10 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
     t0 = time.monotonic()
     async with sem:
         episode = await call(env.start, task)
+    r = None
     try:
         messages = await call(episode.initial_messages)
-        r = Rollout(prompt_ids=bridge.prompt_ids(messages))
+        r = Rollout(prompt_ids=bridge.prompt_ids(messages), spill_dir=limits.spill_dir)
         n = len(r.prompt_ids)
         if n >= limits.max_total_tokens:
             raise ValueError(f"the episode's first prompt has {n} tokens, the rollout budget is "
@@ -247,7 +338,7 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             try:
                 held = r.routed_rows
                 async with asyncio.timeout(timeout):
-                    c, versions = await generate(r.prompt_ids + r.ids, min(limits.max_tokens_per_turn, room),
+                    c, versions = await generate(r.context(), min(limits.max_tokens_per_turn, room),
                                                  len(r.turns), **({"routed_start": held} if held else {}))
             except TimeoutError:
                 end = "wall_time"  # the unfinished turn is abandoned: nothing of it is kept
@@ -256,6 +347,8 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             new = list(c.ids)
             r.add_routes(getattr(c, "routed_experts", None), held, n, len(new), len(r.turns))
             r.add_model(new, c.logprobs, versions)
+            finish_reason = c.finish_reason
+            c = versions = None  # the response (its echoed prompt, its routes) is not held over the env step
             n += len(new)
             text = bridge.decode(new)
             te = time.monotonic()
@@ -268,7 +361,7 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             turn = Turn(gen_tokens=len(new), obs_tokens=0, gen_s=gen_s, env_s=env_s,
                         tool_calls=int(info.get("tool_calls", 0)),
                         tool_errors=int(info.get("tool_errors", 0)),
-                        finish_reason=c.finish_reason)
+                        finish_reason=finish_reason)
             r.turns.append(turn)
             if done:
                 end = getattr(episode, "end_reason", None) or "env_done"
@@ -296,6 +389,10 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
                              if isinstance(v, (int, float)) and not isinstance(v, bool)}
         r.seconds = time.monotonic() - t0
         return r
+    except BaseException:
+        if r is not None:
+            r.discard_routes()  # a failed or cancelled episode leaves no spill file behind
+        raise
     finally:
         close = getattr(episode, "close", None)
         if callable(close):

@@ -7,7 +7,7 @@ Run-directory use, in order:
 - `roles/trainer.json` (record_role); `config.yaml` and `resume.json` are read;
 - start-up (rl.trainer.startup): `assets/step_000000`, then the warm start and version 0 on a first
   start, or `checkpoints/step_c` on a resume;
-- per step n: waits for `rollouts/step_n`, verifies it with checksums, trains, appends to
+- per step n: waits for `rollouts/step_n`, verifies its share with checksums, trains, appends to
   `rollouts/consumed.jsonl`, publishes `weights/step_{n+1}`, logs a line to `metrics.jsonl`, prunes old
   weights (never the newest checkpoint's), checkpoints every `trainer.checkpoint_every` steps, at the
   end and when asked to stop; `DONE` after the last step.
@@ -31,8 +31,10 @@ consumed.jsonl. The end of each step (publishing, pruning, checkpoints) and of t
 DONE) is rl.trainer.bookkeeping.
 
 Multi-rank (`trainer.parallel`, dp_shard x ep x cp = world size, launched by torchrun): see
-rl.trainer.parallel. Rank 0 alone touches the run directory (waits for and verifies rollouts, then
-broadcasts the path; commits the weights every rank wrote (rl.exchange.publisher); logs metrics); every rank trains and
+rl.trainer.parallel. Rank 0 waits for each rollout step and broadcasts its path; every rank then verifies
+and reads only its own share of it (rl.trainer.dataplane: the orchestrator cuts the batch into one shard
+per data rank by the trainer's packing rule), and a step any rank refuses is set aside by rank 0. Rank 0
+commits the weights every rank wrote (rl.exchange.publisher) and logs metrics; every rank trains and
 writes its DCP shard of each checkpoint. Rank 0's stop flag decides for all ranks at step boundaries.
 """
 from __future__ import annotations
@@ -45,56 +47,25 @@ import torch
 
 from rl import exchange, runtime
 from rl.contract import paths
-from rl.contract.batch import BATCH_FILE, InvalidBatch, RolloutBatch
+from rl.contract.batch import RolloutBatch, ShardPlan, batch_digest
 from rl.metrics import EvalFold
 from rl.runtime import StopFlag, load_config, log, resume_state
-from rl.trainer import bookkeeping, parallel, startup
+from rl.trainer import bookkeeping, dataplane, parallel, startup
 from rl.trainer.train import ROLE, Examples
 
 
 def next_batch(run_dir, step: int, stop: StopFlag, poll: float = 0.2, *, vocab_size: int | None = None,
                set_aside: list[str] | None = None) -> tuple[RolloutBatch, dict] | None:
-    """Wait for `rollouts/step_<step>`, verified with checksums and validated (token ids below
-    `vocab_size`); set it aside and re-wait if corrupt or invalid, appending the reason to `set_aside`."""
-    while True:
-        with runtime.waiting_for(f"rollouts/step_{step:06d} from the orchestrator"):
-            path = exchange.wait_for(run_dir, "rollouts", step, poll=poll, should_stop=stop.is_set)
-        if path is None:
-            return None
-        try:
-            manifest = exchange.verify(path, checksums=True)
-            return RolloutBatch.load(path, vocab_size=vocab_size), manifest
-        except (exchange.CorruptStep, InvalidBatch, OSError) as e:
-            try:  # atomic: the step is now missing, the orchestrator republishes it
-                dest = exchange.set_aside(run_dir, "rollouts", step)
-            except FileNotFoundError:
-                dest = "(someone else moved it already)"
-            kind = "INVALID" if isinstance(e, InvalidBatch) else "CORRUPT"
-            log(ROLE, f"{kind} rollouts/step_{step:06d}, not consumed: {e}; moved to {dest}, "
-                      f"waiting for it to be published again")
-            if set_aside is not None:
-                set_aside.append(str(e))
+    """One process: wait for `rollouts/step_<step>`, verified with checksums and validated (token ids
+    below `vocab_size`), read whole; set it aside and re-wait if corrupt or invalid, appending the reason
+    to `set_aside` (rl.trainer.dataplane.next_share, on one rank)."""
+    got = dataplane.next_share(run_dir, step, stop, poll, parallel.Dist(), vocab_size, set_aside)
+    return None if got is None else got[:2]
 
 
 def _metrics_logger(run_dir, cfg):
     from rl.metrics import MetricsLogger
     return MetricsLogger(run_dir, cfg)
-
-
-def _next_batch_all_ranks(run_dir, step: int, stop: StopFlag, poll: float, d: parallel.Dist,
-                          vocab_size: int | None = None, set_aside: list[str] | None = None
-                          ) -> tuple[RolloutBatch, dict] | None:
-    """Rank 0 waits for and verifies the batch; every rank then loads the same, verified file."""
-    got = next_batch(run_dir, step, stop, poll, vocab_size=vocab_size, set_aside=set_aside) if d.is_main else None
-    if not d.distributed:
-        return got
-    info = d.broadcast(None if got is None else (str(exchange.step_dir(run_dir, "rollouts", step)), got[1]))
-    if info is None:
-        return None
-    if d.is_main:
-        return got
-    path, manifest = info
-    return RolloutBatch.load(Path(path), vocab_size=vocab_size), manifest
 
 
 def run(run_dir, cfg=None, *, stop: StopFlag | None = None, examples: Examples | None = None,
@@ -129,13 +100,14 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
     consumed = exchange.ConsumedLog(run_dir, "rollouts", ROLE) if main else None
     restart = resume_state(run_dir).restart
     vocab = tr.vocab_size
+    plan = ShardPlan.from_config(cfg)
     for n in range(tr.progress.next_step, max_steps):
         t_wait = time.monotonic()
         set_aside: list[str] = []
-        got = _next_batch_all_ranks(run_dir, n, stop, poll, d, vocab, set_aside)
+        got = dataplane.next_share(run_dir, n, stop, poll, d, vocab, set_aside, plan=plan)
         if got is None:
             break
-        batch, manifest = got
+        batch, manifest, read = got
         exchange.check_fence(run_dir, f"training on rollouts/step_{n:06d}")  # a continued stale process stops here
         t0 = time.monotonic()
         m = tr.train_step(batch, n)
@@ -143,12 +115,13 @@ def _run(run_dir, cfg, d, stop, examples, after_step, poll, device, max_steps) -
         tr.progress.consumed.append(n)
         tr.progress.next_step = n + 1
         if main:  # consumed even when the update was skipped: the batch is never trained again
-            consumed.record(n, restart=restart, sha256=manifest["files"].get(BATCH_FILE, {}).get("sha256"),
+            consumed.record(n, restart=restart, sha256=batch_digest(manifest["files"]),
                             **({"applied": False} if m["update_skipped"] else {}))
         publish_s = bookkeeping.publish_step(run_dir, cfg, tr, n + 1, last_ckpt)
         m.update(step_time_s=step_s, tokens_per_s=m["tokens"] / max(step_s, 1e-9), publish_s=publish_s,
                  publish_background_s=tr.publish_background_s,
                  wait_s=t0 - t_wait, policy_version=n + 1, rollouts_set_aside=len(set_aside),
+                 batch_read_s=read["read_s"], batch_read_bytes=read["bytes_read"],
                  # the share of this step's wall time spent waiting for its rollout batch
                  idle_fraction=(t0 - t_wait) / max(time.monotonic() - t_wait, 1e-9), time=time.time())
         m.update({f"orchestrator/{k}": v for k, v in batch.meta.items()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rl.contract.batch import micro_batches
 from rl.models.common import gathered_index, headtail_index
 from rl.trainer import parallel
 
@@ -79,25 +80,34 @@ def _cp_shard(row: Row, d: parallel.Dist) -> Row:
                None if row.routed is None else row.routed[:, mine], masks)
 
 
-def rows_for_rank(mbs: list[MicroBatch], d: parallel.Dist) -> list[Row]:
+def rows_for_rank(mbs: list[MicroBatch], d: parallel.Dist, per_rank: int | None = None,
+                  routed_like: torch.Tensor | None = None) -> list[Row]:
     """This rank's rows: micro-batches round robin over the data ranks, each split over the cp ranks.
+    With `per_rank`, `mbs` are already this data rank's own (a share cut by the orchestrator by the same
+    rule, rl.contract.batch.ShardPlan) and `per_rank` is the most any data rank has.
 
     Every rank gets the same number of rows (empty ones fill up), so FSDP and EP collectives match.
     """
     rows = [to_row(mb) for mb in mbs]
     if not d.distributed:
         return rows
-    per_rank = -(-len(rows) // d.dp_size)
-    mine = rows[d.dp_rank::d.dp_size]
+    if per_rank is None:
+        per_rank = -(-len(rows) // d.dp_size)
+        mine = rows[d.dp_rank::d.dp_size]
+    else:
+        mine = rows
     keys = list(rows[0].per_token) if rows else ["mask"]
-    routed_like = rows[0].routed if rows else None
+    routed_like = rows[0].routed if rows else routed_like
     mine += [_empty_row(keys, 2 * d.cp, routed_like) for _ in range(per_rank - len(mine))]
     return [_cp_shard(r, d) for r in mine] if d.cp > 1 else mine
 
 
 def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndarray,
-         routed: np.ndarray | None = None, **per_token: np.ndarray) -> list[MicroBatch]:
-    """Greedy in-order packing of whole samples into rows of at most `max_tokens` tokens.
+         routed: np.ndarray | None = None, sizes: list[int] | None = None,
+         **per_token: np.ndarray) -> list[MicroBatch]:
+    """Greedy in-order packing of whole samples into rows of at most `max_tokens` tokens
+    (rl.contract.batch.micro_batches, the rule the orchestrator cuts shards by), or into the micro-batches
+    of `sizes` samples each when the share says where they end.
 
     A sample longer than `max_tokens` gets a row of its own; one longer than the model's context is an
     error (RoPE has no positions for it). `routed` ([T, layers, top_k] expert ids) is cut like tokens.
@@ -107,19 +117,17 @@ def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndar
         raise ValueError(f"a sample has {int(lengths.max())} tokens, above model.max_seq_len={max_seq_len}")
     if routed is not None and len(routed) != len(tokens):
         raise ValueError(f"routed experts cover {len(routed)} tokens, the batch has {len(tokens)}")
-    groups, cur, size = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and size + n > max_tokens:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += int(n)
-    if cur:
-        groups.append(cur)
+    if sizes is None:
+        ranges = micro_batches(lengths, max_tokens)
+    else:
+        ends = np.cumsum(sizes).tolist()
+        if (ends[-1] if ends else 0) != len(lengths):
+            raise ValueError(f"micro-batches of {sizes} samples for {len(lengths)} samples")
+        ranges = list(zip([0] + ends[:-1], ends))
     out = []
-    for g in groups:
-        a, b = int(offsets[g[0]]), int(offsets[g[-1] + 1])
-        pos = np.concatenate([np.arange(n) for n in lengths[g]])
+    for first, last in ranges:
+        a, b = int(offsets[first]), int(offsets[last])
+        pos = np.concatenate([np.arange(n) for n in lengths[first:last]])
         out.append(MicroBatch(
             tokens=torch.from_numpy(tokens[a:b].astype(np.int64))[None],
             positions=torch.from_numpy(pos.astype(np.int64))[None],
@@ -127,4 +135,3 @@ def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndar
                        for k, v in per_token.items()},
             routed=None if routed is None else torch.from_numpy(routed[a:b].astype(np.int64))[None]))
     return out
-

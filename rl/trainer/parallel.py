@@ -75,6 +75,15 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj` (small Python objects: a verdict, an error line), in rank order."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist

@@ -54,6 +54,15 @@ def build_optimizer(model, t):
     return oc.build(model_parts=[model])
 
 
+def _totals(batch: RolloutBatch) -> dict:
+    """The totals of a whole batch held in memory (a share carries its batch's, from the sample index)."""
+    on = batch.loss_mask > 0
+    v = batch.versions[on].astype(np.int64)
+    return {"samples": int(batch.num_samples), "tokens": int(len(batch.tokens)), "loss_tokens": int(on.sum()),
+            "version_sum": int(v.sum()), "version_min": int(v.min()) if len(v) else None,
+            "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else math.nan}
+
+
 class Trainer:
     """Model + optimizer + progress of one trainer lineage; no run-directory polling in here.
 
@@ -96,9 +105,9 @@ class Trainer:
         from rl.trainer.model import network_config
         return int(network_config(self.cfg.model)["vocab_size"])
 
-    def _pack(self, offsets, tokens, routed=None, **per_token) -> list[MicroBatch]:
+    def _pack(self, offsets, tokens, routed=None, sizes=None, **per_token) -> list[MicroBatch]:
         return pack(offsets, int(self.cfg.trainer.micro_batch_tokens), int(self.cfg.model.max_seq_len),
-                    tokens, routed, **per_token)
+                    tokens, routed, sizes, **per_token)
 
     def _clip(self) -> float:
         return parallel.clip_grad_norm(self.model, float(self.cfg.trainer.grad_clip), self.dist)
@@ -178,13 +187,18 @@ class Trainer:
         mask = batch.loss_mask.astype(np.float32)
         lag = np.where(batch.loss_mask > 0, step - batch.versions, 0).astype(np.float32)
         routed = batch.routed_experts if self.router_replay else None
+        share, totals = batch.share, batch.totals or _totals(batch)
         mbs = self._pack(batch.offsets, batch.tokens, routed, mask=mask, lp_inf=batch.logprobs,
-                         adv=np.repeat(batch.advantages, counts), lag=lag)
-        n_loss = float(mask.sum())
+                         adv=np.repeat(batch.advantages, counts), lag=lag,
+                         sizes=share["micro_batches"] if share else None)
+        # a share's rows are this data rank's own; every rank pads to the most any rank has
+        per_rank = -(-share["total_micro_batches"] // share["data_ranks"]) if share else None
+        routed_like = None if routed is None else torch.zeros(1, 0, *routed.shape[1:], dtype=torch.int64)
+        n_loss = float(totals["loss_tokens"])   # the whole batch's: every rank normalizes alike
         self.optimizer.zero_grad()
         loss_sum, stats = torch.zeros((), device=self.built.device), None
         if n_loss > 0:  # else nothing to learn from: no backward, the optimizer leaves the weights alone
-            for row in map(self._on_device, rows_for_rank(mbs, self.dist)):
+            for row in map(self._on_device, rows_for_rank(mbs, self.dist, per_rank, routed_like)):
                 pt = row.per_token
                 if self.router_replay:
                     self._routing_for(row)
@@ -207,14 +221,14 @@ class Trainer:
             if self.dist.is_main:
                 log(ROLE, f"step {step}: update SKIPPED, weights unchanged: {skip} is not finite")
         m = finalize_stats(self._reduce_stats(stats)) if stats else {}
-        loss_lag = lag[batch.loss_mask > 0]
+        n_tok = totals["loss_tokens"]
         return {"loss": loss_v, "grad_norm": grad_norm, **m, "update_skipped": int(skip is not None),
                 **({"update_skip_reason": f"{skip} is not finite"} if skip else {}),
-                "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else math.nan,
-                "lag": float(loss_lag.mean()) if len(loss_lag) else 0.0,
-                "lag_max": int(loss_lag.max()) if len(loss_lag) else 0,
-                "samples": int(batch.num_samples), "tokens": int(len(batch.tokens)),
-                "micro_batches": len(mbs),
+                "reward_mean": totals["reward_mean"],
+                "lag": step - totals["version_sum"] / n_tok if n_tok else 0.0,
+                "lag_max": step - totals["version_min"] if n_tok else 0,
+                "samples": totals["samples"], "tokens": totals["tokens"],
+                "micro_batches": share["total_micro_batches"] if share else len(mbs),
                 **({"router_replay": 1, "routing_recorded_by_engine": int(routed is not None)}
                    if self.router_replay else {})}
 

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from rl.contract.config import Config
 from rl import exchange
-from rl.contract.batch import RolloutBatch, Sample
+from rl.contract.batch import RolloutBatch, Sample, ShardPlan
 
 
 def tiny_cfg(run_dir, **trainer):
@@ -45,9 +45,11 @@ def synthetic_batch(step: int, seed: int = 0, n_samples: int = 8, vocab: int = 5
     return RolloutBatch.from_samples(samples, meta={"reward_mean": float(rewards.mean())})
 
 
-def publish_batches(run_dir, steps, seed: int = 0):
+def publish_batches(run_dir, steps, seed: int = 0, plan: ShardPlan | None = None):
+    """Synthetic batches; with `plan` cut into data-rank shards as the orchestrator cuts them, without
+    it written as one unpacked shard (each trainer rank then reads the whole batch and packs it)."""
     for n in steps:
-        exchange.publish(run_dir, "rollouts", n, synthetic_batch(n, seed).save, producer="test")
+        exchange.publish(run_dir, "rollouts", n, lambda d: synthetic_batch(n, seed).save(d, plan), producer="test")
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from _trainer_helpers import publish_batches, tiny_cfg
+from rl.contract.batch import ShardPlan
 from rl import exchange
 from rl.exchange import weights as wire
 from rl.metrics import read_metrics
@@ -51,8 +52,9 @@ def _losses(run_dir):
 def single(tmp_path_factory):
     """The reference: one process, the same config and batches, STEPS + 2 steps."""
     d = tmp_path_factory.mktemp("single")
-    publish_batches(d, range(STEPS + 2))
-    assert run(d, _cfg(d, max_steps=STEPS + 2), poll=0.01) == 0
+    cfg = _cfg(d, max_steps=STEPS + 2)
+    publish_batches(d, range(STEPS + 2), plan=ShardPlan.from_config(cfg))
+    assert run(d, cfg, poll=0.01) == 0
     return _losses(d)
 
 
@@ -60,7 +62,8 @@ def single(tmp_path_factory):
 def test_two_ranks_give_the_single_process_losses(tmp_path, single, dims):
     cfg = _cfg(tmp_path, *dims)
     OmegaConf.save(cfg, tmp_path / "config.yaml")
-    publish_batches(tmp_path, range(STEPS))
+    # cut as the orchestrator cuts them: each data rank reads only its shard (rl.trainer.dataplane)
+    publish_batches(tmp_path, range(STEPS), plan=ShardPlan.from_config(cfg))
     out = _torchrun(tmp_path)
     assert out.count("step 0: loss") == 1, out  # rank 0 alone logs
     assert is_done(tmp_path)
@@ -68,6 +71,11 @@ def test_two_ranks_give_the_single_process_losses(tmp_path, single, dims):
     assert sorted(got) == list(range(STEPS))
     for n in range(STEPS):
         assert got[n] == pytest.approx(single[n], **TOL), (n, got, single)
+    data_ranks = dims[0] * dims[1]
+    for m in read_metrics(tmp_path):   # rank 0 read its share: meta.json, the index and one of the shards
+        files = exchange.read_manifest(exchange.step_dir(tmp_path, "rollouts", m["step"]))["files"]
+        assert len([f for f in files if f.startswith("shard_")]) == data_ranks
+        assert m["batch_read_bytes"] < sum(f["size"] for f in files.values()) or data_ranks == 1
     assert exchange.list_steps(tmp_path, "weights") == [0, 1, 2]
     assert exchange.list_steps(tmp_path, "checkpoints") == [0, 2]
     # every rank wrote its DCP shard into the one checkpoint directory

@@ -5,6 +5,7 @@ import json
 
 import torch
 
+from rl.contract.batch import batch_digest, shard_file
 from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
 from rl import exchange, fp8
 from rl.exchange import retention
@@ -86,13 +87,13 @@ class _RepublishWhenMissing(StopFlag):
 
 def _corrupt_and_run(run_dir, damage):
     publish_batches(run_dir, [0])
-    damage(exchange.step_dir(run_dir, "rollouts", 0) / "batch.safetensors")
+    damage(exchange.step_dir(run_dir, "rollouts", 0) / shard_file(0))
     stop = _RepublishWhenMissing(run_dir)
     assert run(run_dir, tiny_cfg(run_dir, max_steps=1, warm_start={"steps": 0}), stop=stop, poll=0.01) == 0
     assert stop.republished == 1
     quarantined = list((run_dir / "rollouts" / "corrupt").iterdir())
     assert len(quarantined) == 1
-    good = exchange.read_manifest(exchange.step_dir(run_dir, "rollouts", 0))["files"]["batch.safetensors"]["sha256"]
+    good = batch_digest(exchange.read_manifest(exchange.step_dir(run_dir, "rollouts", 0))["files"])
     consumed = [json.loads(x) for x in (run_dir / "rollouts" / "consumed.jsonl").read_text().splitlines()]
     assert [(c["step"], c["sha256"]) for c in consumed] == [(0, good)]
 
@@ -136,7 +137,7 @@ def test_damage_found_at_the_end_is_set_aside(tmp_path):
     def damage(n, m):
         if n == 3:  # after the last step trained, before DONE: flip bits in what is already published
             hits.append(exchange.step_dir(tmp_path, "rollouts", 1))
-            f = exchange.step_dir(tmp_path, "rollouts", 1) / "batch.safetensors"
+            f = exchange.step_dir(tmp_path, "rollouts", 1) / shard_file(0)
             data = bytearray(f.read_bytes())
             data[-1] ^= 0x01
             f.write_bytes(bytes(data))

@@ -22,7 +22,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rl import exchange
-from rl.contract.batch import RolloutBatch, Sample
+from safetensors.numpy import load_file
+
+from rl.contract.batch import INDEX_FILE, RolloutBatch, Sample, batch_digest, shard_file, write_arrays
 from rl.contract.config import Config
 from rl.runtime import StopFlag
 
@@ -89,6 +91,23 @@ PROBES = [
 ]
 
 
+def _as_they_are(b: RolloutBatch):
+    """A writer of `b`'s arrays as they are, in the on-disk layout (one shard; the per-sample arrays in
+    the sample index), through the real file writer: what a buggy or hostile orchestrator could publish
+    (RolloutBatch.save itself derives the index from the arrays and could not write most probes)."""
+    def write(d):
+        good_batch().save(d)   # meta.json (layout: one shard, every sample) and the good index's totals
+        index = load_file(str(d / INDEX_FILE))
+        for f in (INDEX_FILE, shard_file(0)):
+            (d / f).unlink()
+        index.update(offsets=b.offsets, rewards=b.rewards, advantages=b.advantages, groups=b.groups)
+        write_arrays(d / INDEX_FILE, index)
+        write_arrays(d / shard_file(0), {"tokens": b.tokens, "offsets": b.offsets, "loss_mask": b.loss_mask,
+                                         "logprobs": b.logprobs, "versions": b.versions,
+                                         **({} if b.routed_experts is None else {"routed_experts": b.routed_experts})})
+    return write
+
+
 def _publish(run_dir, write, step: int = 0):
     return exchange.publish(run_dir, "rollouts", step, write, producer="orchestrator")
 
@@ -125,7 +144,7 @@ def _assert_set_aside_once(run_dir, reasons, says: str, batch: RolloutBatch) -> 
 def test_a_checksum_valid_poisoned_batch_is_set_aside_with_its_reason(tmp_path, probe, damage, says):
     bad = good_batch()
     damage(bad)
-    _publish(tmp_path, bad.save)  # the real writer: manifest and sha256 are right
+    _publish(tmp_path, _as_they_are(bad))  # the real file writer: manifest and sha256 are right
     exchange.verify(exchange.step_dir(tmp_path, "rollouts", 0), checksums=True)
     batch, reasons = _read_like_the_trainer(tmp_path)
     _assert_set_aside_once(tmp_path, reasons, says, batch)
@@ -136,10 +155,11 @@ def _raw_safetensors(header: dict, data: bytes) -> bytes:
     return struct.pack("<Q", len(h)) + h + data
 
 
-def _write_raw(batch_bytes: bytes, meta: str = "{}"):
+def _write_raw(batch_bytes: bytes):
     def write(d):
-        (d / "batch.safetensors").write_bytes(batch_bytes)
-        (d / "meta.json").write_text(meta)
+        good_batch().save(d)
+        (d / shard_file(0)).unlink()
+        (d / shard_file(0)).write_bytes(batch_bytes)
     return write
 
 
@@ -159,7 +179,7 @@ def test_a_malformed_safetensors_header_is_set_aside_not_a_crash(tmp_path, probe
     _publish(tmp_path, _write_raw(raw))
     batch, reasons = _read_like_the_trainer(tmp_path)
     _assert_set_aside_once(tmp_path, reasons, says, batch)
-    assert "batch.safetensors" in reasons[0]
+    assert shard_file(0) in reasons[0]
 
 
 @pytest.mark.parametrize("meta,says", [("{\"step\": ", "not valid JSON"), ("[1, 2]", "must be a JSON object")],
@@ -225,9 +245,9 @@ def test_the_trainer_role_never_trains_a_nan_batch_and_goes_on_with_the_republis
             return super().is_set()
     assert run(tmp_path, tiny_cfg(tmp_path), stop=Republish(install=False), poll=0.01) == 0
     assert len(list((tmp_path / "rollouts" / "corrupt").iterdir())) == 1
-    good = exchange.read_manifest(exchange.step_dir(tmp_path, "rollouts", 0))["files"]["batch.safetensors"]
+    good = batch_digest(exchange.read_manifest(exchange.step_dir(tmp_path, "rollouts", 0))["files"])
     consumed = [json.loads(x) for x in (tmp_path / "rollouts" / "consumed.jsonl").read_text().splitlines()]
-    assert [(c["step"], c["sha256"], c.get("applied", True)) for c in consumed] == [(0, good["sha256"], True)]
+    assert [(c["step"], c["sha256"], c.get("applied", True)) for c in consumed] == [(0, good, True)]
     (m,) = read_metrics(tmp_path)
     assert m["rollouts_set_aside"] == 1 and m["update_skipped"] == 0 and math.isfinite(m["loss"])
     from rl.exchange.deltas import stored_tensors
@@ -326,7 +346,7 @@ def test_a_nan_reward_makes_its_group_a_failed_group(tmp_path):
     o.sampler.env = NaNScoring(cfg.env.digits)
     tok = build_tokenizer(tmp_path / "tok")
     o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [Generator(tok)], tok, VersionTracker(0)
-    batch = asyncio.run(o.build_batch(0))
+    batch = asyncio.run(o.build_batch(0)).batch()
     assert batch.meta["failed_groups"] == 1 and batch.meta["num_groups"] == 3 and batch.num_samples == 12
     assert np.isfinite(batch.advantages).all() and np.isfinite(batch.rewards).all()
     assert batch.advantages.any()  # real drgrpo signal, not zeros papering over the NaN

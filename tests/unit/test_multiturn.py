@@ -219,7 +219,7 @@ def test_orchestrator_builds_a_multiturn_batch(tok):
         loop.make_env = orig
     assert o.sampler.multi_turn
     o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [FakeClient(tok)], tok, VersionTracker(0)
-    batch = asyncio.run(o.build_batch(0))
+    batch = asyncio.run(o.build_batch(0)).batch()
     assert batch.num_samples == 6 and env.closed == 6
     m = batch.meta
     for key in ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors", "turn_env_s",
@@ -258,5 +258,5 @@ def test_a_failing_environment_drops_its_group_not_the_run(tok):
     finally:
         loop.make_env = orig
     o.sampler.clients, o.sampler.tokenizer, o.sampler.tracker = [FakeClient(tok)], tok, VersionTracker(0)
-    batch = asyncio.run(o.build_batch(0))
+    batch = asyncio.run(o.build_batch(0)).batch()
     assert batch.num_samples == 4 and batch.meta["failed_groups"] == 1

@@ -158,7 +158,7 @@ def test_multiturn_episode_rows_are_asked_once_and_replayed_in_order(tok, tmp_pa
     cfg = _cfg(tmp_path)
     m = cfg.model
     engine = FakeVLLM(tok, m.n_layers, m.top_k, m.num_experts)
-    batch = _build_batch(cfg, engine)
+    batch = _build_batch(cfg, engine).batch()
     assert batch.num_samples == 4 and batch.routed_experts is not None
     assert batch.routed_experts.shape == (len(batch.tokens), m.n_layers, m.top_k)
     assert batch.routed_experts.dtype == np.uint8

@@ -48,8 +48,6 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     ("rl/contract/secret.py", "create_secret", "os.replace"): "dir_fd of the run dir opened by safefs.open_dir",
     # the private tmp step directory: begin() made it through safefs under a fresh (or the ranks' shared,
     # checked) name; libraries that take a path write there
-    ("rl/contract/batch.py", "RolloutBatch.save", "save_file"): IN_STEP_TMP,
-    ("rl/contract/batch.py", "RolloutBatch.save", ".write_text"): IN_STEP_TMP,
     ("rl/trainer/checkpoint.py", "_publish", "dcp.save"): IN_STEP_TMP + " (the rank-0 tmp dir broadcast)",
     ("rl/trainer/checkpoint.py", "_publish.write", "dcp.save"): IN_STEP_TMP,
     ("rl/trainer/checkpoint.py", "_publish.write", ".write_text"): IN_STEP_TMP,
@@ -90,6 +88,9 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     ("rl/doctor/publish.py", "_vllm", "assets.mkdir"): DOCTOR_TMP,
     ("rl/doctor/publish.py", "publish_rows.measure", "save_file"): DOCTOR_TMP,
     ("rl/doctor/throughput.py", "Meter.reset_peak", "open"): "/proc/self/clear_refs",
+    ("rl/orchestrator/spill.py", "SpillDir.path", "tempfile.mkdtemp"): "the orchestrator's private route-spill "
+    "directory (mode 0700, fresh name) under orchestrator.spill_dir or node-local $SLURM_TMPDIR/$TMPDIR; "
+    "its parent is made and every file inside written through safefs",
     # data-set builders (offline scripts writing where they are told)
     ("rl/envs/swe/data/make_builtin.py", "main", "out.write_text"): USER_OUT,
     ("rl/envs/swe/data/make_swebench.py", "main", "out.write_text"): USER_OUT,

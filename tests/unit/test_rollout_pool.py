@@ -399,8 +399,8 @@ def test_masked_stale_tokens_never_reach_the_trainers_loss(tmp_path, monkeypatch
     seen = []
     real = train_mod.rows_for_rank
 
-    def spy(mbs, dist):
-        rows = list(real(mbs, dist))
+    def spy(mbs, dist, *share):
+        rows = list(real(mbs, dist, *share))
         seen.extend(rows)
         return rows
     monkeypatch.setattr(train_mod, "rows_for_rank", spy)
