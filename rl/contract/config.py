@@ -248,10 +248,12 @@ class SweConfig:
     # or a shipped set: builtin (snapshots; also None) or builtin_swebench (SWE-bench rows, git repos).
     tasks: Optional[str] = None
     format: str = "auto"               # auto | swe_bench | swe_smith | swe_rebench | r2e_gym
+    split: Optional[str] = None        # which split of a directory holding several (train, test, dev, ...)
     repos_dir: Optional[str] = None    # git repositories of rows' `repo` names; None = ~/.cache/hetrl/swe_repos
     partial_credit: bool = True        # reward = fraction of graded tests passed; False: 1 only if all pass
     wall_s: float = 1800.0             # one episode, tools and grading included
     tool_timeout_s: float = 60.0       # one tool run (pytest, patch); clipped to the time left
+    grade_timeout_s: float = 300.0     # grading an episode's tree on the hidden tests
     output_chars: int = 4000           # tool output kept per observation
     limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
     # Where episode commands run (docs/sandboxes.md): inprocess | bubblewrap | podman | apptainer.

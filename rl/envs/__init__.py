@@ -38,10 +38,12 @@ def _swe_env(env_cfg: Any, cfg: Any = None, remote: bool | None = None):
     config = EnvConfig(max_turns=int(env_cfg.max_turns), wall_s=float(s.wall_s),
                        tool_timeout_s=float(s.tool_timeout_s), output_chars=int(s.output_chars),
                        limits=Limits(**{k: int(v) for k, v in s.limits.items()}),
-                       partial_credit=bool(s.partial_credit), runtime=from_config(s))
+                       partial_credit=bool(s.partial_credit), runtime=from_config(s),
+                       grade_timeout_s=float(s.grade_timeout_s))
     pool = None
     if remote is not False and cfg is not None and int(cfg.cluster.sandbox_nodes) > 0:
         from rl.envs.swe.runtime_remote import ServicePool
-        pool = ServicePool.from_run_dir(str(cfg.run_dir), wait_s=float(s.wall_s))
+        pool = ServicePool.from_run_dir(str(cfg.run_dir), wait_s=max(float(s.wall_s), float(s.grade_timeout_s)))
     return SWEEnv(tasks=str(s.tasks) if s.tasks else None, config=config, format=str(s.format),
+                  split=str(s.split) if s.split else None,
                   repos_dir=str(s.repos_dir) if s.repos_dir else None, sandboxes=pool)

@@ -145,9 +145,12 @@ def test_swe_file_level_errors(tmp_path):
         load_dataset(f)
     datasets = pytest.importorskip("datasets")
     datasets.DatasetDict({"train": datasets.Dataset.from_list([rows["swe_smith"]])}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(ValueError, match=r"saved DatasetDict \(splits \['train'\]\): name one split"):
+    with pytest.raises(ValueError, match=r"dd: a saved DatasetDict with splits train: name one \(env.swe.split\)"):
         load_dataset(tmp_path / "dd")
     assert load_dataset(tmp_path / "dd" / "train")[0].format == "swe_smith"
+    assert load_dataset(tmp_path / "dd", split="train")[0].format == "swe_smith"
+    with pytest.raises(ValueError, match=r"env.swe.split='test': no such split \(found: train\)"):
+        load_dataset(tmp_path / "dd", split="test")
 
 
 def test_swe_rows_that_need_an_image_are_refused_here(tmp_path):
@@ -343,10 +346,19 @@ def test_swe_r2e_row_without_image_is_graded_here_against_expected_output(tmp_pa
     base = repos.make_repo({"m.py": "x = 1\n", "tests/test_m.py": "from m import x\n\nclass TestX:\n"
                             "    def test_two(self):\n        assert x == 2\n\ndef test_int():\n"
                             "    assert isinstance(x, int)\n"}, tmp_path / "proj")
-    row = {"repo_name": str(tmp_path / "proj"), "commit_hash": base, "problem_statement": "x should be 2",
+    # R2E-Gym's commit_hash is the commit that fixed the issue (its new_commit_hash): the episode starts
+    # at its parent, never at the fix
+    (tmp_path / "proj" / "m.py").write_text("x = 2\n")
+    repos.git("-c", "commit.gpgsign=false", "commit", "-q", "-a", "-m", "fix", cwd=tmp_path / "proj")
+    fix = repos.git("rev-parse", "HEAD", cwd=tmp_path / "proj").decode().strip()
+    row = {"repo_name": str(tmp_path / "proj"), "commit_hash": fix, "problem_statement": "x should be 2",
            "patch": DIFF, "expected_output_json": json.dumps({"TestX.test_two": "PASSED", "test_int": "PASSED"})}
     [t] = playable(load_dataset(_write([row], tmp_path / "r2e", "jsonl")), None)
-    assert t.format == "r2e_gym" and not t.image
+    assert t.format == "r2e_gym" and not t.image and t.base_commit == base and t.fix_commit == fix
+    named = {**row, "parsed_commit_content": json.dumps({"old_commit_hash": base, "new_commit_hash": fix})}
+    assert playable(load_dataset(_write([named], tmp_path / "r2e2", "jsonl")), None)[0].base_commit == base
+    with pytest.raises(ValueError, match=r"commit_hash: [0-9a-f]+ \(the commit that fixed the issue\) has no parent"):
+        playable(load_dataset(_write([{**row, "commit_hash": base}], tmp_path / "r2e3", "jsonl")), None)
     assert grade(t, extra_patch=DIFF, partial_credit=False).reward == 1.0
     g = grade(t, partial_credit=True)
     assert g.reward == 0.5 and g.failed == ["TestX.test_two"]

@@ -85,3 +85,13 @@ def test_write_file_never_writes_through_a_hard_link_to_a_host_file(tools, tmp_p
     assert tools.call("write_file", {"path": "pkg/hl.txt", "content": "agent\n"}).startswith("wrote")
     assert host.read_text() == "host data\n"
     assert (tools.sb.tree / "pkg" / "hl.txt").read_text() == "agent\n"
+
+
+def test_swe_run_tests_paths(tools):
+    """run_tests on chosen files or ids; a path out of the tree or shaped like an option is refused."""
+    (tools.sb.tree / "tests" / "test_n.py").write_text("def test_n():\n    pass\n")
+    out = tools.call("run_tests", {"paths": ["tests/test_n.py"]})
+    assert "1 passed" in out and "test_m" not in out
+    assert "1 failed" in tools.call("run_tests", {"paths": "tests/test_m.py::test_f"})
+    for bad in ("../x.py", "/etc/passwd", "-p evil", ""):
+        assert tools.call("run_tests", {"paths": [bad]}).startswith("error:"), bad

@@ -4,6 +4,12 @@ Files: JSONL (or a .json list), parquet, a directory of parquet files (the Huggi
 data/<split>-*.parquet), or a directory written by `datasets.Dataset.save_to_disk`. Nothing is fetched:
 users download the rows once, where their cluster can read them.
 
+Splits are never merged. A downloaded SWE-bench holds dev, test and train files side by side, SWE-Gym
+and R2E-Gym theirs; reading every parquet file under the directory would train on the test split. So a
+directory's parquet files are grouped by split, as the hub names them (`<split>-00000-of-00001.parquet`,
+`<split>/<n>.parquet`, `<split>.parquet`); a directory holding more than one split is refused unless
+`split` (env.swe.split) names one, in one line listing the splits found; a saved DatasetDict likewise.
+
 Formats, told apart by their columns (or named by `env.swe.format`):
 - `swe_bench` (SWE-bench, Verified, Lite, SWE-Gym: the same columns): instance_id, repo, base_commit,
   patch (reference fix), test_patch (hidden tests), problem_statement, FAIL_TO_PASS, PASS_TO_PASS;
@@ -15,6 +21,12 @@ Formats, told apart by their columns (or named by `env.swe.format`):
   JSON string whose `test_cmd` runs the tests and `log_parser` names the harness parser of their log.
 - `r2e_gym`: repo_name, commit_hash, problem_statement, docker_image and expected_output_json (JSON
   {test: status}); graded by reproducing that output, with the image's run_tests.sh (or `test_cmd`).
+  `commit_hash` is the commit that made the change (R2E-Gym's execution_result_content and
+  parsed_commit_content call it `new_commit_hash`; the image `..._final:<commit_hash>` holds its parent's
+  code): the starting tree is its parent, `parsed_commit_content.old_commit_hash` when the row has it,
+  else the parent in the local repository (datasets.playable). Rows have no instance_id: it is
+  `<repo_name>__<commit_hash[:12]>`, and when several rows share a commit, each gets `-<8 hex>` of its
+  problem statement and expected output appended, so ids are unique per row.
 Detection: expected_output_json -> r2e_gym; install_config -> swe_rebench; image_name without
 test_patch -> swe_smith; base_commit + test_patch + FAIL_TO_PASS (or `files`) -> swe_bench.
 
@@ -27,7 +39,9 @@ pyarrow and `datasets` are imported only for the files that need them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,23 +65,40 @@ class RowError(ValueError):
     pass
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a JSONL / JSON / parquet file or a parquet / saved-dataset directory, as dicts."""
+def read_rows(path: str | Path, split: str | None = None) -> list[dict]:
+    """The rows of a JSONL / JSON / parquet file or a parquet / saved-dataset directory, as dicts. A
+    directory holding several splits needs `split` (refused otherwise, naming the splits found)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory")
     if p.is_dir():
         if (p / "dataset_dict.json").is_file():
             splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
-            raise ValueError(f"{p}: a saved DatasetDict (splits {splits}): name one split's directory, "
-                             f"e.g. {p / (splits[0] if splits else 'train')}")
+            if split is None:
+                raise ValueError(f"{p}: a saved DatasetDict with splits {', '.join(map(str, splits))}: name one "
+                                 f"(env.swe.split), e.g. env.swe.split={splits[0] if splits else 'train'}")
+            if split not in splits:
+                raise ValueError(f"{p}: env.swe.split={split!r}: no such split (found: {', '.join(map(str, splits))})")
+            p, split = p / split, None
         if (p / "state.json").is_file() or (p / "dataset_info.json").is_file():
+            if split is not None:
+                raise ValueError(f"{p}: env.swe.split={split!r}: a saved Dataset is one split; leave env.swe.split "
+                                 "unset")
             from datasets import load_from_disk  # only for saved datasets
             return [dict(r) for r in load_from_disk(str(p))]
-        files = sorted(p.rglob("*.parquet"))
-        if not files:
+        by_split = parquet_splits(p)
+        if not by_split:
             raise ValueError(f"{p}: a directory with neither a saved dataset (state.json) nor parquet files")
+        names = ", ".join(sorted(by_split))
+        if split is None and len(by_split) > 1:
+            raise ValueError(f"{p}: holds the splits {names}: name one (env.swe.split); splits are never merged")
+        if split is not None and split not in by_split:
+            raise ValueError(f"{p}: env.swe.split={split!r}: no such split (found: {names})")
+        files = by_split[split if split is not None else next(iter(by_split))]
         return [r for f in files for r in _parquet(f)]
+    if split is not None:
+        raise ValueError(f"{p}: env.swe.split={split!r} names a split of a directory; {p.name} is one file: "
+                         "leave env.swe.split unset")
     if p.suffix == ".parquet":
         return _parquet(p)
     text = p.read_text()
@@ -89,6 +120,35 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+# The hub's shard names: data/<split>-00000-of-00003.parquet (push_to_hub), or <split>-<anything>.parquet
+_SHARD = re.compile(r"^(?P<split>.+?)-\d+-of-\d+$")
+
+
+def split_of(f: Path, root: Path) -> str:
+    """The split a parquet file under a dataset directory belongs to, as the hub names it:
+    `<split>-00000-of-00001.parquet`, `<split>/0000.parquet` (the hub's parquet conversion), or
+    `<split>.parquet`; a split in a configuration's subdirectory is `<config>/<split>`."""
+    rel = f.relative_to(root)
+    m = _SHARD.match(f.stem)
+    if m:
+        name, where = m.group("split"), rel.parent
+    elif f.stem.isdigit() and rel.parent != Path("."):
+        name, where = rel.parent.name, rel.parent.parent
+    else:
+        name, where = f.stem, rel.parent
+    # `data/` is the hub's folder of the default configuration, not part of a split's name
+    prefix = "/".join(q for q in where.parts if q != "data")
+    return f"{prefix}/{name}" if prefix else name
+
+
+def parquet_splits(root: Path) -> dict[str, list[Path]]:
+    """{split: its parquet files, sorted} of a dataset directory (split_of)."""
+    out: dict[str, list[Path]] = {}
+    for f in sorted(root.rglob("*.parquet")):
+        out.setdefault(split_of(f, root), []).append(f)
+    return out
+
+
 def _parquet(path: Path) -> list[dict]:
     import pyarrow.parquet as pq  # only for parquet files
     return pq.read_table(path).to_pylist()
@@ -108,12 +168,14 @@ def detect_format(columns: Iterable[str]) -> str:
                      f"one of {', '.join(FORMATS)}")
 
 
-def load_dataset(path: str | Path, format: str = "auto", limits: dict | None = None) -> list[Task]:
-    """Every row of `path` as a Task. `format` is auto (from the first row's columns) or one of FORMATS.
-    `limits` overrides entries of tasks.ROW_LIMITS (field sizes); every row is checked against them and
-    for paths that leave the task's tree or values that would read as options (tasks.task_problem), so
-    a bad row is refused here, before any episode."""
-    rows = read_rows(path)
+def load_dataset(path: str | Path, format: str = "auto", limits: dict | None = None,
+                 split: str | None = None) -> list[Task]:
+    """Every row of `path` (of its split `split`, for a directory holding several) as a Task. `format`
+    is auto (from the first row's columns) or one of FORMATS. `limits` overrides entries of
+    tasks.ROW_LIMITS (field sizes); every row is checked against them and for paths that leave the
+    task's tree or values that would read as options (tasks.task_problem), so a bad row is refused
+    here, before any episode."""
+    rows = read_rows(path, split)
     if not rows:
         raise ValueError(f"{path}: no rows")
     if format == "auto":
@@ -124,6 +186,8 @@ def load_dataset(path: str | Path, format: str = "auto", limits: dict | None = N
     elif format not in FORMATS:
         raise ValueError(f"env.swe.format={format!r}: must be auto or one of {', '.join(FORMATS)}")
     tasks = [normalize(r, format, f"{path}: row {i}", limits) for i, r in enumerate(rows)]
+    if format == "r2e_gym":
+        tasks = _unique_r2e_ids(tasks, rows)
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.instance_id in seen:
@@ -131,6 +195,26 @@ def load_dataset(path: str | Path, format: str = "auto", limits: dict | None = N
                              f"{seen[t.instance_id]}")
         seen[t.instance_id] = i
     return tasks
+
+
+def _unique_r2e_ids(tasks: list[Task], rows: list[dict]) -> list[Task]:
+    """R2E-Gym rows name no instance; `<repo>__<commit[:12]>` is shared by rows of one commit (several
+    issues written for it): those get `-<8 hex>` of their problem statement and expected output, so
+    the id is unique per row and the same on every load. Identical rows stay identical (refused as
+    duplicates)."""
+    import dataclasses
+    count: dict[str, int] = {}
+    for t, r in zip(tasks, rows):
+        if not r.get("instance_id"):
+            count[t.instance_id] = count.get(t.instance_id, 0) + 1
+    out = []
+    for t, r in zip(tasks, rows):
+        if not r.get("instance_id") and count[t.instance_id] > 1:
+            digest = hashlib.sha256(json.dumps([t.problem_statement, t.expected_output], sort_keys=True)
+                                    .encode()).hexdigest()[:8]
+            t = dataclasses.replace(t, instance_id=f"{t.instance_id}-{digest}")
+        out.append(t)
+    return out
 
 
 # -- one row ----------------------------------------------------------------------------------------
@@ -163,6 +247,10 @@ def normalize(row: dict, format: str, where: str = "row", limits: dict | None = 
         if isinstance(v, str) and len(v) > lim["test_ids_chars"] * 2:
             bad(k, f"{len(v)} chars, over the limit of {lim['test_ids_chars'] * 2} "
                 "(2 * ROW_LIMITS['test_ids_chars'])")
+    v = row.get("parsed_commit_content")  # R2E-Gym: the commit's diffs, read for old_commit_hash only
+    if isinstance(v, str) and len(v) > lim["patch"] * 4:
+        bad("parsed_commit_content", f"{len(v)} chars, over the limit of {lim['patch'] * 4} "
+            "(4 * ROW_LIMITS['patch'])")
     task = _normalize(row, format, bad)
     problem = task_problem(task, limits)
     if problem:
@@ -220,11 +308,18 @@ def _normalize(row: dict, format: str, bad) -> Task:
             if status not in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
                 bad("expected_output_json", f"test {name!r} has status {status!r} (PASSED, FAILED, "
                     "ERROR, ...)")
-        return Task(iid, text("repo_name", nonempty=True), text("commit_hash", nonempty=True),
+        fix = text("commit_hash", nonempty=True)
+        base = ""  # the fix commit's parent: named by parsed_commit_content, else found by playable()
+        if row.get("parsed_commit_content") is not None:
+            old = mapping("parsed_commit_content").get("old_commit_hash")
+            if old is not None and not isinstance(old, str):
+                bad("parsed_commit_content.old_commit_hash", "must be a string")
+            base = old or ""
+        return Task(iid, text("repo_name", nonempty=True), base,
                     text("problem_statement", nonempty=True), text("patch", ""), "", [], [],
                     format=format, image=text("docker_image", ""),
                     test_cmd=text("test_cmd", R2E_TEST_CMD, nonempty=True), log_parser="r2e",
-                    expected_output={str(k): str(v) for k, v in expected.items()})
+                    expected_output={str(k): str(v) for k, v in expected.items()}, fix_commit=fix)
 
     text("instance_id", nonempty=True)
     f2p, p2p = ids("FAIL_TO_PASS"), ids("PASS_TO_PASS")
@@ -297,6 +392,14 @@ def playable(tasks: list[Task], repos_dir: str | Path | None, where: Any = "task
                 path = repos.resolve(t.repo, repos_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"{where}: row {i} ({t.instance_id}): repo: {e}") from None
+        if t.format == "r2e_gym" and not t.base_commit:  # R2E-Gym's commit_hash is the fix: start at its parent
+            if not repos.has_commit(path, t.fix_commit):
+                raise ValueError(f"{where}: row {i} ({t.instance_id}): commit_hash: {t.fix_commit} is not in {path}")
+            par = repos.parent(path, t.fix_commit)
+            if par is None:
+                raise ValueError(f"{where}: row {i} ({t.instance_id}): commit_hash: {t.fix_commit} (the commit that "
+                                 f"fixed the issue) has no parent in {path} to start from")
+            t = dataclasses.replace(t, base_commit=par)
         if not repos.has_commit(path, t.base_commit):
             raise ValueError(f"{where}: row {i} ({t.instance_id}): base_commit: {t.base_commit} is not in "
                              f"{path}")
@@ -304,7 +407,9 @@ def playable(tasks: list[Task], repos_dir: str | Path | None, where: Any = "task
     return out
 
 
-def load_tasks(path: str | Path = BUILTIN, format: str = "auto", limits: dict | None = None) -> list[Task]:
-    """Tasks of one dataset file or directory, in any of the public formats (datasets.load_dataset), or
-    of a shipped set named in SHIPPED; `limits` overrides entries of ROW_LIMITS."""
-    return load_dataset(SHIPPED.get(str(path), path), format, limits)
+def load_tasks(path: str | Path = BUILTIN, format: str = "auto", limits: dict | None = None,
+               split: str | None = None) -> list[Task]:
+    """Tasks of one dataset file or directory (its split `split`, for a directory holding several), in
+    any of the public formats (datasets.load_dataset), or of a shipped set named in SHIPPED; `limits`
+    overrides entries of ROW_LIMITS."""
+    return load_dataset(SHIPPED.get(str(path), path), format, limits, split)

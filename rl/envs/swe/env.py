@@ -13,12 +13,16 @@ tests once the episode is done. The hidden tests and the reference patch never e
 checkout that holds them is masked inside the sandbox.
 
 Limits: `max_turns` model turns and `wall_s` seconds per episode (tool timeouts are clipped to the time
-left). An episode ends at `submit`, or when a limit is reached; `step` then returns done=True. No torch or
+left). Grading has its own limit, `grade_timeout_s` (env.swe.grade_timeout_s): the hidden tests of a
+real repository take longer than one tool call may, and a grade cut short scores the tests it did not
+reach as failed; the grading sandbox's CPU-seconds limit is raised to match it. An episode ends at `submit`, or when a limit is reached; `step` then returns done=True. No torch or
 vLLM here: the environment is plain Python plus the sandbox, so it is testable on its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,7 +31,7 @@ from typing import Any
 
 from rl.envs.swe.datasets import needs_container, playable
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.grader import grade
+from rl.envs.swe.grader import grade, run_tests_roots
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
 from rl.envs.swe.datasets import load_tasks
 from rl.envs.swe.tasks import Task, check_task, open_sandbox
@@ -43,6 +47,16 @@ class EnvConfig:
     limits: Limits = field(default_factory=lambda: Limits(cpu_s=60, memory_bytes=2 << 30))
     partial_credit: bool = True        # fraction of graded tests passed; off: 1 only if all pass
     runtime: dict = field(default_factory=lambda: {"name": "inprocess"})  # open_runtime's settings
+    grade_timeout_s: float = 300.0     # grading the hidden tests, apart from tool_timeout_s
+
+    def __post_init__(self):
+        if not self.grade_timeout_s > 0:
+            raise ValueError(f"env.swe.grade_timeout_s={self.grade_timeout_s}: must be positive")
+
+    def grade_limits(self) -> Limits:
+        """The sandbox limits of grading: the episode's, with CPU seconds no lower than the grade's
+        wall-clock limit (a test run may use all of it)."""
+        return dataclasses.replace(self.limits, cpu_s=max(self.limits.cpu_s, math.ceil(self.grade_timeout_s)))
 
 
 SYSTEM_PROMPT = """You are a software engineer fixing an issue in a Python repository.
@@ -80,7 +94,7 @@ class Episode:
         else:
             self.sandbox = open_sandbox(task, config.limits, config.runtime)
             self.tools = Tools(self.sandbox, output_chars=config.output_chars,
-                               timeout_s=config.tool_timeout_s)
+                               timeout_s=config.tool_timeout_s, roots=run_tests_roots(task, config.runtime))
         self._remote = sandboxes is not None
         self.turns = 0
         self.done = False
@@ -140,8 +154,8 @@ class Episode:
             if self._remote:
                 self._reward = self.sandbox.grade().reward
             else:
-                self._reward = grade(self.task, self.sandbox.tree, limits=self.config.limits,
-                                     timeout_s=self.config.tool_timeout_s,
+                self._reward = grade(self.task, self.sandbox.tree, limits=self.config.grade_limits(),
+                                     timeout_s=self.config.grade_timeout_s,
                                      partial_credit=self.config.partial_credit,
                                      runtime=self.config.runtime).reward
         return self._reward
@@ -184,10 +198,10 @@ class SWEEnv:
 
     def __init__(self, tasks: list[Task] | str | None = None, config: EnvConfig = EnvConfig(), *,
                  format: str = "auto", repos_dir: str | None = None, sandboxes: Any = None,
-                 row_limits: dict | None = None):
+                 row_limits: dict | None = None, split: str | None = None):
         where = str(tasks) if isinstance(tasks, str) else "tasks"
-        rows = (load_tasks(limits=row_limits) if tasks is None else load_tasks(tasks, format, row_limits)
-                if isinstance(tasks, str) else tasks)
+        rows = (load_tasks(limits=row_limits) if tasks is None else
+                load_tasks(tasks, format, row_limits, split) if isinstance(tasks, str) else tasks)
         self.tasks = playable_under(rows, config.runtime["name"], repos_dir, where, row_limits)
         if not self.tasks:
             raise ValueError("SWEEnv needs at least one task")
@@ -196,9 +210,10 @@ class SWEEnv:
         self.by_id = {t.instance_id: t for t in self.tasks}
         self._format, self._repos_dir, self._row_limits = format, repos_dir, row_limits
 
-    def load_tasks(self, path: str) -> list[Task]:
-        """Rows of another dataset file made playable like this environment's own (held-out evaluation)."""
-        return playable_under(load_tasks(path, self._format, self._row_limits), self.config.runtime["name"],
+    def load_tasks(self, path: str, split: str | None = None) -> list[Task]:
+        """Rows of another dataset file made playable like this environment's own (held-out evaluation);
+        `split` picks one split of a directory holding several (never the training split's setting)."""
+        return playable_under(load_tasks(path, self._format, self._row_limits, split), self.config.runtime["name"],
                               self._repos_dir, str(path), self._row_limits)
 
     def sample_tasks(self, n: int, rng: random.Random) -> list[Task]:

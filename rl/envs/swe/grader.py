@@ -16,13 +16,20 @@ never modified):
      every directory above a test file: reset, or removed when the starting tree has none there;
    - modules that would run before or instead of the tests from the import path (sitecustomize,
      usercustomize, pytest, _pytest, py, in any form: .py, .pyc, extension, package) in the root and the
-     source roots, unless the starting tree has them; every __pycache__ and a `.git` of the copy.
+     source roots, unless the starting tree has them; every __pycache__, `.pytest_cache` and a `.git`
+     of the copy;
+   - at the source roots, distribution metadata (`*.dist-info`, `*.egg-info`, `*.egg-link`: how pytest's
+     plugin autoload finds `pytest11` entry points) is reset to the starting tree's (removed when it
+     has none), and a module named like an installed pytest plugin's module is removed unless the
+     starting tree has it (the plugin would import it instead of its own).
    A link or file standing where a directory of a reset path should be is removed from the copy first,
    never followed, and files are written below directories checked to be real (O_NOFOLLOW).
 3. test_patch is applied (same tool chain: binary files, renames and mode changes apply).
 4. pytest runs on the test files of the graded ids (never on data files; if no graded id names a file,
-   the .py files test_patch writes), with the repository's own conftest.py and ini options except
-   `addopts`, plugin autoloading off, no cache, `-rA`. The code under test is the repository's: its
+   the .py files test_patch writes) exactly as the agent's `run_tests` tool runs it
+   (rl/envs/swe/testrun.py): the repository's own conftest.py files and ini options, `addopts`,
+   markers and `filterwarnings` included, the installed plugins loaded by their entry points, and
+   only `-rA` (and other output-only options) added. The code under test is the repository's: its
    source roots (the root, `src/` when the starting tree has Python files there, a setuptools
    `package-dir`/`where` of pyproject.toml or setup.cfg) go on PYTHONPATH, before site-packages, so a
    copy of the same package installed on the node cannot shadow the agent's edits. Under image
@@ -39,25 +46,20 @@ in the task's image, a pristine sandbox of that image opened on first use.
 """
 from __future__ import annotations
 
-import configparser
 import os
 import shlex
 import stat
 import subprocess
-import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rl.envs.swe import patches, trees
+from rl.envs.swe import patches, testrun, trees
 from rl.envs.swe.grading import Grade, expected_output_reward, parse_r2e, parser, swebench_reward
 from rl.envs.swe.sandbox import Limits
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
 from rl.envs.swe.tasks import Task, open_sandbox
 
-PYTEST = ["-m", "pytest", "-rA", "-q", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
-          "--no-header", "-W", "ignore"]
-PYTEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+PYTEST = testrun.PYTEST_ARGS  # what grading adds to `python`: output options only (testrun.py)
 INI_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 SHADOWS = ("sitecustomize", "usercustomize", "pytest", "_pytest", "py")
 _GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0",
@@ -266,49 +268,21 @@ def _join(d: str, name: str) -> str:
 def source_roots(base: BaseTree) -> list[str]:
     """Directories of the starting tree that hold the repository's importable code, root first:
     "" (the root), `src` if it holds Python files, and setuptools' package-dir / packages.find where."""
-    roots = [""]
-    if any(p.startswith("src/") and p.endswith(".py") for p in base.paths):
-        roots.append("src")
-    for cand in _declared_roots(base):
-        cand = cand.strip().strip("/").removeprefix("./")
-        if cand in ("", "."):
-            continue
-        try:
-            _parts(cand)
-        except ValueError:
-            continue
-        if cand not in roots and any(p.startswith(cand + "/") and p.endswith(".py") for p in base.paths):
-            roots.append(cand)
-    return roots
+    return testrun.source_roots(base.paths, lambda rel: (base.read(rel) or (None,))[0])
 
 
-def _declared_roots(base: BaseTree) -> list[str]:
-    out: list[str] = []
-    got = base.read("pyproject.toml")
-    if got:
-        try:
-            st = tomllib.loads(got[0].decode()).get("tool", {}).get("setuptools", {})
-            pd = st.get("package-dir", {})
-            if isinstance(pd, dict) and isinstance(pd.get(""), str):
-                out.append(pd[""])
-            where = st.get("packages", {}).get("find", {}).get("where", []) if isinstance(
-                st.get("packages"), dict) else []
-            out += [w for w in where if isinstance(w, str)]
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            pass
-    got = base.read("setup.cfg")
-    if got:
-        cp = configparser.ConfigParser(interpolation=None)
-        try:
-            cp.read_string(got[0].decode("utf-8", "replace"))
-            for line in cp.get("options", "package_dir", fallback="").splitlines():
-                k, _, v = line.partition("=")
-                if v and not k.strip():
-                    out.append(v.strip())
-            out += [w.strip() for w in cp.get("options.packages.find", "where", fallback="").split() if w.strip()]
-        except configparser.Error:
-            pass
-    return out
+def task_roots(task: Task) -> list[str] | None:
+    """source_roots of the task's starting tree (what the agent's run_tests puts on PYTHONPATH, as the
+    grader does); None when the tree is in an image (no local repository, no snapshot)."""
+    if task.files or not task.repo_dir:
+        return source_roots(snapshot_tree(task.files)) if task.files else None
+    return source_roots(git_tree(task.repo_dir, task.base_commit))
+
+
+def run_tests_roots(task: Task, runtime: dict | None) -> list[str] | None:
+    """PYTHONPATH roots of the agent's run_tests tool: the grader's own (task_roots), none under image
+    runtimes (the image has the package installed from its tree)."""
+    return None if (runtime or {}).get("name") in IMAGE_RUNTIMES else task_roots(task)
 
 
 def _protect(sb_tree: Path, base: BaseTree, task: Task, tp_paths: list[str], graded_files: list[str],
@@ -321,17 +295,20 @@ def _protect(sb_tree: Path, base: BaseTree, task: Task, tp_paths: list[str], gra
     for f in set(graded_files) | {p for p in tp_paths if p.endswith(".py")}:
         for d in _ancestors(f):
             resets |= {_join(d, n) for n in INI_FILES}
+    plugins = testrun.plugin_modules()
     planted, shadows = [], []
     for d, dirs, files in _walk(sb_tree):
         for name in dirs + files:
             rel = _join(d, name)
-            if name == "__pycache__" or (rel == ".git"):
+            if name in ("__pycache__", ".pytest_cache") or (rel == ".git"):
                 planted.append(rel)
             elif name == "conftest.py" and rel not in base_conftests and rel not in tp_new:
                 planted.append(rel)
-            elif d in roots and name.split(".", 1)[0] in SHADOWS:
+            elif d in roots and (name.split(".", 1)[0] in SHADOWS or name.endswith(testrun.DIST_SUFFIXES)):
                 shadows.append(rel)
-        dirs[:] = [x for x in dirs if x != "__pycache__" and _join(d, x) != ".git"]
+            elif d in roots and name.split(".", 1)[0] in plugins and not _in_base(base, rel):
+                planted.append(rel)  # would be imported instead of the installed plugin's own module
+        dirs[:] = [x for x in dirs if x not in ("__pycache__", ".pytest_cache") and _join(d, x) != ".git"]
     for rel in planted:
         clear_path(sb_tree, rel)
     for rel in shadows:  # base files under a shadowing name (the pytest repository's own) come back
@@ -340,6 +317,10 @@ def _protect(sb_tree: Path, base: BaseTree, task: Task, tp_paths: list[str], gra
             write_bytes(sb_tree, p, *base.read(p))
     for rel in sorted(resets):
         reset(sb_tree, base, rel)
+
+
+def _in_base(base: BaseTree, rel: str) -> bool:
+    return rel in base.paths or any(p.startswith(rel + "/") for p in base.paths)
 
 
 def targets(sb_tree: Path, task: Task, graded_files: list[str], tp: list[patches.FileChange]) -> list[str]:
@@ -380,9 +361,10 @@ def _grade_in(task: Task, sb, base: BaseTree, extra_patch, timeout_s, partial_cr
         if not r.ok:
             raise ValueError(f"{task.instance_id}: patch does not apply: {r.output}")
     if task.format == "r2e_gym":  # the hidden tests are in the image; here, the repository's own
-        cmd = (["bash", "-c", task.test_cmd] if task.image and task.test_cmd else
-               [sys.executable, *PYTEST])
-        r = sb.run(cmd, timeout_s=timeout_s, env=PYTEST_ENV)
+        if task.image and task.test_cmd:
+            r = sb.run(["bash", "-c", task.test_cmd], timeout_s=timeout_s)
+        else:
+            r = testrun.run(sb, [], None if rt_name in IMAGE_RUNTIMES else source_roots(base), timeout_s)
         return expected_output_reward(parse_r2e(r.stdout), task.expected_output or {},
                                       partial_credit=partial_credit, output=r.stdout + r.stderr)
     tp = patches.changes(task.test_patch)
@@ -407,11 +389,8 @@ def _grade_in(task: Task, sb, base: BaseTree, extra_patch, timeout_s, partial_cr
     if task.image and task.test_cmd and rt_name in IMAGE_RUNTIMES:  # the row's own command (SWE-rebench)
         r = sb.run(["bash", "-c", " ".join([task.test_cmd, *map(shlex.quote, files)])], timeout_s=timeout_s)
         outcomes = _parse(task.log_parser, r.stdout, known)
-    else:
-        env = dict(PYTEST_ENV)
-        if rt_name not in IMAGE_RUNTIMES:
-            env["PYTHONPATH"] = os.pathsep.join(r or "." for r in roots)
-        r = sb.run([sys.executable, *PYTEST, *files], timeout_s=timeout_s, env=env)
+    else:  # the same run as the agent's run_tests tool, on these files
+        r = testrun.run(sb, files, None if rt_name in IMAGE_RUNTIMES else roots, timeout_s)
         outcomes = _parse("pytest", r.stdout, known)
     output = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
     return swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass, partial_credit=partial_credit,

@@ -80,6 +80,13 @@ def has_commit(repo_dir: Path, commit: str) -> bool:
     return r.returncode == 0
 
 
+def parent(repo_dir: Path | str, commit: str) -> str | None:
+    """The first parent of `commit` (full id), None if it has none or is not here."""
+    r = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{commit}^1^{{commit}}"], cwd=repo_dir,
+                       capture_output=True, env={**os.environ, **GIT_ENV})
+    return r.stdout.decode().strip() or None if r.returncode == 0 else None
+
+
 def checkout(repo_dir: Path | str, commit: str, dest: Path) -> None:
     """Unpack the tree of `commit` into dest (files only, no .git); tarfile's "data" filter refuses
     links and paths that would land outside dest."""

@@ -61,7 +61,7 @@ from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe import trees
 from rl.envs.swe.sandbox import SandboxError
-from rl.envs.swe.grader import grade
+from rl.envs.swe.grader import grade, run_tests_roots
 from rl.envs.swe.tools import Tools
 
 # Blocking sandbox work runs in threads: one per command in flight, so many episodes' commands overlap.
@@ -83,7 +83,8 @@ class Served:
             self.commands += 1
             return run(*a, **kw)
         rt.run = counted
-        self.tools = Tools(rt, output_chars=config.output_chars, timeout_s=config.tool_timeout_s)
+        self.tools = Tools(rt, output_chars=config.output_chars, timeout_s=config.tool_timeout_s,
+                           roots=run_tests_roots(task, config.runtime))
 
 
 class Service:
@@ -193,7 +194,7 @@ class Service:
 
     async def grade(self, request):
         s, cfg = self._get(request), self.env.config
-        g = await self._thread(grade, s.task, s.rt.tree, limits=cfg.limits, timeout_s=cfg.tool_timeout_s,
+        g = await self._thread(grade, s.task, s.rt.tree, limits=cfg.grade_limits(), timeout_s=cfg.grade_timeout_s,
                                partial_credit=cfg.partial_credit, runtime=cfg.runtime)
         s.graded, s.reward = True, g.reward
         return web.json_response(dataclasses.asdict(g))

@@ -14,18 +14,19 @@ passes `runtime` ({"name": ..., "image_cache": ...}, what `runtimes.from_config`
 
 Grading lives in rl/envs/swe/grader.py (it builds on this module; this module never imports it):
 what the task names is graded, with the repository's own conftest files and its own code.
-`PYTEST`, `apply_patch` and `run_pytest` here serve the agent's tools and the dataset builders.
+`apply_patch` and `run_pytest` here serve the agent's tools and the dataset builders; `run_pytest` runs
+the tests as the grader does (rl/envs/swe/testrun.py: the repository's configuration and installed
+plugins, its source roots on PYTHONPATH), so what the agent sees is what it is rewarded on.
 """
 from __future__ import annotations
 
 import re
-import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
-from rl.envs.swe import patches, repos
+from rl.envs.swe import patches, repos, testrun
 from rl.envs.swe.grading import parse_pytest
 from rl.envs.swe.runtimes import Runtime, open_runtime
 from rl.envs.swe.sandbox import Limits
@@ -33,8 +34,6 @@ from rl.envs.swe.sandbox import Limits
 BUILTIN = Path(__file__).with_name("data") / "builtin.jsonl"
 # Shipped task sets, by the names env.swe.tasks accepts besides a path.
 SHIPPED = {"builtin": BUILTIN, "builtin_swebench": BUILTIN.with_name("builtin_swebench.jsonl")}
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "--noconftest", "-p", "no:cacheprovider",
-          "-o", "addopts=", "--no-header", "-W", "ignore"]
 PATCH = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-"]
 
 
@@ -63,6 +62,9 @@ class Task:
     log_parser: str = "pytest"
     expected_output: dict[str, str] | None = field(default=None, repr=False)
     repo_dir: str = ""
+    # R2E-Gym: its `commit_hash`, the commit that made the change (the fix); the starting tree
+    # (base_commit) is that commit's parent, named by the row or found in the local repository
+    fix_commit: str = ""
 
     @property
     def graded(self) -> list[str]:
@@ -261,7 +263,8 @@ def task_problem(task: "Task", limits: dict | None = None) -> tuple[str, str] | 
     except ValueError as e:
         return "repo", str(e)
     for field, commit in (("base_commit", task.base_commit),
-                          ("environment_setup_commit", task.environment_setup_commit)):
+                          ("environment_setup_commit", task.environment_setup_commit),
+                          ("commit_hash", task.fix_commit)):
         if commit and not COMMIT.fullmatch(commit):  # it reaches git's argv (archive, show, cat-file)
             return field, f"{commit[:80]!r} is not a git commit id (4 to 64 hex digits)"
     if task.image:
@@ -310,12 +313,15 @@ def apply_patch(sb: Runtime, diff: str, timeout_s: float = 30):
     return sb.run(PATCH, timeout_s=timeout_s, input=diff)
 
 
-def run_pytest(sb: Runtime, targets: list[str], timeout_s: float) -> tuple[dict[str, str], str]:
-    """Run pytest on targets in the sandbox; returns ({test id: outcome}, combined output)."""
-    for t in targets:  # pytest has no `--` end of options: a target must not look like one
-        if t.startswith("-"):
-            raise ValueError(f"pytest target {t[:80]!r} starts with '-' (it would read as an option)")
-    r = sb.run(PYTEST + targets, timeout_s=timeout_s, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+def run_pytest(sb: Runtime, targets: list[str], timeout_s: float,
+               roots: list[str] | None | str = "tree") -> tuple[dict[str, str], str]:
+    """Run the repository's tests on targets in the sandbox, as the grader runs them (testrun.run);
+    returns ({test id: outcome}, combined output). `roots`: the source roots to put on PYTHONPATH
+    (grader.task_roots of the task), "tree" to read them from the sandbox's tree, None for none (image
+    runtimes)."""
+    if roots == "tree":
+        roots = testrun.tree_roots(sb.tree)
+    r = testrun.run(sb, list(targets), roots, timeout_s)
     out = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
     return parse_pytest(r.stdout), out
 

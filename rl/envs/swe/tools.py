@@ -10,6 +10,11 @@ files: every path is checked first. Absolute paths and `..` are refused outright
 resolved (symlinks included) and refused unless it stays inside the tree, so a link the agent's own code
 planted (tests run inside the sandbox can create one) cannot point a host-side write elsewhere. Commands
 (patch, pytest) run inside the sandbox, where a link out of the tree leads to read-only or private paths.
+
+`run_tests` runs the repository's tests exactly as the grader runs the hidden ones (tasks.run_pytest ->
+rl/envs/swe/testrun.py: the repository's conftest, ini options, addopts, markers, filterwarnings and
+installed plugins; the task's source roots on PYTHONPATH, given by the episode as the grader computes
+them), so the feedback the policy sees agrees, test by test, with the reward it gets on the same tree.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ TOOL_SPECS = [
      "arguments": {"path": "file path", "content": "the whole new file text"}},
     {"name": "apply_patch", "description": "Apply a unified diff (paths a/... b/..., as `git diff` prints).",
      "arguments": {"diff": "the unified diff"}},
-    {"name": "run_tests", "description": "Run the repository's visible tests with pytest.", "arguments": {}},
+    {"name": "run_tests", "description": "Run the repository's visible tests with pytest, as its own "
+     "configuration says (all of them, or only the given test files or ids).",
+     "arguments": {"paths": "test files or ids, e.g. ['tests/test_m.py::test_f'] (optional)"}},
     {"name": "submit", "description": "Submit the current repository state as your solution; ends the task.",
      "arguments": {}},
 ]
@@ -76,8 +83,11 @@ class Tools:
     turns true after `submit`."""
 
     def __init__(self, sandbox: Runtime, *, output_chars: int = 4000, timeout_s: float = 60,
-                 max_file_chars: int = 200_000):
+                 max_file_chars: int = 200_000, roots: list[str] | None | str = "tree"):
         self.sb = sandbox
+        # PYTHONPATH of run_tests: the task's source roots (grader.task_roots), "tree" to read them
+        # from the tree when no task says, None under image runtimes (the image installed the package)
+        self.roots = roots
         self.output_chars = output_chars
         self.timeout_s = timeout_s
         self.max_file_chars = max_file_chars
@@ -175,9 +185,16 @@ class Tools:
             return self._truncate("error: " + (r.stdout + r.stderr).strip())
         return self._truncate((r.stdout + r.stderr).strip() or "patch applied")
 
-    def run_tests(self, _timeout_s: float | None = None) -> str:
+    def run_tests(self, paths: list[str] | str | None = None, _timeout_s: float | None = None) -> str:
         timeout = _timeout_s or self.timeout_s
-        _, out = run_pytest(self.sb, [], timeout)
+        paths = [paths] if isinstance(paths, str) else list(paths or [])
+        for p in paths:
+            if not isinstance(p, str) or not p.strip():
+                return "error: paths must be test files or ids relative to the repository root"
+            self._resolve(p.split("::", 1)[0])  # inside the tree, never an option
+            if p.startswith("-"):
+                return f"error: path {p[:80]!r} starts with '-'"
+        _, out = run_pytest(self.sb, paths, timeout, self.roots)
         return self._truncate(out.strip(), keep="tail")
 
     def submit(self) -> str:
