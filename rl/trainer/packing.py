@@ -19,7 +19,7 @@ class MicroBatch:
     tokens: torch.Tensor      # [1, L] int64, several samples back to back
     positions: torch.Tensor   # [1, L] restarting at 0 at each sample
     per_token: dict[str, torch.Tensor]  # mask, lp_inf, adv, lag ... each [1, L]
-    routed: torch.Tensor | None = None  # [1, L, moe layers, top_k] int64: recorded expert ids (replay)
+    routed: torch.Tensor | None = None  # [1, L, moe layers, top_k] expert ids (replay); narrow until on device
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _cp_shard(row: Row, d: parallel.Dist) -> Row:
     if pad:  # a separate document of padding tokens, outside the loss
         routed = row.routed
         if routed is not None:
-            routed = torch.cat([routed, torch.arange(routed.shape[-1]).expand(1, pad, *routed.shape[2:])], 1)
+            routed = torch.cat([routed, torch.arange(routed.shape[-1]).to(routed.dtype).expand(1, pad, *routed.shape[2:])], 1)
         row = Row(torch.nn.functional.pad(row.tokens, (0, pad)),
                   torch.cat([row.positions, torch.arange(pad)[None]], 1),
                   torch.nn.functional.pad(row.targets, (0, pad)),
@@ -102,6 +102,14 @@ def rows_for_rank(mbs: list[MicroBatch], d: parallel.Dist, per_rank: int | None 
     return [_cp_shard(r, d) for r in mine] if d.cp > 1 else mine
 
 
+def _narrow(routed: np.ndarray) -> torch.Tensor:
+    """Expert ids as a host tensor in their batch width (uint8; int32 for uint16 ids, which torch handles
+    poorly): widened to int64 on the device (Trainer._on_device), not here, so packing copies 1 byte per
+    id instead of 8."""
+    r = np.ascontiguousarray(routed)
+    return torch.from_numpy(r if r.dtype == np.uint8 else r.astype(np.int32))
+
+
 def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndarray,
          routed: np.ndarray | None = None, sizes: list[int] | None = None,
          **per_token: np.ndarray) -> list[MicroBatch]:
@@ -133,5 +141,5 @@ def pack(offsets: np.ndarray, max_tokens: int, max_seq_len: int, tokens: np.ndar
             positions=torch.from_numpy(pos.astype(np.int64))[None],
             per_token={k: torch.from_numpy(np.ascontiguousarray(v[a:b], dtype=np.float32))[None]
                        for k, v in per_token.items()},
-            routed=None if routed is None else torch.from_numpy(routed[a:b].astype(np.int64))[None]))
+            routed=None if routed is None else _narrow(routed[a:b])[None]))
     return out

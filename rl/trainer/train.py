@@ -128,8 +128,10 @@ class Trainer:
             move = lambda t: None if t is None else t.to(d)  # noqa: E731 (returns t itself)
         else:
             move = lambda t: None if t is None else t.to(d, non_blocking=True)  # noqa: E731
+        # routes travel in the batch's narrow width (uint8: 1/8 of int64's bytes) and widen on the device
+        routed = None if row.routed is None else move(row.routed).long()
         return dataclasses.replace(row, tokens=move(row.tokens), positions=move(row.positions),
-                                   targets=move(row.targets), routed=move(row.routed), masks=move(row.masks),
+                                   targets=move(row.targets), routed=routed, masks=move(row.masks),
                                    per_token={k: move(v) for k, v in row.per_token.items()})
 
     def _forward(self, row: Row, replay_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
