@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -52,15 +51,10 @@ def check_servable(cfg: dict) -> None:
 
 def _launch(cfg: dict) -> tuple[int, str | None]:
     """Run or submit one composed config. Returns (exit status, slurm job id or None)."""
+    from launch.backends import executor
     check_servable(cfg)
     plan = _plan(cfg)
-    if cfg["cluster"]["backend"] == "slurm":
-        from launch.slurm import launch_slurm
-        job_id = launch_slurm(cfg, cfg["run_dir"])
-        print(f"submitted job {job_id}: {cfg['run_dir']}", flush=True)
-        return 0, job_id
-    from launch.local import run_local
-    return run_local(cfg, plan), None
+    return executor(cfg).submit_run(cfg, plan)   # runs here (local) or submits and returns (slurm)
 
 
 def cmd_run(ns) -> int:
@@ -74,8 +68,9 @@ def cmd_run(ns) -> int:
         rows.append((" ".join(c["_overrides"]), job or ("ok" if rc == 0 else f"exit {rc}"), c["run_dir"]))
     from rich.console import Console
     from rich.table import Table
+    from launch.backends import row
     t = Table(title=f"sweep: {len(points)} points")
-    for col in ("overrides", "job" if points[0]["cluster"]["backend"] == "slurm" else "result", "run dir"):
+    for col in ("overrides", "job" if row(points[0]).scheduler else "result", "run dir"):
         t.add_column(col)
     for r in rows:
         t.add_row(*r)
@@ -103,9 +98,10 @@ def cmd_plan(ns) -> int:
         print(_model_line(c))
         report = _print_memory(console, c, plan)
         _print_perf(console, c, ns)
-        if c["cluster"]["backend"] == "slurm":
-            from launch.slurm import render_script
-            print(render_script(plan, c))
+        from launch.backends import executor
+        text = executor(c).plan_text(plan, c)   # the batch script a scheduler backend submits
+        if text is not None:
+            print(text)
         memory.check(report)
     return 0
 
@@ -204,26 +200,8 @@ def cmd_status(ns) -> int:
 
 
 def cmd_cancel(ns) -> int:
-    cfg = _frozen(ns.run_dir)
-    if cfg["cluster"]["backend"] == "slurm":
-        from launch.slurm import cancel_run
-        cancel_run(ns.run_dir)
-        return 0
-    # Only processes that are still the recorded ones (this host, started before their record): a pid
-    # from another host or reused since is never signalled. A live launcher stops its roles itself.
-    from launch.local import recorded_processes
-    from launch.procs import cancel_local
-    from rl.contract.records import RecordError
-    try:
-        procs = recorded_processes(Path(ns.run_dir))
-    except RecordError as e:   # a crafted local.json names nothing we would signal
-        print(f"launch cancel: {e}; nothing signalled", file=sys.stderr)
-        return 1
-    done, skipped = cancel_local(procs, signal.SIGTERM)
-    for r, why in skipped:
-        print(f"not signalled: {r.what} (pid {r.pid}): {why}")
-    print(f"sent SIGTERM to {', '.join(r.what for r in done) or 'nothing'} of {ns.run_dir}")
-    return 0
+    from launch.backends import executor
+    return executor(_frozen(ns.run_dir)).cancel_command(ns.run_dir)   # Slurm: scancel; local: SIGTERM
 
 
 def cmd_logs(ns) -> int:

@@ -1,14 +1,23 @@
 """`python -m launch export RUN_DIR [--step N] --out DIR [--dtype bfloat16|fp8]`: the command line of rl.export.
 
 The torch side (reading the DCP checkpoint, the family's adapter, the shard writer) lives in rl.export
-and is imported only when this command runs, so `launch plan` and `launch status` stay light. Errors come
-back as one line naming the file or flag at fault: a ConfigError for what was asked (no such step, an
-output directory in the way or reached through a symlink, an unknown dtype) and `error: ...` for a
-checkpoint that does not verify or holds a NaN or inf (named with its step), never a traceback.
+and runs as a child process, `python -m rl.export`, as `launch doctor` runs `python -m rl.doctor`: the
+launcher imports no role and no torch (tests/unit/test_contract.py follows every import of launch to the
+end), so a login node without torch still parses, checks and reports this command, and a change to
+the trainer cannot slow or break `launch plan`. The flags are checked here first (argparse, one line);
+the child inherits stdout and stderr, so its progress line and its one-line errors reach the user as
+they are, and its exit status is this command's: 2 for what was asked (no such step, an output directory
+in the way or reached through a symlink), 1 for a checkpoint that does not verify or holds a NaN or inf
+(named with its step), never a traceback.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _step(text: str) -> int:
@@ -32,15 +41,19 @@ def add_arguments(s) -> None:
                    help="bfloat16, or block-FP8 (e4m3, 128x128 blocks, as the official FP8 releases)")
 
 
+def child_argv(ns) -> list[str]:
+    """The child's command line: `python -m rl.export` with the flags as parsed here."""
+    argv = [sys.executable, "-m", "rl.export", str(ns.run_dir), "--out", str(ns.out), "--dtype", ns.dtype]
+    return argv + (["--step", str(ns.step)] if ns.step is not None else [])
+
+
 def run(ns) -> int:
-    from rl import export
-    from rl.contract.hf import CheckpointError
-    from rl.exchange import CorruptStep
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    p = subprocess.Popen(child_argv(ns), env=env)
     try:
-        export.export(ns.run_dir, ns.out, step=ns.step, dtype=ns.dtype,
-                      log=lambda msg: print(msg, flush=True))
-    except (CorruptStep, CheckpointError, export.NonFiniteWeights) as e:
-        # a checkpoint that does not verify, cannot be read or holds a NaN or inf
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return p.wait()
+    except KeyboardInterrupt:
+        # the child got the same SIGINT: let it remove its partial directory before returning
+        p.wait()
+        raise

@@ -212,7 +212,7 @@ def run_local(cfg: dict, plan: Plan) -> int:
 
 
 def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
-    resuming = freeze_run_dir(cfg, run_dir, plan, backend="local")
+    resuming = freeze_run_dir(cfg, run_dir, plan)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("WANDB_MODE", cfg["wandb"]["mode"])
@@ -305,3 +305,50 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
         return 1
     print(f"done: {cfg['trainer']['max_steps']} steps in {run_dir}", flush=True)
     return 0
+
+
+# -- the executor interface (launch/backends.py) ---------------------------------------------------------
+def submit_run(cfg: dict, plan: Plan) -> tuple[int, None]:
+    """Run the composed config here, in the foreground: (the run's exit status, no job id)."""
+    return run_local(cfg, plan), None
+
+
+def cancel_command(run_dir) -> int:
+    """`launch cancel`: SIGTERM to the recorded launcher and roles. Only processes that are still the
+    recorded ones (this host, started before their record): a pid from another host or reused since is
+    never signalled. A live launcher stops its roles itself."""
+    from launch.procs import cancel_local
+    from rl.contract.records import RecordError
+    try:
+        procs = recorded_processes(Path(run_dir))
+    except RecordError as e:   # a crafted local.json names nothing we would signal
+        print(f"launch cancel: {e}; nothing signalled", file=sys.stderr)
+        return 1
+    done, skipped = cancel_local(procs, signal.SIGTERM)
+    for r, why in skipped:
+        print(f"not signalled: {r.what} (pid {r.pid}): {why}")
+    print(f"sent SIGTERM to {', '.join(r.what for r in done) or 'nothing'} of {run_dir}")
+    return 0
+
+
+def job_status(run_dir: Path, unreadable: list[str]) -> dict:
+    """The run's "job" for `launch status`: whether the launcher recorded in local.json is alive."""
+    from launch.status import alive
+    from rl.contract.records import RecordError
+    try:
+        rec = LocalLauncher.read(run_dir)
+    except (RecordError, OSError) as e:
+        unreadable.append(str(e))
+        return {"id": None, "state": "UNKNOWN", "reason": "local.json could not be read"}
+    if rec is None:
+        return {"id": None, "state": "NEVER STARTED", "reason": ""}
+    how = alive(rec.host, rec.pid)
+    state = {"running": "RUNNING", "exited": "ENDED"}.get(
+        how, f"ON {str(rec.host)[:80]}" if how.startswith("on ") else "UNKNOWN")
+    return {"id": f"local pid {str(rec.pid)[:20]}", "state": state,
+            "reason": how if state == "UNKNOWN" else ""}
+
+
+def plan_text(plan: Plan, cfg: dict) -> None:
+    """Nothing beyond the plan's tables: the roles run as plan.json says."""
+    return None

@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from rl.contract import paths, safefs
-from rl.contract.config import ConfigError
+from rl.contract.config import ClusterConfig, ConfigError
 from rl.contract.plan import Plan
 from rl.contract.secret import create_secret
 from rl.contract.atomic import atomic_write_json, atomic_write_text
@@ -160,11 +160,14 @@ def check_resume(cfg: dict, run_dir: str | os.PathLike) -> bool:
 
 
 def freeze_run_dir(cfg: dict, run_dir: str | os.PathLike, plan: Plan, script: str | None = None,
-                   backend: str = "local") -> bool:
+                   backend: str | None = None) -> bool:
     """Write (or check) the frozen files. Returns True if this is a resume of an existing run. Every write
-    goes through rl.contract.safefs: a link planted anywhere below the run directory is refused."""
+    goes through rl.contract.safefs: a link planted anywhere below the run directory is refused.
+    `backend` (recorded in submissions.jsonl) defaults to the config's cluster.backend."""
     run_dir = check_run_dir_choice(Path(run_dir).absolute())
     cfg = {k: v for k, v in cfg.items() if k != "_overrides"}  # the command line, not config
+    if backend is None:   # the schema's default where the config omits it
+        backend = (cfg.get("cluster") or {}).get("backend", ClusterConfig.backend)
     resuming = check_resume(cfg, run_dir)
     for sub in paths.SUBDIRS:
         safefs.makedirs(run_dir / sub)

@@ -211,7 +211,7 @@ def launch_slurm(cfg: dict, run_dir: str | os.PathLike) -> str:
     finally:
         safefs.remove(pending)
     try:
-        freeze_run_dir(cfg, run_dir, plan, script, backend="slurm")
+        freeze_run_dir(cfg, run_dir, plan, script)
     except BaseException:
         cancel(job_id)
         raise
@@ -272,3 +272,32 @@ def log_path(run_dir: str | os.PathLike, role: str) -> Path:
         job = current_job(run_dir)
         return run_dir / "logs" / f"slurm-{job}.out"
     return run_dir / "logs" / f"{role}.log"
+
+
+# -- the executor interface (launch/backends.py) ---------------------------------------------------------
+def submit_run(cfg: dict, plan: Plan) -> tuple[int, str]:
+    """Submit the composed config and return at once: (0, the job id)."""
+    job_id = launch_slurm(cfg, cfg["run_dir"])
+    print(f"submitted job {job_id}: {cfg['run_dir']}", flush=True)
+    return 0, job_id
+
+
+def cancel_command(run_dir) -> int:
+    """`launch cancel`: scancel the run's current job."""
+    cancel_run(run_dir)
+    return 0
+
+
+def job_status(run_dir, unreadable: list[str]) -> dict:
+    """The run's "job" for `launch status`: its id and the scheduler's state (squeue / scontrol)."""
+    try:
+        job = current_job(run_dir)
+    except (ConfigError, OSError) as e:  # a malformed or planted submissions record
+        unreadable.append(str(e))
+        return {"id": None, "state": "UNKNOWN", "reason": "the job record could not be read"}
+    return {"id": job, **(job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""})}
+
+
+def plan_text(plan: Plan, cfg: dict) -> str:
+    """The batch script `launch run` would submit."""
+    return render_script(plan, cfg)

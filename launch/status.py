@@ -23,9 +23,10 @@ import os
 import socket
 from pathlib import Path
 
-from rl.contract import paths, safefs
+from launch.backends import executor
+from rl.contract import backends, paths, safefs
 from rl.contract.config import ConfigError
-from rl.contract.records import LocalLauncher, RecordError, ResumeState, RoleRecord, read_optional
+from rl.contract.records import ResumeState, RoleRecord, read_optional
 
 _TAIL = 65536          # bytes of metrics.jsonl read from its end
 _CONFIG_LIMIT = 16 << 20
@@ -35,7 +36,8 @@ def _is_pid(pid) -> bool:
     return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
 
 
-def _alive(host, pid) -> str:
+def alive(host, pid) -> str:
+    """Whether process `pid` recorded on `host` runs: running, exited, on <host>, or not a pid."""
     if not _is_pid(pid):
         return f"not a pid ({str(pid)[:40]!r})"
     if host != socket.gethostname():
@@ -105,9 +107,9 @@ def _config(run_dir: Path) -> dict:
         raise ConfigError(f"{cfg_file}: not YAML ({' '.join(str(e).split())[:200]})") from None
     backend = cfg.get("cluster", {}).get("backend") if isinstance(cfg, dict) and isinstance(
         cfg.get("cluster"), dict) else None
-    if backend not in ("local", "slurm"):
-        raise ConfigError(f"{cfg_file}: cluster.backend={str(backend)[:40]!r} is not local or slurm "
-                          f"(not a config.yaml the launcher wrote)")
+    if backend not in backends.BY_NAME:
+        raise ConfigError(f"{cfg_file}: cluster.backend={str(backend)[:40]!r} is not one of "
+                          f"{', '.join(backends.NAMES)} (not a config.yaml the launcher wrote)")
     return cfg
 
 
@@ -118,7 +120,7 @@ def _roles(run_dir: Path, unreadable: list[str]) -> dict:
             unreadable.append(f"{paths.roles_dir(run_dir)}: a record of role {str(r.role)[:40]!r} has "
                               f"host={str(r.host)[:40]!r} pid={str(r.pid)[:20]!r} (not a host and pid)")
             continue
-        out[r.role] = {"host": r.host, "pid": r.pid, "state": _alive(r.host, r.pid),
+        out[r.role] = {"host": r.host, "pid": r.pid, "state": alive(r.host, r.pid),
                        "restart": r.slurm_restart_count}
     return out
 
@@ -157,28 +159,7 @@ def status(run_dir: str | os.PathLike) -> dict:
     trainer = cfg.get("trainer") if isinstance(cfg.get("trainer"), dict) else {}
     out: dict = {"run_dir": str(run_dir), "experiment": cfg.get("experiment"), "backend": backend,
                  "max_steps": trainer.get("max_steps"), "done": os.path.lexists(paths.done_file(run_dir))}
-    if backend == "slurm":
-        from launch.slurm import current_job, job_state
-        try:
-            job = current_job(run_dir)
-        except (ConfigError, OSError) as e:  # a malformed or planted submissions record
-            unreadable.append(str(e))
-            out["job"] = {"id": None, "state": "UNKNOWN", "reason": "the job record could not be read"}
-        else:
-            st = job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""}
-            out["job"] = {"id": job, **st}
-    else:
-        try:
-            rec = LocalLauncher.read(run_dir)
-        except (RecordError, OSError) as e:
-            unreadable.append(str(e))
-            out["job"] = {"id": None, "state": "UNKNOWN", "reason": "local.json could not be read"}
-        else:
-            alive = None if rec is None else _alive(rec.host, rec.pid)
-            state = "NEVER STARTED" if rec is None else {"running": "RUNNING", "exited": "ENDED"}.get(
-                alive, f"ON {str(rec.host)[:80]}" if alive.startswith("on ") else "UNKNOWN")
-            out["job"] = {"id": None if rec is None else f"local pid {str(rec.pid)[:20]}", "state": state,
-                          "reason": "" if rec is None or state != "UNKNOWN" else alive}
+    out["job"] = executor(backend).job_status(run_dir, unreadable)
     if out["done"] and out["job"]["state"] in ("ENDED", "GONE"):
         out["job"]["state"] = "COMPLETED"
     for kind in (paths.ROLLOUTS, paths.WEIGHTS, paths.CHECKPOINTS):

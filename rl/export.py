@@ -1,5 +1,10 @@
 """Export a trained policy from a run directory as a Hugging Face checkpoint (`python -m launch export`).
 
+`launch export` checks its flags and runs this module as a child process (`python -m rl.export RUN_DIR
+--out DIR --dtype D [--step N]`, `main` below), so the launcher never imports torch or a role. The child
+prints one line per refusal: `error: ...` with exit 2 for what was asked (ConfigError) and exit 1 for a
+checkpoint that does not verify, cannot be read or holds a NaN or inf, or for the filesystem.
+
 What comes out is a directory transformers and vLLM load like any release: `config.json`,
 `generation_config.json`, the tokenizer with its chat template (all from the run's `assets/step_000000`,
 which is the start checkpoint's own files for an `hf_path` run or the tiny model's otherwise), and the
@@ -282,7 +287,7 @@ def _write_config(out: Path, start_cfg: dict, dtype: str, matrices: list[str], q
     """config.json of the export: the start config, its dtype bf16, and the quantization_config of what
     was written (the block-FP8 one for fp8, none for bf16: the tensors no longer are what any earlier
     quantization_config described)."""
-    from rl.inference.model_dir import _quant_holder, fp8_quant_config
+    from rl.inference.model_dir import fp8_quant_config
     config = json.loads(json.dumps(start_cfg))
     for c in (config, config.get("text_config")):
         if isinstance(c, dict):
@@ -290,7 +295,39 @@ def _write_config(out: Path, start_cfg: dict, dtype: str, matrices: list[str], q
             if c is config or "dtype" in c or "torch_dtype" in c:
                 c["torch_dtype"] = c["dtype"] = "bfloat16"  # transformers 5 reads dtype, older ones torch_dtype
     if dtype == "fp8":
-        holder = _quant_holder(start_cfg)
+        holder = exchange.quant_holder(start_cfg)
         q = fp8_quant_config(start_cfg, {"block": fp8.BLOCK, "quantized": quantized}, matrices)
         (config if holder is start_cfg else config["text_config"])["quantization_config"] = q
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def main(argv=None) -> int:
+    """`python -m rl.export`: the child `launch export` runs (launch.export checks the flags first)."""
+    import argparse
+    import sys
+
+    from rl.contract.hf import CheckpointError
+    ap = argparse.ArgumentParser(prog="python -m rl.export", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    a = ap.parse_args(argv)
+    try:
+        export(a.run_dir, a.out, step=a.step, dtype=a.dtype, log=lambda msg: print(msg, flush=True))
+    except ConfigError as e:   # what was asked: as launch's own refusals, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (exchange.CorruptStep, CheckpointError, NonFiniteWeights) as e:
+        # a checkpoint that does not verify, cannot be read or holds a NaN or inf
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:   # the filesystem (a full disk, a read-only directory): one line, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@
 `python -m rl.doctor --out FILE [--gpu] [--device cpu|cuda]` for everything that needs torch: the
 torch build and its CUDA devices, the optional kernels (`env`), and with `--gpu` the trainer step of
 every family from its tiny twin in bf16 and FP8 against transformers (`steps`), a mid-size model's
-throughput and memory against launch.memory's estimate (`throughput`), and the FP8 weight publish
+throughput and memory against rl.plan_math.memory's estimate (`throughput`), and the FP8 weight publish
 against a raw write and a bf16 save, with an optional vLLM load of the published shards (`publish`).
 `guard` is the device check the steps run under.
 

@@ -1,7 +1,7 @@
 """A mid-size model on one device: tokens per second, model FLOP utilisation, and peak memory per term
-against launch.memory's estimate for the same config.
+against rl.plan_math.memory's estimate for the same config (the one `launch plan` prints).
 
-The model is a qwen3 MoE made here (no checkpoint). On a GPU its depth is chosen so that launch.memory's
+The model is a qwen3 MoE made here (no checkpoint). On a GPU its depth is chosen so that rl.plan_math.memory's
 estimate of the trainer fills `share` of the device (the widths are fixed: `GPU_MODEL`); on the CPU it is
 the fixed small `CPU_MODEL`. One process, `Trainer` exactly as the trainer role builds it.
 
@@ -95,13 +95,13 @@ def batch(step: int, lengths: list[int], vocab: int):
 
 
 def _plan(gpus: int) -> dict:
-    """The trainer part of a one-process plan, as launch.memory reads it (no inference replicas)."""
+    """The trainer part of a one-process plan, as rl.plan_math.memory reads it (no inference replicas)."""
     return {"trainer": {"world_size": 1, "ep": 1, "cp": 1, "gpus_per_node": gpus, "nodes": 1},
             "inference": {"gpus_per_node": 0, "replicas": []}}
 
 
 def estimate(cfg, gpus: int):
-    from launch import memory
+    from rl.plan_math import memory
     return memory.estimate(cfg, _plan(gpus)).role("trainer")
 
 
@@ -133,7 +133,7 @@ def model_for(device: str, share: float, workdir: Path):
 
 
 def _flops_per_token(cfg) -> float:
-    from launch import memory
+    from rl.plan_math import memory
     s = memory.Shape.from_cfg(cfg.model)
     p = memory.count_params(s)
     matmul = p.active - p.embed            # the LM head is a matmul, the embedding a lookup
@@ -194,8 +194,8 @@ def mid_rows(device: str, workdir: Path, *, share: float, steps: int, peak_tflop
         out.append(row("mid-size memory: peak vs estimate", "pass" if ok else "fail",
                        f"measured {_mib(total_m)}, estimated {_mib(total_e)} ({_ratio(total_m, total_e)})"
                        + (f" + {_mib(ctx)} CUDA context budget" if ctx else ""),
-                       "" if ok else "launch.memory's estimate is more than 25% off on this device: plans "
-                                     "sized by it may not fit or may waste memory",
+                       "" if ok else "the memory estimate (rl.plan_math.memory) is more than 25% off on this "
+                                     "device: plans sized by it may not fit or may waste memory",
                        measured=total_m, estimated=total_e, meter=meter.what,
                        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_")))
         return out

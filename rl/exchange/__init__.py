@@ -12,7 +12,9 @@ The protocol lives in modules of its own (this `__init__` was one module of 720 
 - `rl.exchange.fencing`: incarnations and fencing (a stale process never publishes);
 - `rl.exchange.steps`: publish / commit / verify / list / set aside / retire steps, the consumed log,
   delta chains;
-- `rl.exchange.jsonl`: append-only JSON-lines records.
+- `rl.exchange.jsonl`: append-only JSON-lines records;
+- `rl.exchange.layout`: the files of a weights step, which tensors go FP8, and `quant_holder` (where a
+  config.json keeps the `quantization_config` vLLM reads).
 The weights (`shards`, `shard_reader`, `deltas`, `weights`, `publisher`, `layout`) and the retention of
 old steps (`retention`) build on them. This `__init__` only gathers the public names, so that callers
 keep writing `from rl import exchange; exchange.verify(...)`; no module of the package imports it back
@@ -27,6 +29,7 @@ from rl.exchange.fencing import (INCARNATIONS, RESUME, Fenced, Incarnation, chec
 from rl.exchange.files import (MANIFEST, CorruptStep, open_in_step, read_in_step, read_regular, rel_ok, sha256_fd,
                                sha256_file, step_dir, step_name)
 from rl.exchange.jsonl import append_jsonl, read_jsonl
+from rl.exchange.layout import quant_holder
 from rl.exchange.steps import (DELTA, MAX_DELTA_CHAIN, ConsumedLog, Published, begin, clean_tmp, commit,
                                delta_base, delta_chain, discard_after, latest_complete, list_steps, parse_delta,
                                publish, read_manifest, restore_asides, set_aside, verify, wait_for)
@@ -34,7 +37,7 @@ from rl.exchange.steps import (DELTA, MAX_DELTA_CHAIN, ConsumedLog, Published, b
 __all__ = [
     "INCARNATIONS", "RESUME", "Fenced", "Incarnation", "check_fence", "fence", "incarnation", "record_incarnation",
     "MANIFEST", "CorruptStep", "open_in_step", "read_in_step", "read_regular", "rel_ok", "sha256_fd", "sha256_file",
-    "step_dir", "step_name", "append_jsonl", "read_jsonl",
+    "step_dir", "step_name", "append_jsonl", "read_jsonl", "quant_holder",
     "DELTA", "MAX_DELTA_CHAIN", "ConsumedLog", "Published", "begin", "clean_tmp", "commit", "delta_base",
     "delta_chain", "discard_after", "latest_complete", "list_steps", "parse_delta", "publish", "read_manifest",
     "restore_asides", "set_aside", "verify", "wait_for",

@@ -2,7 +2,8 @@
 
 rl.exchange.shards writes these files, rl.exchange.shard_reader reads them, rl.exchange.deltas writes
 and reads sparse deltas of them, rl.exchange.weights is the one-call entry (write_shards, iter_tensors)
-on top of those; each of them imports this module and none imports rl.exchange.weights.
+on top of those; each of them imports this module and none imports rl.exchange.weights. `quant_holder`
+says where a config.json keeps its `quantization_config` (torch-free, exported as rl.exchange.quant_holder).
 """
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ def quantize_except(ignored: list[str]) -> Callable[[str, "torch.Tensor"], bool]
         return default_quantize
     from rl.contract.hf import is_ignored
     return lambda name, t: default_quantize(name, t) and not is_ignored(name, ignored)
+
+
+def quant_holder(config: dict) -> dict:
+    """The dict of a config.json whose `quantization_config` vLLM reads: the top level, unless only a
+    multimodal checkpoint's text tower has one. Here, beside the FP8 layout, because both the replica's
+    model directory (rl.inference.model_dir) and the export (rl.export) write that key."""
+    tc = config.get("text_config")
+    if "quantization_config" not in config and isinstance(tc, dict) and "quantization_config" in tc:
+        return tc
+    return config

@@ -27,22 +27,13 @@ import time
 from pathlib import Path
 
 from rl.contract.atomic import atomic_write_json
-from rl.exchange import MANIFEST
+from rl.exchange import MANIFEST, quant_holder
 
 # DeepSeek-V3 / Kimi checkpoint convention for block-scaled e4m3, as vLLM's Fp8Config reads it.
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
 # What a materialised model dir was made from; a dir with the same source is reused, not rewritten.
 SOURCE_FILE = "hetrl_source.json"
-
-
-def _quant_holder(config: dict) -> dict:
-    """The dict whose `quantization_config` vLLM reads: the top level, unless only a multimodal
-    checkpoint's text tower has one."""
-    tc = config.get("text_config")
-    if "quantization_config" not in config and isinstance(tc, dict) and "quantization_config" in tc:
-        return tc
-    return config
 
 
 def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> dict:
@@ -61,7 +52,7 @@ def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> d
     former is empty, so a checkpoint that uses neither gets `ignored_layers`.
     """
     from rl.exchange.layout import SCALE_SUFFIX
-    own = _quant_holder(checkpoint_config).get("quantization_config") or {}
+    own = quant_holder(checkpoint_config).get("quantization_config") or {}
     if own and own.get("quant_method") != "fp8":
         own = {}  # another format: the shards are ours (block FP8), not the checkpoint's
     q = {k: (list(v) if isinstance(v, list) else v) for k, v in own.items()} if own else dict(FP8_QUANT_CONFIG)
@@ -210,7 +201,7 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
         if fp8:
             index = json.loads((weights_dir / INDEX).read_text())
             shapes_2d = _two_dim_weights(tmp, index)  # the files as written here (a delta step rebuilt)
-            holder = _quant_holder(config)
+            holder = quant_holder(config)
             holder["quantization_config"] = fp8_quant_config(
                 config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
         else:

@@ -11,21 +11,19 @@ offers the same two functions:
 Shared pieces are leaves here: `common` (forward helpers, HF names, MLA RoPE), `cpu` (the CPU swaps),
 `replay` (the replaying MoE router). Nothing in rl/models imports rl/trainer; rl/trainer imports this.
 Which family exists, and what torch-free readers know about it, is rl.contract.families; this registry
-maps each of its rows to the module holding the network, imported only when that family is built.
+is derived from its rows (`Family.package`: the folder holding the network), so a family is named in one
+place, and its module is imported only when that family is built.
 """
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-# family name -> its builder module (kimi_k2_7 is a flavor of the DeepSeek-V3 network)
-REGISTRY = {
-    "qwen3": "rl.models.qwen3",
-    "deepseek_v3": "rl.models.deepseek_v3",
-    "kimi_k2_7": "rl.models.deepseek_v3",
-    "glm_moe_dsa": "rl.models.glm_moe_dsa",
-    "nemotron_h": "rl.models.nemotron_h",
-}
+from rl.contract.families import ROWS
+
+# family name -> its builder module, one per row of rl.contract.families (kimi_k2_7's package is
+# deepseek_v3: a flavor of the DeepSeek-V3 network)
+REGISTRY = {row.name: f"rl.models.{row.package}" for row in ROWS}
 
 
 def family_module(family: str) -> ModuleType:

@@ -1,8 +1,12 @@
 """The contract between the processes (rl/contract): import directions, typed records, strict plan.
 
 - Import directions: rl.contract is torch-free and imports no role; no role package (rl.trainer,
-  rl.orchestrator, rl.inference) imports another; `launch` imports no role and no torch stack. Checked
-  statically on every module's imports (function-level imports included), so a lazy import cannot hide.
+  rl.orchestrator, rl.inference) imports another; `launch` imports no role and no torch stack; nothing
+  in rl imports the launcher. Checked statically and followed to the end: every module a module imports,
+  what those import, and so on (function-level imports and `importlib.import_module` names included, a
+  parent package's function bodies not), so neither a lazy import nor a module in between can hide one.
+  The torch side of a launch command runs as a child process (`python -m rl.doctor`, `python -m
+  rl.export`), named in an argv, never imported.
 - Every key of the schema is read by some code outside the schema module (validation alone is not a
   use), so a key that nothing reads cannot linger.
 - plan.json round-trips through the typed Plan, which refuses unknown or missing fields; `${HETRL_...}`
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import re
 import subprocess
 import sys
@@ -24,57 +29,158 @@ ROLES = ("rl.trainer", "rl.orchestrator", "rl.inference")
 HEAVY = ("torch", "vllm", "torchtitan", "transformers", "safetensors.torch")
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(REPO).with_suffix("")
+def _module_name(path: Path, repo: Path = REPO) -> str:
+    rel = path.relative_to(repo).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    out: set[str] = set()
-    pkg = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module_name(path)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                out.add(".".join(base + ([node.module] if node.module else [])))
-            elif node.module:
-                out.add(node.module)
-                out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
-
-
-def _modules(*roots: str):
+def _modules(*roots: str, repo: Path = REPO):
     for root in roots:
-        for p in sorted((REPO / root).rglob("*.py")):
-            if "data" in p.relative_to(REPO).parts:
+        for p in sorted((repo / root).rglob("*.py")):
+            if "data" in p.relative_to(repo).parts:
                 continue
-            yield _module_name(p), p
+            yield _module_name(p, repo), p
 
 
 def _under(name: str, pkgs) -> str | None:
     return next((p for p in pkgs if name == p or name.startswith(p + ".")), None)
 
 
-def test_import_directions():
+class _Imports(ast.NodeVisitor):
+    """The imports of one module as (target, at_import_time): function bodies are lazy (False), the rest
+    runs when the module is imported (True); `if TYPE_CHECKING:` blocks never run and are skipped.
+    `importlib.import_module(...)` with a literal or f-string name is an import too, its formatted parts
+    a wildcard (`f"rl.models.{row.package}.args"` -> `rl.models.*.args`), so a dynamic load cannot hide."""
+
+    def __init__(self, pkg: str):
+        self.pkg, self.depth, self.out = pkg, 0, []
+
+    def visit_FunctionDef(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node):
+        t = node.test
+        if (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+                isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"):
+            for n in node.orelse:
+                self.visit(n)
+            return
+        self.generic_visit(node)
+
+    def visit_Import(self, node):
+        self.out += [((a.name,), self.depth == 0) for a in node.names]
+
+    def visit_ImportFrom(self, node):
+        if node.level:
+            base = self.pkg.split(".")[: len(self.pkg.split(".")) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        # `from a import b`: the module a.b when there is one, else a (the caller resolves which)
+        self.out += [((f"{mod}.{a.name}", mod), self.depth == 0) for a in node.names]
+
+    def visit_Call(self, node):
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+                isinstance(f, ast.Name) and f.id == "import_module"):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                self.out.append(((node.args[0].value,), self.depth == 0))
+            elif node.args and isinstance(node.args[0], ast.JoinedStr):
+                pat = "".join(v.value if isinstance(v, ast.Constant) else "*" for v in node.args[0].values)
+                self.out.append((("pattern:" + pat,), self.depth == 0))
+        self.generic_visit(node)
+
+
+def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, bool]]:
+    """(module, at_import_time) for every import of module `name` at `path`: a module of `known` (the most
+    specific one named), or the top-level name of an outside package (`torch`, `safetensors.torch`)."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    v = _Imports(pkg)
+    v.visit(ast.parse(path.read_text(), str(path)))
+    out = []
+    for cands, now in v.out:
+        if cands[0].startswith("pattern:"):
+            pat = cands[0][len("pattern:"):]
+            out += [(m, now) for m in sorted(known) if fnmatch.fnmatchcase(m, pat)]
+            continue
+        target = next((c for c in cands if c in known), None)
+        if target is None:   # a package of ours named by a longer path, or an outside package
+            parts = cands[-1].split(".")
+            target = next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in known),
+                          None)
+        if target is None:
+            ext = cands[-1]
+            target = next((h for h in HEAVY if ext == h or ext.startswith(h + ".")), ext.split(".")[0])
+        out.append((target, now))
+    return out
+
+
+def _parents(mod: str) -> list[str]:
+    """The packages whose `__init__` runs when `mod` is imported: a.b.c -> a, a.b."""
+    parts = mod.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _reach(start: str, edges: dict[str, list[tuple[str, bool]]], stop=()) -> dict[str, list[str]]:
+    """Every module (ours or outside) that can run once `start` is imported and used, with the chain
+    that reaches it. A module that is named is used: all its imports count, lazy ones included. A parent
+    package runs only because a submodule was imported: its import-time imports count, its functions'
+    imports do not (nothing named it, so nothing calls them). Modules in `stop` are not entered."""
+    chain = {start: [start]}
+    todo = [(start, True)]
+    seen = {(start, True)}
+    while todo:
+        mod, named = todo.pop()
+        for target, now in edges.get(mod, ()):
+            if not named and not now:
+                continue
+            for t, t_named in [(p, False) for p in _parents(target)] + [(target, True)]:
+                if t in stop or (t, t_named) in seen:
+                    continue
+                seen.add((t, t_named))
+                chain.setdefault(t, chain[mod] + [t])
+                if t in edges:
+                    todo.append((t, t_named))
+    return chain
+
+
+# Modules `launch` may reach although they import a role or the torch stack, each with its reason. The
+# torch side of a launch command runs as a child process (`python -m rl.doctor`, `python -m rl.export`)
+# named in an argv, never imported, so nothing needs listing today.
+LAUNCH_MAY_REACH: dict[str, str] = {}
+
+
+def test_import_directions(repo: Path = REPO):
+    """Followed to the end: what a module imports, what those import, and so on (function-level imports
+    included), so a role or torch reached through a torch-free module in between is seen."""
+    mods = dict(_modules("rl", "launch", repo=repo))
+    edges = {n: _imports(n, p, set(mods)) for n, p in mods.items()}
     bad = []
-    for name, path in _modules("rl", "launch"):
-        imports = _imports(path)
+    for name in sorted(mods):
         own_role = _under(name, ROLES)
-        for imp in imports:
-            other = _under(imp, ROLES)
-            if name.startswith("rl.contract") and (other or _under(imp, HEAVY) or _under(imp, ("launch",))):
-                bad.append(f"{name} imports {imp}: rl.contract must stay torch-free and role-free")
-            elif name.startswith("launch") and (other or _under(imp, HEAVY)):
-                bad.append(f"{name} imports {imp}: launch must not import a role or the torch stack")
+        stop = LAUNCH_MAY_REACH if name.startswith("launch") else ()
+        for reached, chain in sorted(_reach(name, edges, stop).items()):
+            other, heavy = _under(reached, ROLES), _under(reached, HEAVY)
+            via = " -> ".join(chain)
+            if name.startswith("rl.contract") and (other or heavy or _under(reached, ("launch",)) or (
+                    reached.startswith("rl.") and not reached.startswith("rl.contract"))):
+                bad.append(f"{name} reaches {reached} ({via}): rl.contract must stay torch-free and "
+                           f"role-free")
+            elif name.startswith("launch") and (other or heavy):
+                bad.append(f"{name} reaches {reached} ({via}): launch must not import a role or the torch "
+                           f"stack (run it as a child process, as launch doctor and launch export do)")
             elif own_role and other and other != own_role:
-                bad.append(f"{name} imports {imp}: role {own_role} must not import role {other} "
+                bad.append(f"{name} reaches {reached} ({via}): role {own_role} must not import role {other} "
                            f"(what they share belongs in rl.contract)")
+            elif name.startswith("rl.") and _under(reached, ("launch",)):
+                bad.append(f"{name} reaches {reached} ({via}): rl must not import the launcher")
     assert not bad, "\n".join(bad)
 
 
@@ -87,6 +193,35 @@ def test_import_directions_check_can_fail(tmp_path):
             test_import_directions()
     finally:
         p.unlink()
+
+
+def test_import_directions_follow_imports_to_the_end(tmp_path):
+    """launch -> a torch-free module -> (lazily) a module that imports torch is seen, with its chain; so
+    is a dynamic `importlib.import_module(f"...")`, and a parent package's lazy imports are not."""
+    for d in ("launch", "rl/tool", "rl/quiet"):
+        (tmp_path / d).mkdir(parents=True)
+    files = {"launch/__init__.py": "", "rl/__init__.py": "",
+             "launch/cli.py": "from rl.tool import light\n",
+             "rl/tool/__init__.py": "def f():\n    import vllm\n",      # a parent: its lazy import never runs
+             "rl/tool/light.py": "def f():\n    from rl.tool import heavy\n",
+             "rl/tool/heavy.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n"
+                                 "import torch.distributed\n",
+             "launch/dyn.py": "import importlib\ndef g(x):\n    importlib.import_module(f'rl.quiet.{x}')\n",
+             "rl/quiet/__init__.py": "", "rl/quiet/mod.py": "import torchtitan\n",
+             "rl/tool/up.py": "def f():\n    from launch import cli\n"}     # a tool importing the launcher
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    with pytest.raises(AssertionError) as e:
+        test_import_directions(tmp_path)
+    msg = str(e.value)
+    assert "launch.cli reaches torch (launch.cli -> rl.tool.light -> rl.tool.heavy -> torch)" in msg, msg
+    assert "launch.dyn reaches torchtitan (launch.dyn -> rl.quiet.mod -> torchtitan)" in msg, msg
+    assert "rl.tool.up reaches launch.cli (rl.tool.up -> launch.cli): rl must not import the launcher" in msg, msg
+    assert "vllm" not in msg, msg   # TYPE_CHECKING and a parent package's function body never run
+    (tmp_path / "rl/tool/up.py").unlink()
+    (tmp_path / "rl/tool/light.py").write_text("X = 1\n")
+    (tmp_path / "rl/quiet/mod.py").write_text("import json\n")
+    test_import_directions(tmp_path)
 
 
 def test_contract_imports_no_torch():

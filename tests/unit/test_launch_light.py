@@ -9,7 +9,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_launch_imports_no_heavy_packages():
     code = (
         "import sys, launch.__main__, launch.compose, rl.contract.config, launch.local, launch.rundir\n"
-        "import launch.plan, launch.slurm\n"
+        "import launch.plan, launch.slurm, launch.export, launch.doctor, launch.status, launch.backends\n"
+        "import launch.memory, rl.plan_math.memory\n"
         "from launch.compose import compose_points\n"
         "compose_points(['trainer.max_steps=2'], False)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'torchtitan', 'transformers', 'numpy'))\n"

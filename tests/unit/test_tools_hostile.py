@@ -250,7 +250,7 @@ def nan_checkpoint(tmp_path_factory):
     return run, name
 
 
-def test_export_refuses_a_non_finite_tensor_naming_it_and_the_step(nan_checkpoint, tmp_path, capsys):
+def test_export_refuses_a_non_finite_tensor_naming_it_and_the_step(nan_checkpoint, tmp_path, capfd):
     from launch import export as launch_export
     from rl import export
     run, name = nan_checkpoint
@@ -263,8 +263,9 @@ def test_export_refuses_a_non_finite_tensor_naming_it_and_the_step(nan_checkpoin
     assert not out.exists() and list(tmp_path.iterdir()) == []   # no directory, no temp left behind
     ap = argparse.ArgumentParser()
     launch_export.add_arguments(ap)
+    # launch export runs `python -m rl.export` as a child writing to this process's stderr (capfd: the fd)
     assert launch_export.run(ap.parse_args([str(run), "--out", str(out)])) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "NaN" in err[0], err
 
 
