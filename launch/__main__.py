@@ -96,14 +96,36 @@ def cmd_plan(ns) -> int:
         console.print(t)
         print("\n".join(server_lines(plan, bool(c["trainer"]["router_replay"]))))
         print(_model_line(c))
+        print(_episode_line(c))
         report = _print_memory(console, c, plan)
         _print_perf(console, c, ns)
+        if getattr(ns, "search", False):   # node splits and trainer layouts of the same total (launch/search.py)
+            from launch import search
+            assume = dict(a.split("=", 1) if "=" in a else (a, "") for a in getattr(ns, "assume", None) or [])
+            print("\n".join(search.render(search.search(c, _workload(ns), assume=assume), int(c["inference"]["tp"]),
+                                           int(c["inference"]["ep"]) > 1)))
         from launch.backends import executor
         text = executor(c).plan_text(plan, c)   # the batch script a scheduler backend submits
         if text is not None:
             print(text)
         memory.check(report)
     return 0
+
+
+def _episode_line(cfg: dict) -> str:
+    """How long an episode may run: turns, wall time, context summarization (rl.orchestrator.multiturn)."""
+    e, o = cfg["env"], cfg["orchestrator"]
+    th = list(e.get("summarize_at_tokens") or [])
+    return (f"episodes: up to env.max_turns={e['max_turns']} turns, orchestrator.rollout_timeout_s="
+            f"{o.get('rollout_timeout_s')}; summarization "
+            + (f"on at {', '.join(map(str, th))} context tokens (env.summarize_at_tokens): one training sample "
+               f"per context, up to {len(th) + 1} per episode" if th else "off (env.summarize_at_tokens=[])"))
+
+
+def _workload(ns):
+    """The workload of --metrics, else None (the config's defaults, with --assume)."""
+    from launch import perf
+    return perf.Workload.from_metrics(ns.metrics) if getattr(ns, "metrics", None) else None
 
 
 def _print_perf(console, cfg: dict, ns) -> None:
@@ -254,6 +276,8 @@ def main(argv=None) -> int:
             s.add_argument("--assume", action="append", metavar="KEY=VALUE",
                            help="workload: rollout_tokens, decode_tokens, turns, env_s")
             s.add_argument("--metrics", metavar="METRICS_JSONL", help="workload from a finished run's metrics.jsonl")
+            s.add_argument("--search", action="store_true",
+                           help="rank trainer/prefill/decode splits and trainer layouts of the same total nodes")
     s = sub.add_parser("resume")
     s.add_argument("run_dir")
     s.add_argument("overrides", nargs="*", help="resumable overrides (trainer.max_steps, cluster.*)")

@@ -148,13 +148,27 @@ def _prompt(segs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     return out
 
 
-def episode_html(batch, i: int, step: int, decode, prompt_len: int, limit: int) -> str:
+def contexts(seg, i: int) -> list[int]:
+    """The samples of sample i's episode, in order: a summarized episode is one sample per context, its
+    later contexts marked by the meta's per-sample `segment` (k > 0, following k - 1); else [i]."""
+    if seg is None:
+        return [i]
+    first = i
+    while first > 0 and seg[first] > 0:
+        first -= 1
+    out = [first]
+    while out[-1] + 1 < len(seg) and seg[out[-1] + 1] == seg[out[-1]] + 1:
+        out.append(out[-1] + 1)
+    return out
+
+
+def episode_html(batch, i: int, step: int, decode, prompt_len: int, limit: int, context: str = "") -> str:
     sl = batch.sample_slice(i)
     toks, mask, vers = batch.tokens[sl], batch.loss_mask[sl], batch.versions[sl]
     segs = segments(mask, vers, prompt_len)
     pol = [int(v) for v in vers if v >= 0]
     turns = sum(1 for s in segs if s[0] == "model")
-    head = (f"episode {i} | group {int(batch.groups[i])} | reward <b>{esc(fmt(float(batch.rewards[i])))}</b> | "
+    head = (f"episode {context or i} | group {int(batch.groups[i])} | reward <b>{esc(fmt(float(batch.rewards[i])))}</b> | "
             f"advantage {esc(fmt(float(batch.advantages[i])))} | {len(toks)} tokens ({prompt_len} prompt, "
             f"{len(pol)} policy, {len(toks) - prompt_len - len(pol)} observation/masked) | {turns} model turn(s)"
             + (f" | versions {min(pol)}..{max(pol)}" if pol else ""))
@@ -230,15 +244,21 @@ def section(run_dir: Path, run: dict, n_steps: int, per_step: int, limit: int = 
         plens = batch.meta.get("prompt_tokens")
         if not (isinstance(plens, list) and len(plens) == batch.num_samples):
             plens = None
-        items = []
+        seg = batch.meta.get("segment")   # checked by RolloutBatch.load (record_schemas.batch_meta)
+        items, shown = [], set()
         for i in pick_episodes(batch.rewards, batch.groups, per_step):
-            if size > PAGE_BUDGET:
-                break
-            sl = batch.sample_slice(i)
-            items.append(episode_html(batch, i, step, decode, _prompt_len(plens, i, batch, sl), limit))
-            size += len(items[-1])
+            parts = contexts(seg, i)
+            if size > PAGE_BUDGET or parts[0] in shown:
+                continue
+            shown.add(parts[0])
+            for k, j in enumerate(parts):   # a summarized episode: each context in order
+                sl = batch.sample_slice(j)
+                items.append(episode_html(batch, j, step, decode, _prompt_len(plens, j, batch, sl), limit,
+                                          f"{parts[0]}, context {k + 1} of {len(parts)} (sample {j})"
+                                          if len(parts) > 1 else ""))
+                size += len(items[-1])
         r = rewards.get(step)
-        summary = (f"step {step}: {batch.num_samples} episodes, reward mean "
+        summary = (f"step {step}: {seg.count(0) if seg else batch.num_samples} episodes, reward mean "
                    f"{esc(fmt(float(batch.rewards.mean())))}"
                    + (f" (trainer: {esc(fmt(r))})" if isinstance(r, (int, float)) and not isinstance(r, bool)
                       else " (not trained yet)")

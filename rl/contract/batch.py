@@ -22,8 +22,9 @@ order to `trainer.micro_batch_tokens`, micro-batches round robin over data ranks
 from the config both share. `RolloutBatch.load` reads every shard back into the whole batch in sample
 order (tools; a trainer whose layout differs from the batch's, e.g. resumed with another parallelism).
 
-Building is array work: `write_samples` concatenates each rank's samples' numpy arrays (routes may be
-memory maps of the orchestrator's spill files) and writes each file straight from them while hashing,
+Building is array work (rl.contract.batch_files: the files, `ShardPlan`, the writers): `write_samples`
+fills each rank's shard from the samples' numpy arrays (routes may be memory maps of the orchestrator's
+spill files, their pages dropped once copied) and writes each file straight from memory while hashing,
 so the orchestrator holds one shard at a time, never the batch nor a Python list per token.
 
 What a reader checks before training is rl.contract.batch_checks (InvalidBatch with a one-line reason).
@@ -33,10 +34,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,20 +44,11 @@ from rl.contract import record_schemas, safefs
 from rl.contract.batch_checks import (  # noqa: F401  (re-exported: the batch's API)
     ARRAYS, PER_SAMPLE, PER_TOKEN, ChecksumMismatch, InvalidBatch, check_arrays, check_layout, check_meta,
     read_file, read_safetensors)
-from rl.contract.record_schemas import MAX_STEP
+from rl.contract.batch_files import (  # noqa: F401  (re-exported: the batch's API)
+    INDEX, INDEX_FILE, META_FILE, SHARD, ShardPlan, _index, _write, batch_digest, expert_ids, micro_batches,
+    shard_file, write_arrays, write_samples)
 
-META_FILE = "meta.json"
-INDEX_FILE = "samples.safetensors"
-INDEX = ("offsets", *PER_SAMPLE, "loss_tokens", "version_sum", "version_min")
-SHARD = ("tokens", "offsets", *PER_TOKEN[1:])   # and routed_experts when recorded
 _MAX_META = 256 << 20   # meta.json lists a few numbers per sample; a file beyond this is not one
-_NP_CODE = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8",
-            np.dtype(np.uint16): "U16", np.dtype(np.float32): "F32"}
-
-
-def shard_file(rank: int) -> str:
-    return f"shard_{rank:05d}.safetensors"
-
 
 def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | None:
     """vLLM returns routed experts for every token but the last one sampled ([n-1, layers, top_k]: the
@@ -72,16 +63,6 @@ def routed_per_token(routed: np.ndarray | None, n_tokens: int) -> np.ndarray | N
     if r.shape[0] != n_tokens:
         raise ValueError(f"routed experts cover {r.shape[0]} tokens, the sample has {n_tokens}")
     return expert_ids(r)
-
-
-def expert_ids(r: np.ndarray) -> np.ndarray:
-    """Expert ids in the batch layout: uint8 when they all fit, else uint16 (up to 65536 experts)."""
-    r = np.asarray(r)
-    if r.dtype in (np.uint8, np.uint16) and r.dtype == np.min_scalar_type(int(r.max(initial=0))):
-        return r
-    if r.size and (r.min() < 0 or r.max() > np.iinfo(np.uint16).max):
-        raise ValueError(f"expert ids must lie in [0, 65535], got [{r.min()}, {r.max()}]")
-    return r.astype(np.uint8 if r.max(initial=0) <= np.iinfo(np.uint8).max else np.uint16)
 
 
 @dataclass
@@ -120,146 +101,6 @@ class Sample:
                 "versions": np.concatenate([np.full(len(p), -1, np.int32), np.where(cm > 0, v, np.int32(-1))])}
 
 
-def micro_batches(lengths: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
-    """The trainer's packing rule: greedy, in order, whole samples into micro-batches of at most
-    `max_tokens` tokens (a longer sample gets one of its own). [start, end) sample ranges."""
-    out, start, size = [], 0, 0
-    for i, n in enumerate(np.asarray(lengths, np.int64).tolist()):
-        if i > start and size + n > max_tokens:
-            out.append((start, i))
-            start, size = i, 0
-        size += n
-    if len(lengths):
-        out.append((start, len(lengths)))
-    return out
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """How a batch is cut for the trainer: its data ranks (dp_shard x ep; cp ranks of one data rank read
-    the same shard) and the micro-batch size it packs to. None: not packed here (one shard, the trainer
-    packs it whole)."""
-    data_ranks: int = 1
-    micro_batch_tokens: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> "ShardPlan":
-        p = cfg.trainer.parallel
-        return cls(int(p.dp_shard) * int(p.ep), int(cfg.trainer.micro_batch_tokens))
-
-    def layout(self, lengths: np.ndarray) -> dict:
-        """meta.json's `layout`: per data rank its samples (in the order it trains them) and micro-batches
-        (sample counts); micro-batch m goes to rank m mod data_ranks, as rl.trainer.packing deals them."""
-        if self.micro_batch_tokens is None:
-            if self.data_ranks != 1:
-                raise ValueError("a batch for several data ranks is cut by micro_batch_tokens")
-            n = len(lengths)
-            return {"data_ranks": 1, "micro_batch_tokens": None, "micro_batches": int(n > 0),
-                    "ranks": [{"samples": list(range(n)), "micro_batches": [n] if n else []}]}
-        mbs = micro_batches(lengths, self.micro_batch_tokens)
-        ranks = [{"samples": [], "micro_batches": []} for _ in range(self.data_ranks)]
-        for m, (a, b) in enumerate(mbs):
-            e = ranks[m % self.data_ranks]
-            e["samples"] += list(range(a, b))
-            e["micro_batches"].append(b - a)
-        return {"data_ranks": self.data_ranks, "micro_batch_tokens": self.micro_batch_tokens,
-                "micro_batches": len(mbs), "ranks": ranks}
-
-
-def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> dict:
-    """Write `arrays` as a safetensors file straight from their memory, hashing as it goes (no serialized
-    copy); returns the manifest entry {size, sha256} (the file is fsynced: rl.exchange.commit(known=))."""
-    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-    header, off = {}, 0
-    for k, v in arrays.items():
-        header[k] = {"dtype": _NP_CODE[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + v.nbytes]}
-        off += v.nbytes
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)   # safetensors aligns the data to 8 bytes
-    head = len(h).to_bytes(8, "little") + h
-    sha = hashlib.sha256(head)
-    fd = safefs.open_write(path, exclusive=True)
-    try:
-        _write_all(fd, memoryview(head))
-        for v in arrays.values():
-            mv = memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
-            sha.update(mv)
-            _write_all(fd, mv)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return {"size": len(head) + off, "sha256": sha.hexdigest()}
-
-
-def _write_all(fd: int, mv: memoryview) -> None:
-    while len(mv):
-        mv = mv[os.write(fd, mv[: 1 << 30]):]
-
-
-def _write_json(path: Path, obj: dict) -> dict:
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    fd = safefs.open_write(path, exclusive=True)
-    try:
-        _write_all(fd, memoryview(data))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _index(lengths, rewards, advantages, groups, per_sample_mask_versions) -> dict[str, np.ndarray]:
-    loss, vsum, vmin = [], [], []
-    for mask, vers in per_sample_mask_versions:
-        on = vers[mask > 0].astype(np.int64)
-        loss.append(len(on))
-        vsum.append(int(on.sum()))
-        vmin.append(int(on.min()) if len(on) else MAX_STEP)
-    return {"offsets": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
-            "rewards": np.asarray(rewards, np.float32), "advantages": np.asarray(advantages, np.float32),
-            "groups": np.asarray(groups, np.int32), "loss_tokens": np.asarray(loss, np.int64),
-            "version_sum": np.asarray(vsum, np.int64), "version_min": np.asarray(vmin, np.int64)}
-
-
-def _write(out_dir: Path, meta: dict, plan: ShardPlan, lengths: np.ndarray, index: dict,
-           rank_arrays: Callable[[list[int]], dict[str, np.ndarray]]) -> dict[str, dict]:
-    layout = plan.layout(lengths)
-    known = {}
-    for r, e in enumerate(layout["ranks"]):
-        arrays = rank_arrays(e["samples"])
-        known[shard_file(r)] = write_arrays(Path(out_dir) / shard_file(r), arrays)
-        del arrays   # one shard in memory at a time
-    known[INDEX_FILE] = write_arrays(Path(out_dir) / INDEX_FILE, index)
-    known[META_FILE] = _write_json(Path(out_dir) / META_FILE, {**meta, "layout": layout})
-    return known
-
-
-def write_samples(out_dir: Path, samples: list[Sample], meta: dict, plan: ShardPlan | None = None
-                  ) -> dict[str, dict]:
-    """Write a batch of `samples` into the step directory `out_dir`, cut by `plan`; returns the manifest
-    entries (size, sha256) of the files written, for rl.exchange.commit(known=)."""
-    plan = plan or ShardPlan()
-    lengths = np.asarray([len(s) for s in samples], np.int64)
-    routed = [s.routed_experts is not None for s in samples]
-    if any(routed) and not all(routed):
-        raise ValueError("routed experts recorded for some samples only")
-    per = [s.arrays() for s in samples]   # 13 B a token: the routes stay where they are (memmaps) until cut
-    index = _index(lengths, [s.reward for s in samples], [s.advantage for s in samples],
-                   [s.group for s in samples], [(p["loss_mask"], p["versions"]) for p in per])
-
-    def rank_arrays(idx: list[int]) -> dict[str, np.ndarray]:
-        out = _concat([per[i] for i in idx], lengths[idx])
-        if routed and all(routed):
-            rows = [np.asarray(samples[i].routed_experts) for i in idx]
-            for i, rr in zip(idx, rows):
-                if len(rr) != lengths[i]:
-                    raise ValueError(f"sample {i}: routed experts cover {len(rr)} tokens, the sample has "
-                                     f"{lengths[i]}")
-            out["routed_experts"] = expert_ids(np.concatenate(rows)) if rows else \
-                np.zeros((0, *np.shape(samples[0].routed_experts)[1:]), np.uint8)
-        return out
-    return _write(out_dir, meta, plan, lengths, index, rank_arrays)
-
-
 def _concat(parts: list[dict[str, np.ndarray]], lengths: np.ndarray) -> dict[str, np.ndarray]:
     dtypes = {"tokens": np.int32, "loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32}
     out = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, dt) for k, dt in dtypes.items()}
@@ -280,7 +121,8 @@ class RolloutBatch:
     routed_experts: np.ndarray | None = None  # uint8/uint16 [T, layers, top_k] (expert_ids)
     meta: dict = field(default_factory=dict)
     # A data rank's share (load_share): {"rank", "data_ranks", "micro_batch_tokens", "micro_batches" (this
-    # rank's, sample counts), "total_micro_batches", "samples" (global indices)}; None for a whole batch.
+    # rank's, sample counts), "total_micro_batches", "samples" (global indices), "rows_per_rank"}; None for
+    # a whole batch.
     share: dict | None = None
     # The whole batch's totals (samples, tokens, loss_tokens, reward_mean, version_sum, version_min).
     totals: dict | None = None
@@ -486,16 +328,9 @@ def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, fi
                          share={"rank": data_rank, "data_ranks": layout["data_ranks"],
                                 "micro_batch_tokens": layout["micro_batch_tokens"],
                                 "micro_batches": list(e["micro_batches"]),
-                                "total_micro_batches": layout["micro_batches"], "samples": e["samples"]},
+                                "total_micro_batches": layout["micro_batches"], "samples": e["samples"],
+                                # the most micro-batches any rank trains: every rank runs that many rows
+                                "rows_per_rank": max(len(x["micro_batches"]) for x in layout["ranks"])},
                          totals=_totals(index))
     return share, n_read + sum(v.nbytes for v in a.values())
 
-
-def batch_digest(files: dict) -> str:
-    """One sha256 naming a published batch: over its files' names and sha256s (what consumed.jsonl
-    records for the batch a step trained)."""
-    h = hashlib.sha256()
-    for name in sorted(files):
-        if name == META_FILE or name == INDEX_FILE or name.startswith("shard_"):
-            h.update(f"{name}\0{files[name].get('sha256', '')}\n".encode())
-    return h.hexdigest()

@@ -177,12 +177,22 @@ def check_meta(meta: dict, groups: np.ndarray, rewards: np.ndarray, group_size: 
                where: str = "rollout batch meta") -> None:
     """Raise InvalidBatch unless meta.json's bookkeeping is well-formed (record_schemas.batch_meta) and
     describes the per-sample arrays of the whole batch: entry j's rollouts are the samples of dense group
-    j, a part's rewards are theirs. `groups` and `rewards` are known to be one per sample."""
+    j, a part's rewards are theirs (per rollout: a summarized episode's later segments, meta `segment`,
+    are not counted again). `groups` and `rewards` are known to be one per sample."""
     if (why := record_schemas.batch_meta(meta, num_samples=len(groups), group_size=group_size)) is not None:
         raise InvalidBatch(f"{where}: {why}")
     entries = meta.get("entries")
     if entries is None:
         return
+    if "segment" in meta:   # an episode's later contexts (rl.orchestrator.segments): count its first only
+        first = np.asarray(meta["segment"], np.int64) == 0
+        if len(groups) and (bad := np.flatnonzero(~first & (np.r_[-1, groups[:-1]] != groups))).size:
+            raise InvalidBatch(f"{where}: sample {int(bad[0])} continues an episode of another group "
+                               f"(segment {meta['segment'][int(bad[0])]})")
+        if len(rewards) and (bad := np.flatnonzero(~first & (np.r_[np.nan, rewards[:-1]] != rewards))).size:
+            raise InvalidBatch(f"{where}: sample {int(bad[0])} (segment {meta['segment'][int(bad[0])]}) has "
+                               f"reward {float(rewards[bad[0]])}, its episode's is {float(rewards[bad[0] - 1])}")
+        groups, rewards = groups[first], rewards[first]
     counts = np.bincount(groups.astype(np.int64), minlength=len(entries)) if len(groups) else \
         np.zeros(len(entries), np.int64)
     if len(groups) and (groups.min() < 0 or len(counts) != len(entries)):

@@ -266,6 +266,12 @@ class SweConfig:
 class EnvConfig:
     name: str = "digits"               # digits | swe | verifiers:<id>
     max_turns: int = 1
+    # context summarization (rl.orchestrator.multiturn): context sizes in tokens, used in order, at which the
+    # policy summarizes its progress and the episode goes on in a fresh context; [] = never
+    summarize_at_tokens: list[int] = field(default_factory=list)
+    summary_prompt: str = ("Your context is almost full. Summarize your progress so far for yourself: the task, "
+                           "what you tried, what you found, which files you changed and what remains to do. "
+                           "Be concise and specific; you will continue from this summary alone.")
     digits: DigitsConfig = field(default_factory=DigitsConfig)
     swe: SweConfig = field(default_factory=SweConfig)
     args: dict = field(default_factory=dict)   # verifiers:<id> only: taskset fields, max_tasks

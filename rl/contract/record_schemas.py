@@ -166,9 +166,12 @@ def batch_meta(meta: Any, *, num_samples: int | None = None, group_size: int | N
     `group_ids` (groups the batch completes), `entries` ([group, [rollout indices]] per dense group, in
     sample order), `partial_groups` ({group: {rollouts, rewards}} of the parts that do not complete their
     group), `snapshots` ({group: {rollout: reward}}), `num_samples`, `version_min/max`, `prompt_tokens`:
-    each optional (schedule=batch writes none of the group bookkeeping), each of its type, and together
-    consistent: a part's rewards are one per rollout, the entries are exactly the complete groups and the
-    parts, each part's rollouts are its entry's, and the entries hold num_samples rollouts."""
+    `segment` (per sample, its context's number within its episode: summarized episodes are one sample
+    per context, consecutive, rl.orchestrator.segments): each optional (schedule=batch writes none of the
+    group bookkeeping), each of its type, and together consistent: a part's rewards are one per rollout,
+    the entries are exactly the complete groups and the parts, each part's rollouts are its entry's, and
+    the entries hold as many rollouts as there are samples with segment 0 (every sample without
+    `segment`), each later segment following the one before it."""
     if not isinstance(meta, dict):
         return f"a JSON {type(meta).__name__}, not an object"
     why = fields(meta, {
@@ -188,6 +191,8 @@ def batch_meta(meta: Any, *, num_samples: int | None = None, group_size: int | N
             for g, s in v.items()), "a map of group id to {rollout: finite reward}", False),
         "prompt_tokens": (lambda v: isinstance(v, list) and all(is_int(n) for n in v),
                           "a list of token counts", False),
+        "segment": (lambda v: isinstance(v, list) and all(is_int(n) for n in v),
+                    "a list of segment numbers", False),
     })
     if why is not None:
         return why
@@ -197,6 +202,13 @@ def batch_meta(meta: Any, *, num_samples: int | None = None, group_size: int | N
     n = num_samples if num_samples is not None else n
     if n is not None and "prompt_tokens" in meta and len(meta["prompt_tokens"]) != n:
         return f"prompt_tokens has {len(meta['prompt_tokens'])} entries for {n} samples"
+    if "segment" in meta:
+        seg = meta["segment"]
+        if n is not None and len(seg) != n:
+            return f"segment has {len(seg)} entries for {n} samples"
+        if bad := [i for i, k in enumerate(seg) if k and (i == 0 or seg[i - 1] != k - 1)]:
+            return f"segment[{bad[0]}]={seg[bad[0]]} does not follow segment {seg[bad[0]] - 1} of its episode"
+        n = sum(k == 0 for k in seg)   # rollouts: an episode's later contexts are not rollouts of their own
     parts = meta.get("partial_groups") or {}
     for g, p in parts.items():
         if not _indices(p["rollouts"], group_size):
@@ -226,5 +238,5 @@ def batch_meta(meta: Any, *, num_samples: int | None = None, group_size: int | N
     if unknown := sorted(int(g) for g in (meta.get("snapshots") or {}) if int(g) not in set(gids)):
         return f"snapshots has group {unknown[0]}, which is not among the entries"
     if n is not None and (total := sum(len(idx) for _, idx in entries)) != n:
-        return f"entries hold {total} rollouts for {n} samples"
+        return f"entries hold {total} rollouts for {n} samples" + (" with segment 0" if "segment" in meta else "")
     return None

@@ -167,9 +167,19 @@ def validate(cfg: DictConfig | dict) -> None:
         need(cfg.env.name in ("digits", "swe"), "eval.tasks_file",
              f"env.name={cfg.env.name} reads no task file; leave it unset to hold out a split of its tasks")
     e = cfg.env
-    need(e.name in ("digits", "swe") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
-         "env.name", "must be digits, swe or verifiers:<id>")
+    need(e.name in ("digits", "swe", "echo_tools") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
+         "env.name", "must be digits, swe, echo_tools or verifiers:<id>")
     need(e.max_turns >= 1, "env.max_turns", "must be at least 1")
+    if e.summarize_at_tokens:
+        th, budget = list(e.summarize_at_tokens), min(o.max_rollout_tokens or cfg.inference.max_model_len,
+                                                      cfg.inference.max_model_len)
+        need(all(t > 0 for t in th) and th == sorted(set(th)), "env.summarize_at_tokens",
+             "must be positive token counts in increasing order")
+        need(th[-1] < budget, "env.summarize_at_tokens",
+             f"the last threshold must be below the context budget {budget} (orchestrator.max_rollout_tokens "
+             "/ inference.max_model_len), or it never fires")
+        need(e.max_turns >= 2, "env.summarize_at_tokens", "summarizes multi-turn episodes only (env.max_turns >= 2)")
+        need(bool(str(e.summary_prompt).strip()), "env.summary_prompt", "must not be empty when env.summarize_at_tokens is set")
     need(not e.args or e.name.startswith("verifiers:"), "env.args",
          f"is for verifiers:<id> environments only (env.name={e.name}: use env.{e.name}.*)")
     need(e.digits.n_digits >= 1, "env.digits.n_digits", "must be at least 1")

@@ -18,16 +18,19 @@ def make_env(cfg: Any):
         return DigitsEnv(cfg.env.digits)
     if name == "swe":
         return _swe_env(cfg.env, cfg)
+    if name == "echo_tools":   # the data-plane rehearsal's environment (benchmarks/seed_rehearsal.py)
+        from rl.envs.echo_tools import EchoToolsEnv
+        return EchoToolsEnv(cfg.env.max_turns)
     if name.startswith("verifiers:"):
         from rl.envs.verifiers_adapter import load_verifiers_env
         return load_verifiers_env(name.split(":", 1)[1], cfg.env)
-    raise ValueError(f"env.name={name!r}: unknown environment (digits, swe, verifiers:<module>)")
+    raise ValueError(f"env.name={name!r}: unknown environment (digits, swe, echo_tools, verifiers:<module>)")
 
 
 def _swe_env(env_cfg: Any, cfg: Any = None, remote: bool | None = None):
     """SWEEnv from the typed `env` section: `env.max_turns` and `env.swe` (tasks: a dataset path in any
-    format of docs/swe.md, default the built-in set; format, repos_dir, partial_credit; wall_s,
-    tool_timeout_s, output_chars; limits: the sandbox's
+    format of docs/swe.md, default the built-in set; format, split, repos_dir, partial_credit; wall_s,
+    tool_timeout_s, grade_timeout_s, output_chars; limits: the sandbox's
     per-command `Limits`; runtime, image_cache, max_sandbox_starts_per_s). With sandbox nodes in the
     run's plan (`cluster.sandbox_nodes`), episodes open their sandboxes on the sandbox services
     (`remote=False`: the service itself, which runs them here)."""

@@ -35,7 +35,7 @@ from rl.envs import make_env
 from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
-from rl.orchestrator import multiturn
+from rl.orchestrator import multiturn, segments
 from rl.orchestrator.evaluation import Evaluator, hold_out
 from rl.orchestrator.accounting import mask_stale, min_version
 from rl.orchestrator.groups import default_max_inflight, stale_policy
@@ -236,6 +236,7 @@ class Orchestrator:
                                refs={j: b for j, b in enumerate(refs or []) if b is not None})
         for s, a in zip(samples, adv):
             s.advantage = float(a)
+        samples = segments.expand(samples)   # after the advantages: per episode, one sample per context
         gen_s = meta["gen_s"]
         # the trained tokens' versions: masked tokens (observations, stale_policy=mask) are not trained
         n_gen, vs = 0, []
@@ -257,7 +258,7 @@ class Orchestrator:
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
             # per sample, where its prompt ends (`launch report`'s trajectory view; a list: not a metric)
-            "prompt_tokens": [len(s.prompt_ids) for s in samples],
+            "prompt_tokens": [len(s.prompt_ids) for s in samples], **segments.meta(samples),
         }
         if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))
@@ -272,6 +273,8 @@ class Orchestrator:
                                producer=ROLE, policy_version=batch.meta["version_min"],
                                meta={"num_samples": batch.num_samples}, hashed=True)
         nbytes = sum(int(f.get("size", 0)) for f in pub.manifest["files"].values())
+        for s in batch.samples:   # written: the spilled routes' mapping (and its disk space) can go now,
+            s.routed_experts = None   # whatever still holds the sample (a group's bookkeeping, the pool)
         m = batch.meta
         pool = (f", pool {m['pool_inflight']} in flight / {m['pool_ready']} ready, cancelled "
                 f"{m['cancelled_groups']}" if m.get("schedule") == "continuous" else "")

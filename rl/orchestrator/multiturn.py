@@ -35,11 +35,32 @@ to the episode's own file in the process's spill directory (`orchestrator.spill_
 temp; rl/orchestrator/spill.py) and the sample maps that file read-only when the episode ends. A failed
 or cancelled episode removes its file.
 
-Limits, per turn and per rollout: a turn gets at most `orchestrator.max_tokens` new tokens and never more
-than what is left of the rollout's token budget (`orchestrator.max_rollout_tokens`, default and at most
+Limits, per turn and per context: a turn gets at most `orchestrator.max_tokens` new tokens and never more
+than what is left of the context's token budget (`orchestrator.max_rollout_tokens`, default and at most
 `inference.max_model_len`, prompt and observations included); a rollout ends after `env.max_turns` model
-turns, when an observation would not fit in the budget, when `orchestrator.rollout_timeout_s` is spent
-(an unfinished turn is abandoned, not half-kept), or when the environment says done (e.g. submit).
+turns (summary turns not counted), when an observation would not fit in the budget, when
+`orchestrator.rollout_timeout_s` is spent (an unfinished turn is abandoned, not half-kept), or when the
+environment says done (e.g. submit).
+
+Context summarization (`env.summarize_at_tokens`, thresholds in tokens, used in order, and
+`env.summary_prompt`). A 300-turn agent episode does not fit in one 131k context, so when the context
+with the next observation would reach the next threshold, the observation is appended together with a
+user message asking for a summary (`env.summary_prompt`), and the policy's reply is the summary turn: a
+policy turn like any other (loss mask 1, its versions and logprobs kept), but not an environment step
+(its text is not given to the environment, and it does not count against `env.max_turns`). The episode
+then goes on in a fresh context: the episode's initial messages (system, task) and one user message
+holding the summary, rendered by the chat template as a new prompt. Each context is a *segment*: it
+becomes its own training sample, scored by the trainer in exactly the context the server sampled it in.
+Each threshold is used once (so `[35000, 80000]` gives an episode at most three segments; past the last
+one the episode ends at the context budget as without summarization), and the budget applies to each
+context, not to the episode's sum.
+
+How a segmented episode is held: one token store for the whole episode (a new segment's prompt is
+appended as non-policy tokens, mask 0 and version -1; `Rollout._segs` records where each segment starts),
+so the compact arrays stay the only per-token state, the request's context is a view from the current
+segment's start, and the pool accounts the episode as one rollout. Routed-expert rows restart with each
+segment (its context is prefilled anew), one spill file per segment, sealed when the segment closes. The
+episode is cut into one sample per segment when its batch is formed (rl.orchestrator.segments says why).
 """
 from __future__ import annotations
 
@@ -65,6 +86,8 @@ class RolloutLimits:
     max_total_tokens: int
     wall_s: float | None = None
     spill_dir: str = ""   # orchestrator.spill_dir: where routed-expert rows go ("" = node-local temp)
+    summarize_at: tuple[int, ...] = ()   # env.summarize_at_tokens: context sizes that trigger a summary
+    summary_prompt: str = ""
 
     @classmethod
     def from_config(cls, cfg: Any) -> "RolloutLimits":
@@ -73,7 +96,9 @@ class RolloutLimits:
         wall = o.rollout_timeout_s
         return cls(max_turns=int(cfg.env.max_turns), max_tokens_per_turn=int(o.max_tokens),
                    max_total_tokens=int(min(total, cfg.inference.max_model_len)),
-                   wall_s=float(wall) if wall else None, spill_dir=str(o.spill_dir or ""))
+                   wall_s=float(wall) if wall else None, spill_dir=str(o.spill_dir or ""),
+                   summarize_at=tuple(int(t) for t in cfg.env.summarize_at_tokens or ()),
+                   summary_prompt=str(cfg.env.summary_prompt or ""))
 
 
 class ChatBridge:
@@ -133,6 +158,7 @@ class Turn:
     tool_calls: int
     tool_errors: int
     finish_reason: str | None
+    summary: bool = False   # the policy's summary of its context (not an environment step)
 
 
 class Rollout:
@@ -142,7 +168,9 @@ class Rollout:
     completion's ids in one int32 array, the completion's uint8 loss mask, float32 logprobs and int32
     versions): 13 bytes a token, at most 26 with the spare capacity, where Python lists took 30-40 bytes
     per field. `ids`, `mask`, `logprobs`, `versions` and `prompt_ids` are views of them. Routed-expert
-    rows go to a spill file as they arrive (rl.orchestrator.spill); only their count is held here."""
+    rows go to a spill file as they arrive (rl.orchestrator.spill); only their count is held here.
+    Segments (context summarization, the module docstring): `_segs` holds (start in the token store,
+    prompt length) per segment; the routes of closed segments are sealed maps in `_sealed`."""
 
     _MIN_CAP = 256
 
@@ -164,6 +192,10 @@ class Rollout:
         self.routed_rows = 0                        # engine rows held (= the next turn's routed_start)
         self._spill_dir = spill_dir
         self._routes: spill.RouteSpill | None = None
+        self._segs: list[tuple[int, int]] = [(0, self._np)]
+        self._sealed: list = []                     # routed rows of each closed segment (a map or None)
+        self._reasons: list = []                    # finish reason of each closed segment's last turn
+        self._routed_any = False                    # some turn of the episode returned routes
 
     def __repr__(self) -> str:
         return (f"Rollout(prompt={self._np}, tokens={self._n}, turns={len(self.turns)}, "
@@ -191,13 +223,27 @@ class Rollout:
         return self._ver[:self._n]
 
     def __len__(self) -> int:
-        """Tokens of the sequence so far, prompt included."""
+        """Tokens of the sequence so far, prompt included (every segment's)."""
         return self._np + self._n
 
+    @property
+    def segments(self) -> int:
+        return len(self._segs)
+
     def context(self) -> np.ndarray:
-        """The whole sequence so far, the next request's prompt: a view, no copy (the client encodes it to
+        """The current segment so far, the next request's prompt: a view, no copy (the client encodes it to
         JSON bytes once; nothing is appended while the request is out)."""
-        return self._tok[:self._np + self._n]
+        return self._tok[self._segs[-1][0]:self._np + self._n]
+
+    def new_segment(self, prompt_ids) -> None:
+        """Close the current segment (its routes sealed) and open a fresh context whose prompt is
+        `prompt_ids`."""
+        self._sealed.append(self._seal(self._segs[-1][0], self._np + self._n))
+        self._reasons.append(self.turns[-1].finish_reason if self.turns else None)
+        self._routes, self.routed_rows = None, 0
+        start = self._np + self._n
+        self.add_env(prompt_ids)
+        self._segs.append((start, len(prompt_ids)))
 
     def _grow(self, k: int) -> None:
         need = self._n + k
@@ -229,11 +275,11 @@ class Rollout:
         None) for a request of `n_prompt` tokens that asked for them from position `start`. They go to
         the episode's spill file; only their count stays in memory."""
         if rows is None:
-            if self.routed_rows:
+            if self._routed_any:
                 raise ValueError(f"turn {turn}: the engine returned no routed_experts, earlier turns did "
                                  f"({self.routed_rows} rows held)")
             return
-        if turn > 0 and not self.routed_rows:
+        if turn > 0 and not self._routed_any:
             raise ValueError(f"turn {turn}: the engine returned routed_experts, earlier turns did not")
         want = max(n_prompt + n_new - 1 - start, 0)
         if start != self.routed_rows or len(rows) != want:
@@ -247,6 +293,7 @@ class Rollout:
             self._routes = spill.directory(self._spill_dir).new(np.shape(rows)[1:])
         self._routes.append(rows)
         self.routed_rows += len(rows)
+        self._routed_any = True
 
     def discard_routes(self) -> None:
         """Remove the episode's spill file (a failed or cancelled episode)."""
@@ -254,18 +301,23 @@ class Rollout:
             self._routes.discard()
 
     def routed(self):
-        """One row per token of the sample ([prompt + ids, layers, top_k], a read-only np.memmap of the
-        spill file) or None. The rows the engine never returned are the tail after the last forwarded
-        position (the final sampled token, and an observation a timed-out turn never read): no trained
-        token's logprob depends on them (the loss on token j reads the logits at j - 1, causal in
-        positions < j), so they repeat the last row."""
+        """One row per token of the (last) segment ([its prompt + the rest, layers, top_k], a read-only
+        np.memmap of the spill file) or None. The rows the engine never returned are the tail after the
+        last forwarded position (the final sampled token, and an observation a timed-out turn never
+        read): no trained token's logprob depends on them (the loss on token j reads the logits at j - 1,
+        causal in positions < j), so they repeat the last row."""
+        return self._seal(self._segs[-1][0], self._np + self._n)
+
+    def _seal(self, start: int, end: int):
+        """The routes of the segment at store positions [start, end), sealed (see routed())."""
         if self._routes is None or not self.routed_rows:
             return None
-        trained = np.flatnonzero(self.mask)
-        if len(trained) and self.routed_rows < self._np + int(trained[-1]):
+        lo = max(start, self._np)                 # the first position of the segment with a mask entry
+        trained = np.flatnonzero(self._mask[lo - self._np:end - self._np])
+        if len(trained) and self.routed_rows < lo - start + int(trained[-1]):
             raise ValueError(f"routed experts cover {self.routed_rows} positions, the last trained token "
-                             f"is at {self._np + int(trained[-1])}")
-        n = len(self)
+                             f"is at {lo - start + int(trained[-1])}")
+        n = end - start
         if self.routed_rows > n:
             raise ValueError(f"routed experts cover {self.routed_rows} tokens, the sample has {n}")
         return self._routes.seal(n)
@@ -279,20 +331,31 @@ class Rollout:
     def add_env(self, ids):
         self._append(ids, 0, 0.0, -1)
 
-    def sample(self, group: int) -> Sample:
+    def sample(self, group: int, rollout: int | None = None) -> Sample:
         """The finished episode as a Sample of numpy arrays. The arrays are trimmed to their length (the
         growth capacity is freed) and the sample's fields are views of them: editing the sample's mask in
-        place (accounting.mask_stale) edits this rollout's."""
+        place (accounting.mask_stale) edits this rollout's. An episode of several segments is one Sample
+        over its whole token store (later segments' prompts are mask-0 tokens of its completion) with
+        `info["segments"]`: per segment (start, end, prompt length, routes, finish reason), cut into one
+        sample per segment when the batch is formed (rl.orchestrator.segments.expand)."""
         n = self._np + self._n
         if len(self._tok) != n:
             self._tok = self._tok[:n].copy()
             self._mask, self._lp, self._ver = (a[:self._n].copy() for a in (self._mask, self._lp, self._ver))
+        info = {"finish_reason": self.turns[-1].finish_reason if self.turns else None, "multiturn": self}
+        if rollout is not None:
+            info["rollout"] = rollout
+        routed = self.routed()
+        if len(self._segs) > 1:
+            ends = [s for s, _ in self._segs[1:]] + [n]
+            reasons = self._reasons + [info["finish_reason"]]
+            info["segments"] = [(s, e, p, rows, why) for (s, p), e, rows, why in
+                                zip(self._segs, ends, self._sealed + [routed], reasons)]
+            routed = None   # per segment, in info["segments"]
         return Sample(prompt_ids=self.prompt_ids, completion_ids=self.ids,
                       completion_logprobs=self.logprobs, completion_versions=self.versions,
                       completion_mask=self.mask, reward=float(self.reward), group=group,
-                      routed_experts=self.routed(),
-                      info={"finish_reason": self.turns[-1].finish_reason if self.turns else None,
-                            "multiturn": self})
+                      routed_experts=routed, info=info)
 
 
 # generate(prompt_ids, max_tokens, turn[, routed_start=k]) -> (Completion, per-token versions); routed_start
@@ -300,10 +363,13 @@ class Rollout:
 Generate = Callable[[list, int, int], Awaitable[tuple[Any, list[int]]]]
 
 
+SUMMARY_HEADER = "Summary of your progress so far (your earlier context was summarized):\n\n"
+
+
 async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridge, limits: RolloutLimits,
                       env_sem: asyncio.Semaphore | None = None) -> Rollout:
     """Drive one episode of `task` to its end; returns the rollout (tokens, mask, logprobs, versions,
-    reward, per-turn stats). The episode is closed whatever happens."""
+    reward, per-turn stats, its segments). The episode is closed whatever happens."""
     sem = env_sem or asyncio.Semaphore(1 << 30)
     t0 = time.monotonic()
     async with sem:
@@ -312,26 +378,20 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
     try:
         messages = await call(episode.initial_messages)
         r = Rollout(prompt_ids=bridge.prompt_ids(messages), spill_dir=limits.spill_dir)
-        n = len(r.prompt_ids)
+        n = len(r.prompt_ids)   # tokens of the current context (segment)
         if n >= limits.max_total_tokens:
             raise ValueError(f"the episode's first prompt has {n} tokens, the rollout budget is "
                              f"{limits.max_total_tokens} (orchestrator.max_rollout_tokens / "
                              "inference.max_model_len)")
-        end = None
-        while end is None:
-            if len(r.turns) >= limits.max_turns:
-                end = "max_turns"
-                break
-            room = limits.max_total_tokens - n
-            if room < 1:
-                end = "max_total_tokens"
-                break
+
+        async def model_turn(room: int):
+            """One request on the current context; (new ids, finish reason, seconds) or None on timeout
+            (the unfinished turn is abandoned: nothing of it is kept)."""
             timeout = None
             if limits.wall_s is not None:
                 timeout = limits.wall_s - (time.monotonic() - t0)
                 if timeout <= 0:
-                    end = "wall_time"
-                    break
+                    return None
             tg = time.monotonic()
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the
             # turn completes, and a group the pool cancelled (counted dropped) would play on and be trained
@@ -341,14 +401,26 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
                     c, versions = await generate(r.context(), min(limits.max_tokens_per_turn, room),
                                                  len(r.turns), **({"routed_start": held} if held else {}))
             except TimeoutError:
-                end = "wall_time"  # the unfinished turn is abandoned: nothing of it is kept
-                break
-            gen_s = time.monotonic() - tg
+                return None
             new = list(c.ids)
             r.add_routes(getattr(c, "routed_experts", None), held, n, len(new), len(r.turns))
             r.add_model(new, c.logprobs, versions)
-            finish_reason = c.finish_reason
-            c = versions = None  # the response (its echoed prompt, its routes) is not held over the env step
+            return new, c.finish_reason, time.monotonic() - tg
+
+        end, env_turns, next_summary = None, 0, 0
+        while end is None:
+            if env_turns >= limits.max_turns:
+                end = "max_turns"
+                break
+            room = limits.max_total_tokens - n
+            if room < 1:
+                end = "max_total_tokens"
+                break
+            got = await model_turn(room)
+            if got is None:
+                end = "wall_time"
+                break
+            new, finish_reason, gen_s = got
             n += len(new)
             text = bridge.decode(new)
             te = time.monotonic()
@@ -363,13 +435,42 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
                         tool_errors=int(info.get("tool_errors", 0)),
                         finish_reason=finish_reason)
             r.turns.append(turn)
+            env_turns += 1
             if done:
                 end = getattr(episode, "end_reason", None) or "env_done"
                 break
-            if len(r.turns) >= limits.max_turns:
+            if env_turns >= limits.max_turns:
                 end = "max_turns"  # no next turn: the observation would never be read
                 break
-            obs_ids = bridge.observation_ids(obs_msgs, ended_with_eos=bool(new) and new[-1] == bridge.eos_id)
+            eos = bool(new) and new[-1] == bridge.eos_id
+            obs_ids = bridge.observation_ids(obs_msgs, ended_with_eos=eos)
+            if next_summary < len(limits.summarize_at) and n + len(obs_ids) >= limits.summarize_at[next_summary]:
+                # the context passes the next threshold: the observation and the summary request go in
+                # together, the policy summarizes (a trained turn), and the episode goes on afresh
+                next_summary += 1
+                ask = obs_msgs + [{"role": "user", "content": limits.summary_prompt}]
+                ask_ids = bridge.observation_ids(ask, ended_with_eos=eos)
+                if n + len(ask_ids) < limits.max_total_tokens:
+                    r.add_env(ask_ids)
+                    turn.obs_tokens = len(ask_ids)
+                    n += len(ask_ids)
+                    got = await model_turn(limits.max_total_tokens - n)
+                    if got is None:
+                        end = "wall_time"
+                        break
+                    new, finish_reason, gen_s = got
+                    r.turns.append(Turn(gen_tokens=len(new), obs_tokens=0, gen_s=gen_s, env_s=0.0,
+                                        tool_calls=0, tool_errors=0, finish_reason=finish_reason,
+                                        summary=True))
+                    fresh = bridge.prompt_ids(list(messages) + [
+                        {"role": "user", "content": SUMMARY_HEADER + bridge.decode(new)}])
+                    if len(fresh) >= limits.max_total_tokens:
+                        end = "max_total_tokens"  # the summary alone fills a context
+                        break
+                    r.new_segment(fresh)
+                    r.turns[-1].obs_tokens = len(fresh)
+                    n = len(fresh)
+                    continue
             if n + len(obs_ids) >= limits.max_total_tokens:
                 end = "max_total_tokens"  # no room for the observation and a reply to it
                 break
@@ -416,7 +517,7 @@ async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: 
                 return await sampler.sample_one(client, ids, seed, max_tokens=max_tokens,
                                                 routed_start=routed_start)
         r = await run_episode(sampler.env, task, generate, sampler.bridge, limits, sampler.env_sem)
-        s = r.sample(group)
+        s = r.sample(group, rollout=i)
         accounting.rollout_end(i, s)
         return s
 
@@ -438,12 +539,14 @@ def batch_metrics(samples: list[Sample]) -> dict:
     env_s = sum(t.env_s for t in turns)
     calls = sum(t.tool_calls for t in turns)
     errors = sum(t.tool_errors for t in turns)
-    n_turns = [len(r.turns) for r in rs]
+    n_turns = [sum(not t.summary for t in r.turns) for r in rs]
     lengths = [len(r.prompt_ids) + len(r.ids) for r in rs]
     out = {
         "episodes": len(rs),
         "turns_per_episode": float(np.mean(n_turns)), "turns_per_episode_max": int(max(n_turns)),
         "turns_total": len(turns),
+        "summaries": sum(t.summary for t in turns),
+        "segments_per_episode": float(np.mean([r.segments for r in rs])),
         "tokens_per_turn": gen_tokens / max(len(turns), 1),
         "obs_tokens_per_turn": obs_tokens / max(len(turns), 1),
         "obs_tokens": obs_tokens,

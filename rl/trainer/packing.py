@@ -83,8 +83,8 @@ def _cp_shard(row: Row, d: parallel.Dist) -> Row:
 def rows_for_rank(mbs: list[MicroBatch], d: parallel.Dist, per_rank: int | None = None,
                   routed_like: torch.Tensor | None = None) -> list[Row]:
     """This rank's rows: micro-batches round robin over the data ranks, each split over the cp ranks.
-    With `per_rank`, `mbs` are already this data rank's own (a share cut by the orchestrator by the same
-    rule, rl.contract.batch.ShardPlan) and `per_rank` is the most any data rank has.
+    With `per_rank`, `mbs` are already this data rank's own (a share the orchestrator cut and dealt by
+    tokens, rl.contract.batch.ShardPlan) and `per_rank` is the most any data rank has.
 
     Every rank gets the same number of rows (empty ones fill up), so FSDP and EP collectives match.
     """

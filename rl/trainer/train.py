@@ -190,11 +190,13 @@ class Trainer:
         lag = np.where(batch.loss_mask > 0, step - batch.versions, 0).astype(np.float32)
         routed = batch.routed_experts if self.router_replay else None
         share, totals = batch.share, batch.totals or _totals(batch)
+        # each token's sample index: the sequence corrections (rl.trainer.corrections) work per sample
         mbs = self._pack(batch.offsets, batch.tokens, routed, mask=mask, lp_inf=batch.logprobs,
                          adv=np.repeat(batch.advantages, counts), lag=lag,
+                         sample=np.repeat(np.arange(len(counts)), counts),
                          sizes=share["micro_batches"] if share else None)
         # a share's rows are this data rank's own; every rank pads to the most any rank has
-        per_rank = -(-share["total_micro_batches"] // share["data_ranks"]) if share else None
+        per_rank = share["rows_per_rank"] if share else None
         routed_like = None if routed is None else torch.zeros(1, 0, *routed.shape[1:], dtype=torch.int64)
         n_loss = float(totals["loss_tokens"])   # the whole batch's: every rank normalizes alike
         self.optimizer.zero_grad()

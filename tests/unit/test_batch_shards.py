@@ -49,7 +49,7 @@ def _rows_tokens(rows):
 
 
 @pytest.mark.parametrize("ranks,mbt", [(1, 64), (3, 64), (4, 100), (5, 1000)])
-def test_each_rank_reads_exactly_the_rows_it_would_have_dealt_itself(tmp_path, ranks, mbt):
+def test_each_rank_reads_exactly_the_rows_the_layout_deals_it(tmp_path, ranks, mbt):
     samples = _samples()
     plan = ShardPlan(ranks, mbt)
     step = _publish(tmp_path, 0, samples, plan)
@@ -58,20 +58,29 @@ def test_each_rank_reads_exactly_the_rows_it_would_have_dealt_itself(tmp_path, r
     files = exchange.verify(step, checksums=True)["files"]
     assert sorted(files) == sorted([META_FILE, INDEX_FILE, *(shard_file(r) for r in range(ranks))])
     total = sum(f["size"] for f in files.values())
+    dealt, loads = [], []
     for r in range(ranks):
         share, nbytes = load_share(step, r, files=files, plan=plan)
-        want = [to for to in (mbs[r::ranks])]
         got = packing.pack(share.offsets, mbt, 10_000, share.tokens, share.routed_experts,
                            sizes=share.share["micro_batches"])
-        assert _rows_tokens(got) == _rows_tokens(want)
-        assert all(torch.equal(a.routed, b.routed) for a, b in zip(got, want))
+        # each of the rank's rows is one of the trainer's own micro-batches of the whole batch, in batch order
+        index = [next(m for m, mb in enumerate(mbs) if torch.equal(mb.tokens, g.tokens) and
+                      torch.equal(mb.routed, g.routed) and m not in dealt) for g in got]
+        assert index == sorted(index)
+        dealt += index
+        loads.append(len(share.tokens))
         # what the rank read: meta.json, the index and its own shard, nothing else
         mine = files[META_FILE]["size"] + files[INDEX_FILE]["size"] + files[shard_file(r)]["size"]
         assert nbytes <= mine and (ranks == 1 or nbytes < total)
         assert share.totals["loss_tokens"] == int(whole.loss_mask.sum())
         assert share.share["total_micro_batches"] == len(mbs)
-        rows = packing.rows_for_rank(got, _Rank(r, ranks), -(-len(mbs) // ranks))
-        assert len(rows) == -(-len(mbs) // ranks)   # every rank runs as many rows (empty ones fill up)
+        rows = packing.rows_for_rank(got, _Rank(r, ranks), share.share["rows_per_rank"])
+        assert len(rows) == max(len(x["micro_batches"]) for x in share.meta["layout"]["ranks"])
+    assert sorted(dealt) == list(range(len(mbs)))   # every micro-batch trained once, by one rank
+    # dealt by tokens, largest first to the least-loaded rank: no rank holds more than an even share plus
+    # one micro-batch
+    biggest = max(int(mb.tokens.shape[1]) for mb in mbs)
+    assert max(loads) <= len(whole.tokens) / ranks + biggest
 
 
 def test_the_whole_batch_reads_back_exactly_in_sample_order(tmp_path):

@@ -147,8 +147,8 @@ def test_measured_rates_are_positive_and_finite(tmp_path):
 def test_volume_from_the_seed_config():
     (c,) = compose_points([*GLM, "run_dir=/tmp/hetrl-dataplane-test"], multirun=False)
     v = perf.data_volume(c)
-    assert (v.rollouts, v.data_ranks, v.trainer_ranks, v.moe_layers, v.top_k, v.n_experts) == (256, 16, 128, 75, 8, 256)
-    assert v.router_replay and v.mean_tokens == 65536 and v.max_tokens == 131072 and v.inflight == 768
+    assert (v.rollouts, v.data_ranks, v.trainer_ranks, v.moe_layers, v.top_k, v.n_experts) == (256, 32, 128, 75, 8, 256)
+    assert v.router_replay and v.mean_tokens == 65536 and v.max_tokens == 131072 and v.inflight == 2048
     assert perf.data_volume(c, {"rollout_tokens": "32768"}).mean_tokens == 32768
     (off,) = compose_points([*GLM, "trainer.router_replay=false", "run_dir=/tmp/hetrl-dataplane-test"], multirun=False)
     assert perf.data_volume(off).route_token_bytes == 0
@@ -160,7 +160,7 @@ def test_launch_plan_prints_the_data_plane_for_the_seed_and_warns():
                          timeout=600, env={**os.environ, "COLUMNS": "250"})   # rich wraps at 80 otherwise
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    for words in ("batch: 10.", "75 x top-8 routes (600 B/token)", "16 shards", "trainer rank reads 0.64",
+    for words in ("batch: 10.", "75 x top-8 routes (600 B/token)", "32 shards", "trainer rank reads 0.32",
                   "trainer load", "trainer verify", "trainer pack", "trainer critical path",
                   "orchestrator CPU", "orchestrator RSS", "perf: warning: the trainer's data-plane critical path"):
         assert words in text, words

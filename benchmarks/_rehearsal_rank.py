@@ -1,0 +1,180 @@
+"""One trainer rank of benchmarks/seed_rehearsal.py: the trainer's batch path without a model.
+
+Each rank is a real process in a real gloo process group (rl.trainer.parallel.init, as under torchrun,
+data ranks = trainer.parallel.dp_shard) and, every step, runs what the trainer runs between a batch
+becoming visible and its rows being ready for the forward pass: wait for `rollouts/step_n`, verify,
+load, pack (rl.trainer.packing, the trainer's own greedy micro-batches and rows). Where the per-rank
+data plane is there (`rl.trainer.dataplane.next_share`: each rank verifies and loads only its shard),
+that is what runs; on a tree without it, the trainer's current path (`rl.trainer.loop`: rank 0 verifies
+the whole batch, every rank loads all of it and keeps its rows), so the rehearsal measures whichever the
+repository has. After the step, rank 0 publishes `weights/step_{n+1}` (a small real step through
+rl.exchange.publish) so the orchestrator's off-policy bound moves and the mock engines reload.
+
+What a rank read is measured without touching the code under test: the bytes its read calls returned
+between seeing the batch and holding its share (`rchar` of /proc/self/io: every read syscall, page-cache
+hits included, so a file verified by hashing and then loaded would count twice). The files it opened in
+the step directory are recorded too (a Python audit hook on `open`, by name), for information only:
+opening a file to stat it is not reading it. Timestamps are wall-clock (time.time) so the driver can
+line the ranks up against the moment the batch appeared.
+
+Run by the driver with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set:
+`python benchmarks/_rehearsal_rank.py --run-dir D --steps N --out FILE`. With `--replay-ranks R` (after the
+run, nothing else running) one process replays every data rank's share of every step in turn through the
+same calls, without a process group: each rank's cost on a core of its own, as on a GPU node, where the
+live measurement has 4 ranks, the orchestrator and the engine sharing this machine's 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+OPENED: set[str] = set()
+
+
+def _audit(event: str, args) -> None:
+    # every open of a file, whichever API (builtins.open, os.open with a dir_fd): keep the file's name
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        name = os.path.basename(os.fsdecode(args[0]))
+        if name.endswith((".safetensors", ".json", ".npy", ".bin")):
+            OPENED.add(name)
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _load(run_dir: Path, step: int, stop, d, cfg, vocab: int | None):
+    """(rank's batch or share, manifest, timings, path name): the repository's own data-plane call, with
+    the trainer's arguments (rl.trainer.loop)."""
+    try:
+        from rl.trainer.dataplane import next_share
+    except ImportError:
+        next_share = None
+    if next_share is not None:
+        kw = {}
+        if "plan" in inspect.signature(next_share).parameters:
+            from rl.contract.batch import ShardPlan
+            kw["plan"] = ShardPlan.from_config(cfg)
+        got = next_share(run_dir, step, stop, 0.02, d, vocab, **kw)
+        if got is None:
+            return None
+        share, manifest, timings = got
+        return share, manifest, dict(timings or {}), "share"
+    from rl.trainer.loop import _next_batch_all_ranks
+    got = _next_batch_all_ranks(run_dir, step, stop, 0.02, d, vocab_size=vocab)
+    if got is None:
+        return None
+    return got[0], got[1], {}, "whole"
+
+
+def _pack(cfg, batch, d, step: int):
+    """The trainer's rows for this rank (rl.trainer.train.Trainer.train_step up to the forward pass)."""
+    import torch
+    from rl.trainer import packing
+    counts = np.diff(batch.offsets)
+    mask = batch.loss_mask.astype(np.float32)
+    lag = np.where(batch.loss_mask > 0, step - batch.versions, 0).astype(np.float32)
+    routed = batch.routed_experts if cfg.trainer.router_replay else None
+    share = getattr(batch, "share", None)
+    sized = {"sizes": share["micro_batches"]} if share else {}
+    mbs = packing.pack(batch.offsets, int(cfg.trainer.micro_batch_tokens), int(cfg.model.max_seq_len),
+                       batch.tokens, routed, mask=mask, lp_inf=batch.logprobs,
+                       adv=np.repeat(batch.advantages, counts), lag=lag, **sized)
+    if not share:
+        return packing.rows_for_rank(mbs, d)
+    per_rank = -(-share["total_micro_batches"] // share["data_ranks"])
+    routed_like = None if routed is None else torch.zeros(1, 0, *routed.shape[1:], dtype=torch.int64)
+    return packing.rows_for_rank(mbs, d, per_rank, routed_like)
+
+
+def one(run_dir: Path, n: int, stop, d, cfg, t_seen: float) -> dict | None:
+    """Step n's data plane on this rank, from the batch seen at `t_seen` to its rows packed."""
+    from rl import exchange
+    from rl.contract import paths
+    OPENED.clear()
+    r0 = rchar()
+    got = _load(run_dir, n, stop, d, cfg, None)
+    if got is None:
+        return None
+    batch, manifest, timings, path = got
+    t_loaded, r1 = time.time(), rchar()
+    rows = _pack(cfg, batch, d, n)
+    t_packed, r2 = time.time(), rchar()
+    sizes = {k: int(v["size"]) for k, v in manifest["files"].items()}
+    step_dir = exchange.step_dir(run_dir, paths.ROLLOUTS, n)
+    arrays = [batch.tokens, batch.offsets, batch.loss_mask, batch.logprobs, batch.versions, batch.rewards,
+              batch.advantages, batch.groups] + ([batch.routed_experts] if batch.routed_experts is not None else [])
+    return {"rank": d.rank, "dp_rank": d.dp_rank, "step": n, "path": path, "t_seen": t_seen,
+            "t_loaded": t_loaded, "t_packed": t_packed, "rchar_load": r1 - r0, "rchar_pack": r2 - r1,
+            "opened": sorted(k for k in OPENED if k in sizes), "files": sizes,
+            "unlisted": {"manifest.json": os.stat(step_dir / "manifest.json").st_size},
+            "samples": int(batch.num_samples), "tokens": int(len(batch.tokens)),
+            "array_bytes": int(sum(x.nbytes for x in arrays)), "rows": len(rows),
+            "row_tokens": int(sum(r.tokens.shape[1] for r in rows)),
+            "routed_rows": None if batch.routed_experts is None else int(len(batch.routed_experts)),
+            "timings": {k: v for k, v in timings.items() if isinstance(v, (int, float))}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--replay-ranks", type=int, default=0,
+                   help="no process group: replay every data rank's share of every published step in turn, "
+                        "one at a time (each rank's cost on a core of its own, nothing else running)")
+    a = p.parse_args(argv)
+    import torch
+    from rl import exchange
+    from rl.contract import paths, safefs
+    from rl.runtime import StopFlag, load_config, mark_done
+    from rl.trainer import parallel
+    run_dir = Path(a.run_dir)
+    cfg = load_config(run_dir)
+    stop = StopFlag(install=False)
+    sys.addaudithook(_audit)
+    out = open(a.out, "w")
+    if a.replay_ranks:
+        pp = cfg.trainer.parallel
+        for n in range(a.steps):
+            for r in range(a.replay_ranks):
+                d = parallel.Dist(world=1, dp_shard=int(pp.dp_shard), ep=int(pp.ep), dp_rank=r)
+                rec = one(run_dir, n, stop, d, cfg, time.time())
+                out.write(json.dumps({**rec, "rank": r, "replay": True}) + "\n")
+        out.close()
+        return 0
+    d = parallel.init(cfg.trainer.parallel, torch.device("cpu"))
+    for n in range(a.steps):
+        exchange.wait_for(run_dir, paths.ROLLOUTS, n, poll=0.02)
+        rec = one(run_dir, n, stop, d, cfg, time.time())
+        if rec is None:
+            break
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+        d.broadcast(n)   # the ranks train together: nobody publishes before every rank has its rows
+        if d.is_main:
+            exchange.publish(run_dir, paths.WEIGHTS, n + 1,
+                             lambda t, n=n: safefs.write_atomic(t / "weights.txt", f"rehearsal version {n + 1}\n".encode()),
+                             producer="trainer", policy_version=n + 1)
+    if d.is_main:
+        mark_done(run_dir, step=a.steps)
+    out.close()
+    if d.owns_pg:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

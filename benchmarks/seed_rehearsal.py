@@ -1,0 +1,350 @@
+"""A rehearsal of the seed's data plane at scale (issue 37, item 4): real orchestrator, real exchange, real
+trainer batch path, real HTTP with vLLM's wire format; only the engines' model and the trainer's model
+are left out.
+
+What runs for real, each as its own process started the way the launcher starts it:
+- the run directory: `launch.compose.compose_points` + `launch.plan.make_plan` + `launch.rundir.
+  freeze_run_dir` (config.yaml, plan.json, the run secret), then `python -m rl.prepare`;
+- the orchestrator, `python -m rl.orchestrator --run-dir D` exactly as plan.json says, unmodified: the
+  continuous pool, multi-turn episodes on `rl/envs/echo_tools.py` (a tool that returns as many one-token
+  words as it is asked for, so episodes are sized token blobs like SWE observations), router replay with
+  `routed_experts_prompt_start`, the weight watcher, advantages, the batch and its publication;
+- the trainer's data ranks (benchmarks/_rehearsal_rank.py): a gloo process group of `--data-ranks`
+  processes, each running the trainer's wait / verify / load / pack (`rl.trainer.dataplane.next_share`
+  where the repository has it, else the trainer loop's whole-batch path), after which rank 0 publishes a
+  small `weights/step_{n+1}` through rl.exchange so the off-policy bound moves.
+
+What is mocked, and why: the inference engines (benchmarks/_rehearsal_engine.py). vLLM returns routed
+experts only from its GPU MoE kernels and this machine has no GPU, so a mock HTTP server per planned
+replica speaks vLLM 0.32's API with vLLM's own request/response types and `numpy2base64` routes
+(honouring `routed_experts_prompt_start`), answers the pause / load_policy / update_weight_version /
+reset_prefix_cache / resume sequence the weight watcher sends, and generates instantly, so the
+orchestrator's CPU, not a model, paces the run. No trainer model either: the rehearsal stops where the
+forward pass would start (rows packed), which is where the data plane ends.
+
+Measured per step: batch bytes (the manifest's data files), build seconds (re-run after the run on the
+step's own samples with `RolloutBatch.from_samples`, since the orchestrator is not instrumented), publish
+seconds (from its tmp directory appearing to the step's rename, polled), verify / load seconds (the
+ranks' timings), bytes each rank opened and read, the trainer's critical path (from the first rank
+seeing the batch to the slowest rank's rows packed; and "alone": each rank's share replayed after the
+run through the same calls on the idle machine, since live the 4 ranks share 2 cores with the orchestrator
+and the engine), orchestrator CPU (/proc/<pid>/stat utime + stime; per batch = all of it after start-up
+over the batches, as the pool works ahead and batches come in bursts) and peak RSS (VmHWM; and RssAnon
+sampled every 0.1 s, which leaves out spilled routes mapped in through a memmap), HTTP bytes per
+generated token and routed bytes per episode (the engine's per-request records matched to the batch's
+episodes by hashes of their token prefixes).
+
+Extrapolation to the seed (256 rollouts x 64k mean tokens, 131k max, 75 x top-8 GLM-5 routes, 128
+trainer ranks of which 16 data ranks: glm5_seed's dp_shard 1 x ep 16, its 8 cp ranks per data rank read
+the same shard; 2048 episodes in flight), each stated where printed: batch bytes from the measured bytes
+per token at the seed's route width; the critical path linear in the bytes the slowest rank reads (every
+rank at the per-rank rate measured here, the filesystem delivering it to all); orchestrator CPU linear in
+tokens per step at the rehearsal's turns per episode; orchestrator RSS as the base measured before the
+orchestrator's start-up (a process doing only that, measured apart) plus the measured growth scaled by
+tokens in flight (episodes in flight x mean length; also printed scaled by tokens per batch, and for
+RssAnon).
+The plan's formulas (launch.dataplane.predict) are evaluated at the rehearsal's own volume with rates
+measured in the same run (`measure_rates`): plan_vs_rehearsal = predicted / measured critical path.
+
+The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
+75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
+took 2.4 minutes and under 10 GB on the 2-core development machine; `--fraction F` sizes rollouts and
+tokens per episode to F of the seed's tokens per step instead (each by the square root of F). More than
+2 data ranks: the config says `trainer.gpus_per_node` = data ranks, since the local backend refuses more
+CPU trainer ranks than it has cores; nothing here reads the trainer's device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from _rehearsal_report import SEED, analyse, report  # noqa: E402  (the measuring half)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc(pid: int) -> dict:
+    """CPU seconds (utime + stime) and VmRSS / VmHWM / RssAnon bytes of a live process. RssAnon leaves out
+    file pages mapped in (spilled routes read through a memmap), which the kernel can drop and re-read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        f = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        st = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+              if ln.startswith(("VmRSS", "VmHWM", "RssAnon"))}
+        return {"cpu": cpu, "rss": st.get("VmRSS", 0), "hwm": st.get("VmHWM", 0), "anon": st.get("RssAnon", 0)}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def args_(argv=None):
+    p = argparse.ArgumentParser(description="Rehearse the seed's data plane at scale (issue 37).")
+    p.add_argument("--rollouts-per-step", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--tokens-per-episode", type=int, default=16384, help="mean; episodes vary around it")
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--layers", type=int, default=75)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--data-ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fraction", type=float, default=None,
+                   help="size rollouts and tokens per episode to this fraction of the seed's tokens per step "
+                        "(each scaled by its square root); overrides --rollouts-per-step/--tokens-per-episode")
+    p.add_argument("--inflight", type=int, default=None, help="orchestrator.max_inflight (default 2 x rollouts)")
+    p.add_argument("--work-dir", default=None, help="where the run directory goes (default: a temp dir, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the second, one-step run with a quarter of the episodes in flight (it separates the "
+                        "orchestrator's memory per in-flight token from the batch being built)")
+    a = p.parse_args(argv)
+    if a.fraction is not None:
+        if not 0 < a.fraction <= 1:
+            p.error(f"--fraction={a.fraction}: must be in (0, 1]")
+        r = math.sqrt(a.fraction)
+        a.rollouts_per_step = max(a.group_size, round(SEED["rollouts"] * r / a.group_size) * a.group_size)
+        a.tokens_per_episode = max(256, round(SEED["mean_tokens"] * r))
+    for k in ("rollouts_per_step", "group_size", "tokens_per_episode", "turns", "layers", "top_k", "data_ranks", "steps"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')}={getattr(a, k)}: must be at least 1")
+    if a.rollouts_per_step % a.group_size:
+        p.error(f"--rollouts-per-step={a.rollouts_per_step}: must be a multiple of --group-size={a.group_size}")
+    if a.tokens_per_episode < 8 * a.turns:
+        p.error(f"--tokens-per-episode={a.tokens_per_episode}: at least 8 tokens a turn ({8 * a.turns})")
+    a.inflight = a.inflight or 2 * a.rollouts_per_step
+    return a
+
+
+def make_run(a, run_dir: Path):
+    """The run directory as `launch` makes it: composed, validated, planned, frozen, prepared."""
+    from omegaconf import OmegaConf
+    from launch.compose import compose_points
+    from launch.plan import make_plan
+    from launch.rundir import freeze_run_dir
+    budget = int(math.ceil(a.tokens_per_episode * SEED["max_tokens"] / SEED["mean_tokens"]))
+    over = [f"run_dir={run_dir}", "wandb.mode=disabled", "env.name=echo_tools", f"env.max_turns={a.turns}",
+            f"orchestrator.prompts_per_step={a.rollouts_per_step // a.group_size}",
+            f"orchestrator.group_size={a.group_size}", f"orchestrator.max_inflight={a.inflight}",
+            f"orchestrator.max_concurrency={a.inflight}", f"orchestrator.env_concurrency={a.inflight}",
+            f"orchestrator.max_tokens={max(64, 4 * a.tokens_per_episode // a.turns)}",
+            f"orchestrator.max_off_policy=1", f"inference.max_model_len={budget}", f"model.max_seq_len={budget}",
+            "trainer.router_replay=true", f"trainer.micro_batch_tokens={budget}",
+            f"trainer.parallel.dp_shard={a.data_ranks}", f"trainer.max_steps={a.steps}", "eval.every=0"]
+    if a.data_ranks > 2:
+        # the local backend refuses more than 2 CPU trainer ranks (this machine's cores): the config says
+        # GPUs so the plan takes them; nothing here reads the trainer's device, the ranks run on the CPU
+        over.append(f"trainer.gpus_per_node={a.data_ranks}")
+    (cfg,) = compose_points(over, multirun=False)
+    plan = make_plan(cfg, check_memory=False)
+    freeze_run_dir(cfg, run_dir, plan)
+    return OmegaConf.create({k: v for k, v in cfg.items() if k != "_overrides"}), plan
+
+
+def publish_start(run_dir: Path) -> None:
+    """What the trainer's first start publishes before any role can work: the tokenizer and version 0."""
+    from rl import exchange
+    from rl.contract import safefs
+    from rl.model.tiny import build_tokenizer
+    exchange.publish(run_dir, "assets", 0, lambda d: build_tokenizer(d).save_pretrained(str(d)), producer="trainer")
+    exchange.publish(run_dir, "weights", 0, lambda d: safefs.write_atomic(d / "weights.txt", b"rehearsal version 0\n"),
+                     producer="trainer", policy_version=0)
+
+
+class Procs:
+    """The processes this benchmark started, each in its own process group; all stopped on exit."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.procs = logs, {}
+
+    def start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.poll() not in (None, 0):
+                tail = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()[-15:]
+                return f"{name} exited with status {p.returncode}:\n" + "\n".join(tail)
+        return None
+
+    def stop(self, name: str | None = None) -> None:
+        for n, p in list(self.procs.items()):
+            if name is not None and n != name or p.poll() is not None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            except ProcessLookupError:
+                pass
+
+
+FIXED = """
+import os, sys
+from pathlib import Path
+from rl.runtime import load_config
+from rl.orchestrator.loop import Orchestrator, _load_tokenizer
+from rl.orchestrator.client import InferenceClient
+run = Path(sys.argv[1])
+o = Orchestrator(run, load_config(run))
+c0 = sum(os.times()[:2])
+o.sampler.tokenizer = _load_tokenizer(run)
+o.sampler.bridge.observation_ids([{"role": "user", "content": "x"}], False)
+o.sampler.clients = [InferenceClient("http://127.0.0.1:1")]
+st = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith(("VmHWM", "RssAnon"))}
+print(sum(os.times()[:2]) - c0, st["VmHWM"], st["RssAnon"])
+"""
+
+
+def fixed_part(run_dir: Path, env: dict) -> tuple[float, int, int]:
+    """The orchestrator's RSS without episodes: a process that does only its start-up (config, environment,
+    tokenizer, chat bridge, a client), measured apart so nothing in flight is in it; and the CPU seconds of
+    the part of it the orchestrator does after the servers are up (tokenizer, bridge)."""
+    out = subprocess.run([sys.executable, "-c", FIXED, str(run_dir)], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"measuring the orchestrator's fixed RSS failed: {out.stderr[-1500:]}")
+    cpu, rss, anon = out.stdout.split()[-3:]
+    return float(cpu), int(rss), int(anon)
+
+
+def run(a, work: Path) -> dict:
+    from rl.contract import paths
+    from rl.contract.records import ResumeState
+    from rl.runtime import is_done
+    from launch.local import role_processes
+    run_dir, out = work / "run", work / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, plan = make_run(a, run_dir)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    rc = subprocess.run(plan.prepare.command, env=env, cwd=REPO, capture_output=True, text=True)
+    if rc.returncode:
+        raise RuntimeError(f"rl.prepare failed: {rc.stdout[-2000:]}{rc.stderr[-2000:]}")
+    env["HETRL_EPOCH"] = str(ResumeState.read(run_dir).restart)
+    publish_start(run_dir)
+    procs = Procs(out)
+    t = {"steps": {}, "tmp_seen": {}}
+    try:
+        cmd, role_env = role_processes(plan)["orchestrator"]
+        orch = procs.start("orchestrator", cmd, {**env, **role_env})
+        # its base: imported and waiting for the servers (no episode yet); RSS steady over 1.5 s
+        last, steady, t0 = -1, 0, time.monotonic()
+        while steady < 3 and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+            if (why := procs.failed()):
+                raise RuntimeError(why)
+            rss = _proc(orch.pid).get("rss", 0)
+            steady = steady + 1 if abs(rss - last) < (1 << 20) else 0
+            last = rss
+        t["base"] = _proc(orch.pid)
+        engine = [sys.executable, str(REPO / "benchmarks" / "_rehearsal_engine.py"), "--run-dir", str(run_dir),
+                  "--layers", str(a.layers), "--top-k", str(a.top_k), "--experts", str(a.experts),
+                  "--tokens-per-episode", str(a.tokens_per_episode), "--turns", str(a.turns)]
+        for r in plan.inference.replicas:
+            procs.start(f"engine_{r.index}", engine + ["--index", str(r.index)], env)
+        port = _free_port()
+        for r in range(a.data_ranks):
+            procs.start(f"rank_{r}", [sys.executable, str(REPO / "benchmarks" / "_rehearsal_rank.py"), "--run-dir",
+                                      str(run_dir), "--steps", str(a.steps), "--out", str(out / f"rank_{r}.jsonl")],
+                        {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(a.data_ranks),
+                         "LOCAL_WORLD_SIZE": str(a.data_ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        rollouts = run_dir / "rollouts"
+        deadline = time.monotonic() + a.timeout_s
+        t["start"] = time.time()
+        t["anon_peak"], polls = 0, 0
+        while not is_done(run_dir):
+            polls += 1
+            if polls % 5 == 0:   # RssAnon has no high-water mark of its own: sampled every 0.1 s
+                t["anon_peak"] = max(t["anon_peak"], _proc(orch.pid).get("anon", 0))
+            if (why := procs.failed()):
+                raise RuntimeError(why)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done after {a.timeout_s:.0f} s (--timeout-s); logs in {out}")
+            now = time.time()
+            for name in os.listdir(rollouts):
+                if not name.startswith("step_"):
+                    continue
+                n = int(name[5:11])
+                if ".tmp-" in name:
+                    t["tmp_seen"].setdefault(n, now)
+                elif name[5:].isdigit() and n not in t["steps"]:
+                    t["steps"][n] = {"seen": now, **_proc(orch.pid)}
+            time.sleep(0.02)
+        t["end"] = {**_proc(orch.pid)}
+        t["engine_stats"] = []
+        import httpx
+        from rl.contract.secret import secret_or_none
+        sec = secret_or_none(run_dir)
+        for r in plan.inference.replicas:
+            url = f"http://127.0.0.1:{r.port}/rehearsal/stats"
+            t["engine_stats"] += httpx.get(url, headers={"Authorization": f"Bearer {sec}"} if sec else {},
+                                           timeout=60).json()["requests"]
+        for r in range(a.data_ranks):
+            procs.procs[f"rank_{r}"].wait(timeout=120)
+    finally:
+        procs.stop()
+    # each rank's share again, one at a time on an idle machine (see _rehearsal_rank.py --replay-ranks)
+    rp = subprocess.run([sys.executable, str(REPO / "benchmarks" / "_rehearsal_rank.py"), "--run-dir", str(run_dir),
+                         "--steps", str(a.steps), "--out", str(out / "replay.jsonl"), "--replay-ranks",
+                         str(a.data_ranks)], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    if rp.returncode:
+        raise RuntimeError(f"the replay of the ranks' shares failed: {rp.stdout[-1500:]}{rp.stderr[-1500:]}")
+    t["replay"] = [json.loads(ln) for ln in (out / "replay.jsonl").read_text().splitlines()]
+    t["ranks"] = [json.loads(ln) for r in range(a.data_ranks) for ln in (out / f"rank_{r}.jsonl").read_text().splitlines()]
+    t["cfg"], t["run_dir"] = cfg, run_dir
+    t["startup_cpu"], t["fixed_rss"], t["fixed_anon"] = fixed_part(run_dir, env)
+    return t
+
+
+def main(argv=None) -> int:
+    a = args_(argv)
+    work = Path(a.work_dir).absolute() if a.work_dir else Path(tempfile.mkdtemp(prefix="hetrl-rehearsal-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        t = run(a, work)
+        if not a.no_probe:   # the same run with fewer episodes in flight, one step: memory per in-flight token
+            import copy
+            pa = copy.copy(a)
+            pa.inflight, pa.steps = max(a.inflight // 4, a.group_size), 1
+            pt = run(pa, work / "probe")
+            t["probe"] = {"anon_peak": pt["anon_peak"], "hwm": pt["end"].get("hwm", 0), "inflight": pa.inflight}
+            print(f"probe run: {pa.inflight} in flight, peak RssAnon {pt['anon_peak'] / 2**30:.2f} GiB, HWM "
+                  f"{pt['end'].get('hwm', 0) / 2**30:.2f} GiB", flush=True)
+        t["wall_s"] = time.monotonic() - t0
+        m = analyse(a, t)
+        m["budget"] = int(t["cfg"].inference.max_model_len)
+        line = report(a, t, m, work)
+    finally:
+        if not a.keep and not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
