@@ -93,7 +93,7 @@ def _pack(cfg, batch, d, step: int):
                        adv=np.repeat(batch.advantages, counts), lag=lag, **sized)
     if not share:
         return packing.rows_for_rank(mbs, d)
-    per_rank = -(-share["total_micro_batches"] // share["data_ranks"])
+    per_rank = share["rows_per_rank"]
     routed_like = None if routed is None else torch.zeros(1, 0, *routed.shape[1:], dtype=torch.int64)
     return packing.rows_for_rank(mbs, d, per_rank, routed_like)
 
@@ -170,9 +170,7 @@ def main(argv=None) -> int:
     if d.is_main:
         mark_done(run_dir, step=a.steps)
     out.close()
-    if d.owns_pg:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    d.close()   # a barrier before the group goes: a rank leaving while rank 0 still publishes aborts gloo
     return 0
 
 

@@ -183,8 +183,9 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     route_b = a.layers * a.top_k
     seed_per_token = per_token - route_b + SEED["layers"] * SEED["top_k"]
     seed_batch = seed_tokens * seed_per_token
-    rank_read = max(o for s in steps for o in s["rank_read"])
-    share = med([s["share"] for s in steps])
+    # per step: the most a rank read over that step's batch / data ranks (batches differ in size)
+    worst = max(steps, key=lambda s: max(s["rank_read"]) / s["share"])
+    rank_read, share = max(worst["rank_read"]), worst["share"]
     rank_read_vs_share = rank_read / share
     whole = steps[0]["path"] != "share"
     seed_rank_read = seed_batch if whole else rank_read_vs_share * seed_batch / SEED["data_ranks"]
@@ -200,29 +201,40 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     scale = SEED["inflight"] * SEED["mean_tokens"] / (a.inflight * m["tokens_mean"])
     seed_rss_batch = base + (peak - base) * seed_tokens / tokens
     anon = t["anon_peak"]
-    # Peak anonymous memory = fixed + (tokens in flight) x slope + (the shard being built). In flight an
-    # episode is on average half-way: T(I) = I x mean tokens / 2. Two runs that differ only in episodes in
-    # flight (the probe: fewer) give the slope; the rest of the peak is the build, which scales with a data
-    # rank's share of the batch. File-backed pages (libraries; one sample's mapped routes while it is
-    # copied, rl.contract.batch_files._drop_pages) come on top as measured.
-    inflight_tokens = lambda i, mean: i * mean / 2   # noqa: E731
-    probe = t.get("probe")
-    t_main = inflight_tokens(a.inflight, m["tokens_mean"])
-    if probe:
-        t_probe = inflight_tokens(probe["inflight"], m["tokens_mean"])
-        slope = max(0.0, (anon - probe["anon_peak"]) / max(t_main - t_probe, 1.0))
+    # Anonymous memory between builds = rest + per episode x episodes in flight + per token x tokens in
+    # flight (an episode in flight is on average half-way: T = I x mean tokens / 2); while a step is written
+    # the shard being built comes on top (`build`, which scales with a data rank's share of the batch).
+    # The two probe runs (seed_rehearsal.main) change one term each: a quarter of the episodes, episodes a
+    # quarter as long. File-backed pages (libraries; one sample's mapped routes while it is copied,
+    # rl.contract.batch_files._drop_pages) come on top as measured.
+    probes = t.get("probes") or {}
+    idle = t.get("anon_idle") or anon
+    mean = m["tokens_mean"]
+    t_main = a.inflight * mean / 2
+    if "inflight" in probes and "length" in probes and probes["length"]["anon_idle"] and probes["inflight"]["anon_idle"]:
+        pl, pi = probes["length"], probes["inflight"]
+        t_len = pl["inflight"] * mean * pl["tokens"] / a.tokens_per_episode / 2
+        mem_token = max(0.0, (idle - pl["anon_idle"]) / max(t_main - t_len, 1.0))
+        t_inf = pi["inflight"] * mean / 2
+        per_episode = max(0.0, (idle - pi["anon_idle"] - mem_token * (t_main - t_inf)) / max(a.inflight - pi["inflight"], 1))
+        how = (f"probes: {pi['anon_idle'] / GIB:.2f} GiB with {pi['inflight']} in flight, {pl['anon_idle'] / GIB:.2f} "
+               f"GiB with episodes of {pl['tokens']} tokens")
     else:
-        slope = max(0.0, anon - t["fixed_anon"]) / max(t_main, 1.0)   # all growth charged to episodes
-    build = max(0.0, anon - t["fixed_anon"] - slope * t_main)
+        mem_token, per_episode = max(0.0, idle - t["fixed_anon"]) / max(t_main, 1.0), 0.0
+        how = "no probe runs: all growth charged to tokens in flight"
+    rest = max(0.0, idle - t["fixed_anon"] - per_episode * a.inflight - mem_token * t_main)
+    build = max(0.0, anon - idle)
     seed_share = seed_batch / SEED["data_ranks"]
-    seed_inflight_tokens = inflight_tokens(SEED["inflight"], SEED["mean_tokens"])
-    seed_anon = t["fixed_anon"] + slope * seed_inflight_tokens + build * seed_share / max(share, 1.0)
+    seed_inflight_tokens = SEED["inflight"] * SEED["mean_tokens"] / 2
+    seed_anon = (t["fixed_anon"] + rest + per_episode * SEED["inflight"] + mem_token * seed_inflight_tokens
+                 + build * seed_share / max(share, 1.0))
+    slope = mem_token
     one_sample_routes = SEED["max_tokens"] * SEED["layers"] * SEED["top_k"]
     seed_rss = seed_anon + max(0, base - t["fixed_anon"]) + one_sample_routes
     http_tok = m["http_bytes_all"] / max(m["generated_all"], 1)
     print(f"routes over HTTP per episode / the episode's rows: decoded {m['routes_http_vs_rows']:.3f} (max over "
           f"{m['matched']} of {m['episodes']} episodes), on the wire (base64 in JSON) {m['routes_wire_vs_rows']:.3f}")
-    print(f"rank read: max {rank_read / 1e6:.1f} MB vs share {share / 1e6:.1f} MB (batch / {a.data_ranks}) = "
+    print(f"rank read: max {rank_read / 1e6:.1f} MB vs share {share / 1e6:.1f} MB (that step's batch / {a.data_ranks}) = "
           f"{rank_read_vs_share:.2f}; orchestrator: {cpu:.1f} CPU s per batch (all CPU after start-up / batches), peak RSS "
           f"{peak / GIB:.2f} GiB over a fixed part of {base / GIB:.2f} GiB (a process doing its start-up only); HTTP {http_tok:.0f} B per generated token")
     print(f"seed ({SEED['rollouts']} x {SEED['mean_tokens']} tokens, {SEED['layers']} x {SEED['top_k']} routes, "
@@ -237,13 +249,14 @@ def report(a, t: dict, m: dict, work: Path) -> str:
           f"rank's share replayed after the run on an idle machine, as a rank with cores of its own)")
     print(f"  orchestrator CPU {seed_cpu:.0f} s per step = {cpu:.1f} s (per batch over the run) x {seed_tokens / tokens:.0f} (tokens per step, "
           f"at {m['turns_mean']:.0f} turns per episode)")
-    print(f"  orchestrator memory: peak RssAnon {anon / GIB:.2f} GiB with {a.inflight} in flight"
-          + (f", {probe['anon_peak'] / GIB:.2f} GiB with {probe['inflight']} (the probe run)" if probe else
-             " (no probe run: all growth charged to episodes in flight)")
-          + f", fixed {t['fixed_anon'] / GIB:.2f} GiB: {slope:.1f} B per in-flight token (T = in flight x mean "
-          f"tokens / 2), build {build / GIB:.2f} GiB for a {share / 1e6:.0f} MB share")
+    print(f"  orchestrator memory: RssAnon {idle / GIB:.2f} GiB with {a.inflight} in flight between builds, "
+          f"{anon / GIB:.2f} GiB at its peak while a step was written; {how}; fixed {t['fixed_anon'] / GIB:.2f} "
+          f"GiB: {per_episode / 2**20:.2f} MiB per episode in flight + {mem_token:.1f} B per token in flight "
+          f"(T = in flight x mean tokens / 2) + {rest / GIB:.2f} GiB; build {build / GIB:.2f} GiB for a "
+          f"{share / 1e6:.0f} MB share")
     print(f"  orchestrator RSS {seed_rss / GIB:.1f} GiB = anonymous {seed_anon / GIB:.2f} (fixed "
-          f"{t['fixed_anon'] / GIB:.2f} + {slope:.1f} B x {seed_inflight_tokens / 1e6:.0f} M in-flight tokens "
+          f"{t['fixed_anon'] / GIB:.2f} + {rest / GIB:.2f} + {per_episode / 2**20:.2f} MiB x {SEED['inflight']} episodes "
+          f"+ {mem_token:.1f} B x {seed_inflight_tokens / 1e6:.0f} M in-flight tokens "
           f"({SEED['inflight']} x {SEED['mean_tokens']} / 2) + build x {seed_share / max(share, 1):.1f} (share "
           f"{seed_share / 1e9:.2f} GB)) + file-backed {max(0, base - t['fixed_anon']) / GIB:.2f} + one sample's "
           f"mapped routes {one_sample_routes / GIB:.2f}; measured here: HWM {peak / GIB:.2f} GiB (fixed "
@@ -269,10 +282,13 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     kv = {
         "routes_http_vs_rows": m["routes_http_vs_rows"], "routes_wire_vs_rows": m["routes_wire_vs_rows"],
         "rank_read_vs_share": rank_read_vs_share, "seed_critical_path_s": seed_crit,
-        "seed_orchestrator_rss_gib": seed_rss / GIB, "plan_vs_rehearsal": plan_vs,
-        "plan_vs_rehearsal_alone": plan_vs_alone, "seed_critical_path_alone_s": seed_alone,
+        # the plan predicts a rank with a core of its own: compared with each rank's share replayed alone;
+        # live, four ranks, the orchestrator and the engines share two cores
+        "seed_orchestrator_rss_gib": seed_rss / GIB, "plan_vs_rehearsal": plan_vs_alone,
+        "plan_vs_rehearsal_live": plan_vs, "seed_critical_path_alone_s": seed_alone,
         "seed_orchestrator_rss_batch_scaled_gib": seed_rss_batch / GIB,
-        "seed_orchestrator_anon_gib": seed_anon / GIB, "orch_anon_peak_gib": anon / GIB,
+        "seed_orchestrator_anon_gib": seed_anon / GIB, "orch_bytes_per_inflight_token": mem_token,
+        "orch_mib_per_inflight_episode": per_episode / 2**20, "orch_anon_peak_gib": anon / GIB,
         "plan_vs_rehearsal_orch_cpu": plan_cpu_vs, "seed_orchestrator_cpu_s": seed_cpu,
         "seed_batch_gb": seed_batch / 1e9, "critical_path_s": crit, "critical_path_alone_s": alone, "batch_bytes": int(batch_b),
         "share_bytes": int(share), "rank_read_bytes_max": int(rank_read),

@@ -39,16 +39,24 @@ trainer ranks of which 16 data ranks: glm5_seed's dp_shard 1 x ep 16, its 8 cp r
 the same shard; 2048 episodes in flight), each stated where printed: batch bytes from the measured bytes
 per token at the seed's route width; the critical path linear in the bytes the slowest rank reads (every
 rank at the per-rank rate measured here, the filesystem delivering it to all); orchestrator CPU linear in
-tokens per step at the rehearsal's turns per episode; orchestrator RSS as the base measured before the
-orchestrator's start-up (a process doing only that, measured apart) plus the measured growth scaled by
-tokens in flight (episodes in flight x mean length; also printed scaled by tokens per batch, and for
-RssAnon).
+tokens per step at the rehearsal's turns per episode; orchestrator memory as a sum of parts, each
+measured here and scaled by what it grows with: the fixed part (a process doing only the orchestrator's
+start-up, measured apart), a part per episode in flight and a part per token in flight (RssAnon between
+builds in the main run and in two one-step probe runs, one with a quarter of the episodes in flight and
+one with episodes a quarter as long; an episode in flight is on average half-way through its tokens), the
+shard being built (RssAnon's peak while a step is written, less the level between builds; scaled by a
+data rank's share of the batch), and file-backed pages as measured (one sample's mapped routes at the
+seed's longest episode while it is copied). The cruder scalings of all growth by tokens in flight or by
+tokens per batch are printed beside it.
 The plan's formulas (launch.dataplane.predict) are evaluated at the rehearsal's own volume with rates
-measured in the same run (`measure_rates`): plan_vs_rehearsal = predicted / measured critical path.
+measured in the same run (`measure_rates`): plan_vs_rehearsal = predicted critical path / the slowest
+rank's share replayed alone (a rank with a core of its own, as the plan assumes); the live ratio, four
+ranks sharing two cores with the orchestrator and the engines, is printed as plan_vs_rehearsal_live.
 
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
-took 2.4 minutes and under 10 GB on the 2-core development machine; `--fraction F` sizes rollouts and
+took about 2 minutes, plus about 2 for the two probe runs (`--no-probe` skips them), and under 10 GB
+on the 2-core development machine; `--fraction F` sizes rollouts and
 tokens per episode to F of the seed's tokens per step instead (each by the square root of F). More than
 2 data ranks: the config says `trainer.gpus_per_node` = data ranks, since the local backend refuses more
 CPU trainer ranks than it has cores; nothing here reads the trainer's device.
@@ -113,8 +121,8 @@ def args_(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--no-probe", action="store_true",
-                   help="skip the second, one-step run with a quarter of the episodes in flight (it separates the "
-                        "orchestrator's memory per in-flight token from the batch being built)")
+                   help="skip the two one-step probe runs (a quarter of the episodes in flight; episodes a quarter "
+                        "as long) that separate the orchestrator's memory per episode and per token in flight")
     a = p.parse_args(argv)
     if a.fraction is not None:
         if not 0 < a.fraction <= 1:
@@ -279,7 +287,12 @@ def run(a, work: Path) -> dict:
         while not is_done(run_dir):
             polls += 1
             if polls % 5 == 0:   # RssAnon has no high-water mark of its own: sampled every 0.1 s
-                t["anon_peak"] = max(t["anon_peak"], _proc(orch.pid).get("anon", 0))
+                anon = _proc(orch.pid).get("anon", 0)
+                t["anon_peak"] = max(t["anon_peak"], anon)
+                # while a step is being written (a .tmp- directory exists) the shard being built is in it
+                building = any(".tmp-" in n for n in os.listdir(rollouts))
+                key = "anon_building" if building else "anon_idle"
+                t[key] = max(t.get(key, 0), anon)
             if (why := procs.failed()):
                 raise RuntimeError(why)
             if time.monotonic() > deadline:
@@ -327,14 +340,23 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     try:
         t = run(a, work)
-        if not a.no_probe:   # the same run with fewer episodes in flight, one step: memory per in-flight token
+        if not a.no_probe:
+            # Two one-step runs that change one thing each: a quarter of the episodes in flight (same length),
+            # and episodes a quarter as long (as many in flight). Between builds the orchestrator's anonymous
+            # memory is fixed + per episode x in flight + per token x tokens in flight: the three runs
+            # separate the two rates (what scales with episodes, what with their length).
             import copy
-            pa = copy.copy(a)
-            pa.inflight, pa.steps = max(a.inflight // 4, a.group_size), 1
-            pt = run(pa, work / "probe")
-            t["probe"] = {"anon_peak": pt["anon_peak"], "hwm": pt["end"].get("hwm", 0), "inflight": pa.inflight}
-            print(f"probe run: {pa.inflight} in flight, peak RssAnon {pt['anon_peak'] / 2**30:.2f} GiB, HWM "
-                  f"{pt['end'].get('hwm', 0) / 2**30:.2f} GiB", flush=True)
+            t["probes"] = {}
+            for name, inflight, tokens in (("inflight", max(a.inflight // 4, a.group_size), a.tokens_per_episode),
+                                           ("length", a.inflight, max(a.tokens_per_episode // 4, 4 * a.turns))):
+                pa = copy.copy(a)
+                pa.inflight, pa.tokens_per_episode, pa.steps = inflight, tokens, 1
+                pt = run(pa, work / f"probe_{name}")
+                t["probes"][name] = {"inflight": inflight, "tokens": tokens, "anon_peak": pt["anon_peak"],
+                                     "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0)}
+                print(f"probe run ({name}): {inflight} in flight, {tokens} tokens per episode: RssAnon between "
+                      f"builds {pt.get('anon_idle', 0) / 2**30:.2f} GiB, HWM {pt['end'].get('hwm', 0) / 2**30:.2f} GiB",
+                      flush=True)
         t["wall_s"] = time.monotonic() - t0
         m = analyse(a, t)
         m["budget"] = int(t["cfg"].inference.max_model_len)

@@ -48,6 +48,11 @@ ORCH_BASE_BYTES = 1 * GIB        # the orchestrator without episodes: interprete
 PACK_TOKEN_BYTES = 8 + 8 + 4 * 4 + 4 * 3  # packing.pack's output: tokens, positions int64; mask, lp_inf, adv,
 #                                           lag float32; the trainer's mask/lag/adv inputs built first
 CRITICAL_FRACTION = 0.02         # the trainer's data plane may cost this share of cluster.target_step_s
+# A rank's per-step cost that does not grow with bytes: the manifest and tree check, meta.json and the
+# sample index parsed and checked, the layout, the validation passes' fixed work. Measured as the intercept
+# of benchmarks/seed_rehearsal.py's ranks replayed alone at two sizes (0.6 GB and 0.16 GB batches: 0.02 s
+# above the byte terms at both, on the development VM).
+STEP_FIXED_S = 0.02
 
 # safetensors' dtype names and sizes of the files' arrays, in the order rl.contract.batch writes them
 _SHARD = (("tokens", "I32", 4), ("loss_mask", "U8", 1), ("logprobs", "F32", 4), ("versions", "I32", 4))
@@ -184,7 +189,8 @@ class Rates:
     sha256 (hashlib over an in-memory buffer), read (a file in the page cache into memory), write (a
     file written and fsynced), build (numpy concatenation of per-episode arrays into the batch's),
     decode (per bytes of base64 text: JSON string, base64 decode, `.npy` parse) and pack (per bytes of
-    output of the trainer's packing: int64 tokens, positions and routes, float32 per-token terms).
+    output of the trainer's packing: int64 tokens and positions, float32 per-token terms; routes are
+    viewed in their batch width, not copied).
 
     The defaults were measured with `measure_rates(tmp_dir="/tmp", mib=128)` on the development machine (a
     2-core Intel Xeon cloud VM shared with other work, Python 3.11, numpy 2.3; three runs, the lowest median
@@ -233,7 +239,7 @@ class DataPlane:
     verify_s: float                # a rank hashes what it read (sha256 against the manifest)
     load_s: float                  # it reads its files into memory (the only read)
     pack_s: float                  # packing.pack of its share into micro-batches
-    critical_path_s: float         # verify + load + pack: serial after the batch appears, GPUs idle
+    critical_path_s: float         # verify + load + pack + STEP_FIXED_S: serial after the batch appears
     decode_s: float                # orchestrator: base64 + .npy of the routes received
     spill_s: float                 # orchestrator: routes written to node-local disk and read back
     build_s: float                 # orchestrator: concatenating the shards' arrays
@@ -260,7 +266,9 @@ def predict(volume: Volume, rates: Rates | None = None, fs: SharedFS | None = No
         write = min(r.write, fs.write_bps, fs.total_bps)
     verify = share / r.sha256
     load = share / read
-    pack = (v.tokens / v.data_ranks) * (PACK_TOKEN_BYTES + 8 * v.moe_layers * v.top_k * v.router_replay) / r.pack
+    # routes stay in the batch's width and are viewed, not copied (rl.trainer.packing._narrow): the copies
+    # are the per-token terms
+    pack = (v.tokens / v.data_ranks) * PACK_TOKEN_BYTES / r.pack
     routes, http = v.route_bytes(), v.http_route_bytes()
     decode = http / r.decode
     spill = routes / r.write + routes / r.read
@@ -274,7 +282,7 @@ def predict(volume: Volume, rates: Rates | None = None, fs: SharedFS | None = No
     return DataPlane(volume=v, rates=r, batch_bytes=batch, rank_read_bytes=share,
                      rank_read_max_bytes=share + v.max_tokens * v.token_bytes, route_bytes=routes,
                      http_route_bytes=http, verify_s=verify, load_s=load, pack_s=pack,
-                     critical_path_s=verify + load + pack, decode_s=decode, spill_s=spill, build_s=build,
+                     critical_path_s=verify + load + pack + STEP_FIXED_S, decode_s=decode, spill_s=spill, build_s=build,
                      hash_s=hash_, write_s=write_s, orchestrator_cpu_s=decode + spill + build + hash_ + write_s,
                      orchestrator_rss_bytes=rss, fs_read_bytes=v.trainer_ranks * share, fs_write_bytes=batch)
 
@@ -291,8 +299,8 @@ def table_rows(d: DataPlane) -> list[tuple[str, str, str]]:
                  f"all {v.trainer_ranks} ranks {d.fs_read_bytes / G:.0f} GB from the shared filesystem", ""),
         ("data", "trainer load (read its shard, index and meta.json)", f"{d.load_s:.2f}"),
         ("data", "trainer verify (sha256 of what it read)", f"{d.verify_s:.2f}"),
-        ("data", "trainer pack (micro-batches, int64 routes)", f"{d.pack_s:.2f}"),
-        ("data", "trainer critical path (verify + load + pack, serial, GPUs idle)", f"{d.critical_path_s:.2f}"),
+        ("data", "trainer pack (micro-batches; routes viewed in place)", f"{d.pack_s:.2f}"),
+        ("data", "trainer critical path (verify + load + pack + fixed, serial, GPUs idle)", f"{d.critical_path_s:.2f}"),
         ("data", f"orchestrator CPU: decode {d.http_route_bytes / G:.1f} GB base64, spill, build, hash, write "
                  f"{d.fs_write_bytes / G:.1f} GB", f"{d.orchestrator_cpu_s:.1f}"),
         ("data", f"orchestrator RSS: {v.inflight} episodes in flight (routes spilled)",
@@ -418,8 +426,8 @@ def measure_rates(tmp_dir: str | Path, mib: int = 64, repeats: int = 5) -> Rates
             tokens[a:z].astype(np.int64), np.arange(z - a, dtype=np.int64)
             for x in (m, lps, adv, lag):
                 np.ascontiguousarray(x[a:z], dtype=np.float32)
-            routed[a:z].astype(np.int64)
+            np.ascontiguousarray(routed[a:z])   # a view: routes widen on the device, not here
 
-    p = _median_rate(t * (PACK_TOKEN_BYTES + 8 * layers * top_k), pack, repeats)
+    p = _median_rate(t * PACK_TOKEN_BYTES, pack, repeats)
     sh = _median_rate(n, sha, repeats)
     return Rates(sha256=sh, read=r, write=w, build=b, decode=d, pack=p)

@@ -35,7 +35,7 @@ from rl.envs import make_env
 from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
-from rl.orchestrator import multiturn, segments
+from rl.orchestrator import heap, multiturn, segments
 from rl.orchestrator.evaluation import Evaluator, hold_out
 from rl.orchestrator.accounting import mask_stale, min_version
 from rl.orchestrator.groups import default_max_inflight, stale_policy
@@ -275,6 +275,7 @@ class Orchestrator:
         nbytes = sum(int(f.get("size", 0)) for f in pub.manifest["files"].values())
         for s in batch.samples:   # written: the spilled routes' mapping (and its disk space) can go now,
             s.routed_experts = None   # whatever still holds the sample (a group's bookkeeping, the pool)
+        heap.trim()   # the shard buffers just freed go back to the kernel, not to a fragmented heap
         m = batch.meta
         pool = (f", pool {m['pool_inflight']} in flight / {m['pool_ready']} ready, cancelled "
                 f"{m['cancelled_groups']}" if m.get("schedule") == "continuous" else "")

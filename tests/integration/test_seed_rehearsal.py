@@ -44,7 +44,7 @@ def test_tiny_rehearsal_measures_what_is_exact(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "seed_rehearsal.py"),
                         "--rollouts-per-step", "8", "--group-size", "4", "--tokens-per-episode", "1024",
                         "--turns", "4", "--data-ranks", "2", "--steps", "2", "--work-dir", str(work),
-                        "--timeout-s", "300"],
+                        "--timeout-s", "300", "--no-probe"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not _procs_mentioning(str(work)), "processes left behind"
