@@ -7,7 +7,9 @@ size of the largest block freed (up to 32 MiB), after which such arrays come fro
 stay with the process when freed (fragmentation). Measured with benchmarks/seed_rehearsal.py, the
 orchestrator's anonymous memory between builds then grew with every batch built, and looked like a cost
 per token in flight. So the role fixes the threshold at start (`bound`: arrays of 256 KiB and up are their
-own mappings) and hands the heap's free pages back after each batch it publishes (`trim`).
+own mappings), caps malloc's arenas at two (environment calls run in worker threads, and each thread
+would otherwise get an arena of its own that keeps what it freed), and hands the heap's free pages back
+after each batch it publishes (`trim`).
 
 glibc only (mallopt and malloc_trim through ctypes); elsewhere both do nothing.
 """
@@ -18,7 +20,9 @@ import ctypes.util
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 256 << 10
+ARENA_MAX = 2
 
 
 def _libc():
@@ -34,8 +38,9 @@ def bound() -> bool:
     libc = _libc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                      2 * MMAP_THRESHOLD))
+    return all(bool(libc.mallopt(k, v)) for k, v in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+                                                     (M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD),
+                                                     (M_ARENA_MAX, ARENA_MAX)))
 
 
 def trim() -> None:
