@@ -120,6 +120,8 @@ def args_(argv=None):
     p.add_argument("--work-dir", default=None, help="where the run directory goes (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="run the orchestrator under cProfile and write its profile here (pstats format)")
     p.add_argument("--no-probe", action="store_true",
                    help="skip the two one-step probe runs (a quarter of the episodes in flight; episodes a quarter "
                         "as long) that separate the orchestrator's memory per episode and per token in flight")
@@ -258,6 +260,8 @@ def run(a, work: Path) -> dict:
     t = {"steps": {}, "tmp_seen": {}}
     try:
         cmd, role_env = role_processes(plan)["orchestrator"]
+        if getattr(a, "profile", None) and cmd[1:2] == ["-m"]:   # the same command under cProfile
+            cmd = [cmd[0], "-m", "cProfile", "-o", str(Path(a.profile).absolute()), *cmd[1:]]
         orch = procs.start("orchestrator", cmd, {**env, **role_env})
         # its base: imported and waiting for the servers (no episode yet); RSS steady over 1.5 s
         last, steady, t0 = -1, 0, time.monotonic()
@@ -350,7 +354,7 @@ def main(argv=None) -> int:
             for name, inflight, tokens in (("inflight", max(a.inflight // 4, a.group_size), a.tokens_per_episode),
                                            ("length", a.inflight, max(a.tokens_per_episode // 4, 4 * a.turns))):
                 pa = copy.copy(a)
-                pa.inflight, pa.tokens_per_episode, pa.steps = inflight, tokens, 1
+                pa.inflight, pa.tokens_per_episode, pa.steps, pa.profile = inflight, tokens, 1, None
                 pt = run(pa, work / f"probe_{name}")
                 t["probes"][name] = {"inflight": inflight, "tokens": tokens, "anon_peak": pt["anon_peak"],
                                      "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0)}

@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextvars
 import io
+import itertools
 import json
 import os
 import shutil
@@ -125,17 +126,46 @@ class InferenceClient:
     """One server. `url` like http://host:port; `secret` (the run's) is sent as a Bearer token on every
     request when set: the servers (rl.inference.auth) and the router require it on every path but /health."""
 
+    # Connections per httpx client. httpcore's pool scans every connection of its client at each request
+    # event (`_assign_requests_to_connections`), so one client holding hundreds of requests in flight
+    # spends time quadratic in them: profiled in benchmarks/seed_rehearsal.py with 128 episodes in flight,
+    # 31 of the orchestrator's 113 CPU seconds. Requests are dealt round robin over clients of this many.
+    SHARD_CONNECTIONS = 16
+
     def __init__(self, url: str, secret: str | None = None, timeout: float = 300.0,
                  max_connections: int = 256):
-        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self.url = url.rstrip("/")
         self._sends_secret = bool(secret)
-        self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._timeout = timeout
+        self._shards = max(1, -(-max_connections // self.SHARD_CONNECTIONS))
+        self._pool = [self._new_client(min(max_connections, self.SHARD_CONNECTIONS))]
+        self._next = itertools.count()
+
+    def _new_client(self, connections: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=self._timeout,
+                                 limits=httpx.Limits(max_connections=connections,
+                                                     max_keepalive_connections=connections))
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The first client (health, weight info; tests put a transport of their own here)."""
+        return self._pool[0]
+
+    @_http.setter
+    def _http(self, client: httpx.AsyncClient) -> None:
+        self._pool, self._shards = [client], 1
+
+    def _client(self) -> httpx.AsyncClient:
+        """The client for the next request, round robin; the others are made when first needed."""
+        i = next(self._next) % self._shards
+        while len(self._pool) <= i:
+            self._pool.append(self._new_client(self.SHARD_CONNECTIONS))
+        return self._pool[i]
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for c in self._pool:
+            await c.aclose()
 
     async def __aenter__(self):
         return self
@@ -147,13 +177,14 @@ class InferenceClient:
                     headers: dict | None = None, attempts: int = 4, content: bytes | None = None) -> dict:
         # A pooled keep-alive connection may be closed by the server just as it is reused (uvicorn
         # closes idle connections after 5 s): the request never reached the engine, so send it again.
+        http = self._client()
         for attempt in range(attempts):
             try:
                 if content is not None:  # a body already encoded (json_body)
-                    r = await self._http.post(path, content=content, params=params,
-                                              headers={"Content-Type": "application/json", **(headers or {})})
+                    r = await http.post(path, content=content, params=params,
+                                        headers={"Content-Type": "application/json", **(headers or {})})
                 else:
-                    r = await self._http.post(path, json=json, params=params, headers=headers)
+                    r = await http.post(path, json=json, params=params, headers=headers)
                 break
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError) as e:
                 if attempt == attempts - 1:
