@@ -82,6 +82,31 @@ sys.path.insert(0, str(REPO))
 
 from _rehearsal_report import SEED, analyse, report  # noqa: E402  (the measuring half)
 
+# the orchestrator's module run under tracemalloc, the peak of traced memory and its largest holders
+# written at exit (sampled every 2 s: tracemalloc's peak is a number, its snapshot only the moment's)
+TRACED = """
+import atexit, runpy, sys, threading, time, tracemalloc
+best = [0, None]
+def sample():
+    while True:
+        time.sleep(2)
+        cur, _ = tracemalloc.get_traced_memory()
+        if cur > best[0]:
+            best[0], best[1] = cur, tracemalloc.take_snapshot()
+threading.Thread(target=sample, daemon=True).start()
+def dump():
+    cur, peak = tracemalloc.get_traced_memory()
+    with open({out!r}, "w") as f:
+        f.write(f"traced peak {{peak}} current {{cur}} sampled max {{best[0]}}\\n")
+        if best[1] is not None:
+            for st in best[1].statistics("lineno")[:25]:
+                f.write(f"{{st}}\\n")
+atexit.register(dump)
+sys.argv[0] = {module!r}
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,6 +147,9 @@ def args_(argv=None):
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--profile", metavar="FILE", default=None,
                    help="run the orchestrator under cProfile and write its profile here (pstats format)")
+    p.add_argument("--tracemalloc", metavar="FILE", default=None,
+                   help="run the orchestrator under tracemalloc; at its exit write the peak of what Python and "
+                        "numpy allocated and the largest holders at that moment's end (to compare with RSS)")
     p.add_argument("--no-probe", action="store_true",
                    help="skip the two one-step probe runs (a quarter of the episodes in flight; episodes a quarter "
                         "as long) that separate the orchestrator's memory per episode and per token in flight")
@@ -262,6 +290,9 @@ def run(a, work: Path) -> dict:
         cmd, role_env = role_processes(plan)["orchestrator"]
         if getattr(a, "profile", None) and cmd[1:2] == ["-m"]:   # the same command under cProfile
             cmd = [cmd[0], "-m", "cProfile", "-o", str(Path(a.profile).absolute()), *cmd[1:]]
+        if getattr(a, "tracemalloc", None) and cmd[1:2] == ["-m"]:   # under tracemalloc: what Python holds
+            cmd = [cmd[0], "-X", "tracemalloc=1", "-c", TRACED.format(out=str(Path(a.tracemalloc).absolute()),
+                                                                        module=cmd[2]), *cmd[3:]]
         orch = procs.start("orchestrator", cmd, {**env, **role_env})
         # its base: imported and waiting for the servers (no episode yet); RSS steady over 1.5 s
         last, steady, t0 = -1, 0, time.monotonic()
@@ -355,6 +386,7 @@ def main(argv=None) -> int:
                                            ("length", a.inflight, max(a.tokens_per_episode // 4, 4 * a.turns))):
                 pa = copy.copy(a)
                 pa.inflight, pa.tokens_per_episode, pa.steps, pa.profile = inflight, tokens, 1, None
+                pa.tracemalloc = None
                 pt = run(pa, work / f"probe_{name}")
                 t["probes"][name] = {"inflight": inflight, "tokens": tokens, "anon_peak": pt["anon_peak"],
                                      "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0)}
