@@ -1,8 +1,16 @@
 """The simulated world of benchmarks/async_rollouts.py: a toy policy over digits served by a stand-in
 server whose generation costs time per token, the agentic latency model (turns of generation and tool
-calls with heavy-tailed times), and a trainer that takes real Adam steps on the toy policy.
+calls with heavy-tailed times), and a trainer that takes real Adam steps on the toy policy with the
+configured off-policy correction (`trainer.mismatch`, rl.trainer.corrections).
 
-Kept apart from the benchmark's measuring and reporting so each reads on its own; the orchestrator,
+Trainer/inference mismatch (`mismatch_kl` > 0): the server samples from, and reports the logprobs of, a
+perturbed copy of the policy it serves, as an FP8 engine or a different MoE routing would. The
+perturbation is one fixed random direction of the logits per run (a systematic numerical difference,
+not fresh noise each step, which would average out), scaled for every version so that the exact mean
+KL(served || trainer) per answer token, over positions and target digits, equals `mismatch_kl`.
+
+Also `predict`: launch.simulate fed the component times a run measured. Kept apart from the benchmark's
+measuring and reporting so each reads on its own; the orchestrator,
 its pool and the run directory the world drives are the product's own (rl.orchestrator), unchanged.
 """
 from __future__ import annotations
@@ -11,6 +19,7 @@ import asyncio
 import math
 import random
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -50,10 +59,36 @@ class Toy:
         return self._targets[key]
 
 
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def mean_kl(q_logits: np.ndarray, p_logits: np.ndarray) -> float:
+    """Exact KL(q || p) of the toy's rows (position, target digit), averaged over the rows."""
+    lq, lp = _log_softmax(q_logits), _log_softmax(p_logits)
+    return float(np.mean(np.sum(np.exp(lq) * (lq - lp), axis=-1)))
+
+
+def perturbed(w: np.ndarray, direction: np.ndarray, kl: float) -> np.ndarray:
+    """w + s * direction with s set (bisection: the KL grows with s) so that mean_kl(served, w) = kl."""
+    if kl <= 0:
+        return w
+    lo, hi = 0.0, 1.0
+    while mean_kl(w + hi * direction, w) < kl:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_kl(w + mid * direction, w) < kl else (lo, mid)
+    return w + hi * direction
+
+
 class World:
-    def __init__(self, toy: Toy, tok_s: float):
-        self.toy, self.tok_s = toy, tok_s
+    def __init__(self, toy: Toy, tok_s: float, mismatch_kl: float = 0.0, seed: int = 0):
+        self.toy, self.tok_s, self.mismatch_kl = toy, tok_s, float(mismatch_kl)
         self.params = {0: toy.w0.copy()}
+        self._served: dict[int, np.ndarray] = {}
+        self._direction = np.random.default_rng(10_000 + seed).standard_normal(toy.w0.shape).astype(np.float32)
         self.history = [(0.0, 0)]  # (monotonic time, version) as the servers switched
         self.generated = 0
         self.by_group: dict = {}  # group id (the pool's; None in batch mode) -> tokens generated
@@ -69,6 +104,12 @@ class World:
         # per rollout too: a drop under stale_policy=release may cover some of a group's rollouts only
         i = next((i for i, x in g.rollouts.items() if x is r), None) if g is not None else None
         self.by_rollout[(gid, i)] = self.by_rollout.get((gid, i), 0) + n
+
+    def served(self, v: int) -> np.ndarray:
+        """The logits the server samples version v from: the policy itself, or its perturbed copy."""
+        if v not in self._served:
+            self._served[v] = perturbed(self.params[v], self._direction, self.mismatch_kl)
+        return self._served[v]
 
     def version_at(self, t: float) -> int:
         v = self.history[0][1]
@@ -107,7 +148,7 @@ class SimServer:
             v = w.version_at(t0 + (j + 1) * w.tok_s)
             vers.append(v)
             if j < toy.n:
-                logits = w.params[v][j, tg[j]]
+                logits = w.served(v)[j, tg[j]]
                 p = np.exp(logits - logits.max())
                 p /= p.sum()
                 d = int(rng.choice(10, p=p))
@@ -178,7 +219,8 @@ class _Episode:
 
 
 async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr: float):
-    """Reads batch n, trains with the real loss on its loss mask, publishes version n + 1."""
+    """Reads batch n, trains with the real loss (the configured correction, each token's sample index
+    for the sequence rules) on its loss mask, publishes version n + 1."""
     import torch
 
     from rl import exchange
@@ -186,7 +228,8 @@ async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr
     from rl.contract.batch import RolloutBatch
     from rl.metrics import MetricsLogger
     from rl.runtime import mark_done
-    from rl.trainer.loss import LossConfig, pg_loss
+    from rl.trainer.loss import LossConfig, finalize_stats, pg_loss
+    loss_cfg = LossConfig.from_trainer(cfg.trainer)
     toy, k = world.toy, int(cfg.orchestrator.max_off_policy)
     W, opt = world.W, world.opt
     metrics = MetricsLogger(run_dir, cfg)
@@ -229,10 +272,13 @@ async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr
             lsm = torch.log_softmax(W, dim=-1)
             lp = lp.index_put((torch.tensor(idx),), lsm[torch.tensor(js), torch.tensor(ds), torch.tensor(toks)])
         opt.zero_grad()
+        corr = {}
         if mask.sum() > 0:
-            loss, _ = pg_loss(lp, lp_inf, adv, mask, LossConfig(mismatch="none"))
+            sample = torch.tensor(np.repeat(np.arange(b.num_samples), counts), dtype=torch.float32)
+            loss, st = pg_loss(lp, lp_inf, adv, mask, loss_cfg, sample=sample, n_samples=b.num_samples)
             loss.backward()
             opt.step()
+            corr = {k: v for k, v in finalize_stats(st).items() if k != "loss_tokens"}
         await asyncio.sleep(train_s)  # the trainer's compute
         world.params[n + 1] = W.detach().numpy().copy()
         policy_reward = toy.expected_reward(world.params[n + 1])
@@ -240,7 +286,7 @@ async def sim_trainer(run_dir, cfg, world: World, steps: int, train_s: float, lr
         m = {"reward_mean": float(b.rewards.mean()), "wait_s": t0 - t_wait, "time": time.time(),
              "lag": float(lag[b.loss_mask > 0].mean()) if b.loss_mask.any() else 0.0,
              "lag_max": int(lag.max()) if len(lag) else 0, "loss_tokens": int(b.loss_mask.sum()),
-             "policy_reward": policy_reward}
+             "policy_reward": policy_reward, **corr}
         m.update({f"orchestrator/{kk}": v for kk, v in b.meta.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics.log(n, m)
@@ -258,14 +304,14 @@ def sim_config(run_dir, overrides):
     return OmegaConf.create(cfg)
 
 
-async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
+async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0.0) -> dict:
     from rl import exchange
     from rl.orchestrator.loop import Orchestrator
     from rl.orchestrator.versions import VersionTracker
     from rl.runtime import StopFlag
     n_digits = int(cfg.env.digits.n_digits)
     toy = Toy(tok, n_digits)
-    world = World(toy, a.tok_ms / 1000)
+    world = World(toy, a.tok_ms / 1000, mismatch_kl, seed=int(cfg.seed))
     import torch  # before the clock starts: the first import of Adam takes seconds and would block the loop
     world.W = torch.tensor(toy.w0, requires_grad=True)
     world.opt = torch.optim.Adam([world.W], lr=a.lr, foreach=False)
@@ -277,6 +323,7 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
     orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
     steps = int(cfg.trainer.max_steps)
     exchange.publish(run_dir, "weights", 0, lambda d: (d / "w").write_text("toy"), producer="trainer")
+    t_start = time.time()  # the clock of time-to-reward (metrics.jsonl's `time` is wall time too)
     orch.watcher = asyncio.create_task(orch._weight_watcher())
     trainer = asyncio.create_task(sim_trainer(run_dir, cfg, world, steps, a.train_s, a.lr))
     try:
@@ -290,6 +337,40 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok) -> dict:
         trainer.cancel()
         await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
     return {"server_generated": world.generated, "by_group": world.by_group, "by_rollout": world.by_rollout, "env": orch.sampler.env,
-            "max_lag_trainer": max_lag, "world": world}
+            "max_lag_trainer": max_lag, "world": world, "t_start": t_start}
 
 
+def predict(run_dir: Path, cfg, out: dict, model: str, a) -> dict:
+    """launch.simulate's steps/h for this mode, fed the component times this run measured: the trainer's
+    busy seconds per step (metrics.jsonl), the server's seconds per generated token and the tool calls'
+    actual / planned seconds (the event loop's lag on a loaded machine), the multi-turn driver's seconds
+    per turn outside generation and tools; episodes are the latency model's own, group by group."""
+    from launch.simulate import SimConfig, Turn, simulate
+    from rl.metrics import read_metrics
+    ms = read_metrics(run_dir)
+    busy = [m1["time"] - m0["time"] - m1["wait_s"] for m0, m1 in zip(ms, ms[1:])]
+    train_s = statistics.median(busy) if busy else a.train_s
+    w, env = out["world"], out["env"]
+    token_s = w.gen_s / w.gen_tokens if w.gen_tokens else a.tok_ms / 1000
+    stretch = w.tool_s / w.tool_planned if w.tool_planned else 1.0
+    turns = sum(m.get("orchestrator/turns_total", 0) for m in ms)
+    outside = sum(m.get("orchestrator/episode_s_mean", 0) * m.get("orchestrator/episodes", 0)
+                  - m.get("orchestrator/turn_gen_s", 0) - m.get("orchestrator/turn_env_s", 0) for m in ms)
+    per_turn = max(outside / turns, 0.0) if turns else 0.0
+    G, P = int(cfg.orchestrator.group_size), int(cfg.orchestrator.prompts_per_step)
+    n_digits = int(cfg.env.digits.n_digits)
+
+    def source(key: str):
+        part = key.split("-")
+        if part[0] == "group":   # the pool's task of group g; batch mode's task j of (step, attempt)
+            task = env.sample_tasks(1, random.Random(f"{cfg.seed}-group-{part[1]}"))[0]
+        else:
+            task = env.sample_tasks(P, random.Random(f"{cfg.seed}-{part[1]}-{part[2]}"))[int(part[3])]
+        if model == "agentic":
+            return [[Turn(min(a.turn_tokens, int(cfg.orchestrator.max_tokens)), x * stretch + per_turn)
+                     for x in env.plan(task, i)] for i in range(G)]
+        return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * stretch + per_turn)] for _ in range(G)]
+    r = simulate(SimConfig.from_config(cfg, train_s=train_s, token_s=token_s), source)
+    return {"steps_per_hour": r.steps_per_hour, "trainer_idle": r.trainer_idle, "train_s": train_s,
+            "token_s": token_s, "wasted_fraction": r.wasted_fraction, "waiting_fraction": r.waiting_fraction,
+            "sibling_wait_s": r.sibling_wait_s}

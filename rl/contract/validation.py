@@ -21,7 +21,7 @@ _CHOICES = {
     "model.family": FAMILIES,
     "cluster.backend": ("local", "slurm"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "trainer.mismatch": ("mask", "truncate", "none"),
+    "trainer.mismatch": ("mask", "truncate", "none", "seq_truncate", "seq_mask", "geo_mask", "m2po"),
     "trainer.activation_checkpointing": ("none", "selective", "full"),
     "inference.dtype": ("float32", "bfloat16", "auto"),
     "inference.fp8_load": ("auto", "dequantize", "fp8"),
@@ -103,6 +103,9 @@ def validate(cfg: DictConfig | dict) -> None:
     need(t.keep_weights >= cfg.orchestrator.max_off_policy + 1, "trainer.keep_weights",
          f"must be at least orchestrator.max_off_policy + 1 = {cfg.orchestrator.max_off_policy + 1}")
     need(0 < t.ratio_min <= 1 <= t.ratio_max, "trainer.ratio_max", "need 0 < ratio_min <= 1 <= ratio_max")
+    need(0 < t.geo_ratio_min <= 1 <= t.geo_ratio_max, "trainer.geo_ratio_max",
+         "need 0 < geo_ratio_min <= 1 <= geo_ratio_max")
+    need(t.m2_threshold > 0, "trainer.m2_threshold", "must be positive (the kept tokens' mean (log r)^2)")
     need(len(t.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas),
          "trainer.betas", "two values in [0, 1)")
     need(t.warm_start.steps >= 0, "trainer.warm_start.steps", "must be >= 0")

@@ -31,7 +31,7 @@ from rl.models import replay
 from rl.models.common import position_logprobs
 from rl.trainer import parallel
 from rl.trainer.owners import OwnershipPlan
-from rl.trainer.loss import LossConfig, add_stats, finalize_stats, pg_loss
+from rl.trainer.loss import LossConfig, add_stats, finalize_stats, is_max_stat, pg_loss
 from rl.trainer.model import Built, build_model
 from rl.trainer.packing import MicroBatch, Row, pack, rows_for_rank
 
@@ -208,7 +208,9 @@ class Trainer:
                     self._routing_for(row)
                 lp, ent = self._forward(row, replay_routing=self.router_replay)
                 loss, st = pg_loss(lp, pt["lp_inf"], pt["adv"], pt["mask"], self.loss_cfg, entropy=ent,
-                                   normalizer=n_loss)
+                                   normalizer=n_loss, sample=pt["sample"], n_samples=len(counts),
+                                   reduce_samples=self._cp_sum(), gather_row=self._cp_gather(),
+                                   count_samples=self.dist.cp_rank == 0)
                 loss.backward()
                 loss_sum += loss.detach()
                 stats = add_stats(stats, st)
@@ -239,11 +241,49 @@ class Trainer:
     def _reduce_stats(self, stats: dict) -> dict:
         if not self.dist.distributed:
             return stats
-        keys = [k for k in stats if k != "ratio_max"]
+        keys = [k for k in stats if not is_max_stat(k)]
         summed = self.dist.sum(torch.stack([stats[k].float() for k in keys]))
         out = dict(zip(keys, summed.unbind()))
-        out["ratio_max"] = self.dist.max(stats["ratio_max"].float().reshape(()))
+        maxed = [k for k in stats if is_max_stat(k)]
+        out.update(zip(maxed, self.dist.max(torch.stack([stats[k].float().reshape(()) for k in maxed])).unbind()))
         return out
+
+    def _cp_sum(self):
+        """Under context parallel a sample's tokens are spread over the cp ranks of its row: the sum of
+        per-sample vectors over them (the sequence corrections decide on whole samples). None otherwise."""
+        if self.dist.cp <= 1:
+            return None
+        import torch.distributed as dist
+        group = self.dist.dims.get_mesh("cp").get_group()
+
+        def cp_sum(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return t
+        return cp_sum
+
+    def _cp_gather(self):
+        """Under context parallel: the whole row's per-token values on every cp rank (M2PO ranks a row's
+        tokens), and where this rank's tokens sit in it (rl.models.common.headtail_index). None otherwise."""
+        if self.dist.cp <= 1:
+            return None
+        import torch.distributed as dist
+        from rl.models.common import headtail_index
+        cp, group = self.dist.cp, self.dist.dims.get_mesh("cp").get_group()
+
+        def gather(*ts: torch.Tensor):
+            n = ts[0].numel() * cp   # _cp_shard gave every rank an equal part
+            where = [headtail_index(n, cp, r).to(ts[0].device) for r in range(cp)]
+            out = []
+            for t in ts:
+                parts = [torch.empty_like(t.reshape(-1)) for _ in range(cp)]
+                dist.all_gather(parts, t.reshape(-1).contiguous(), group=group)
+                full = torch.empty(n, dtype=t.dtype, device=t.device)
+                for idx, part in zip(where, parts):
+                    full[idx] = part
+                out.append(full)
+            return (*out, where[self.dist.cp_rank])
+        return gather
 
     # -- run-directory side ---------------------------------------------------------------------------
     def _checkpoint_naming(self) -> tuple[str, list[str]]:

@@ -100,7 +100,7 @@ def test_simulator_reproduces_the_async_benchmark_measured_here(capsys):
     modes = "sync,batch_pipelined,mask,drop"
     assert async_rollouts.main(["--models", "agentic", "--modes", modes, "--steps", "6", "--prompts", "4",
                                 "--group-size", "4", "--max-concurrency", "16", "--env-concurrency", "64",
-                                "--train-s", "0.5"]) == 0
+                                "--train-s", "0.5", "--async-steps", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     ratios = dict(re.findall(r"sim_ratio_(\w+)=([\d.]+)", last))
     assert set(ratios) == set(modes.split(",")), last
