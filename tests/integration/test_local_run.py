@@ -66,7 +66,10 @@ def test_debug_run_learns_and_leaves_a_consistent_run_dir(debug_run):
     assert len(versions) >= steps // 4, versions  # a version can be skipped while another is evaluated
     assert all(e["eval/tasks"] == 8 and e["eval/failed_tasks"] == 0 and 0 <= e["eval/pass@1"] <= 1 for e in evals)
     folded = {m["eval/version"] for m in read_metrics(run_dir, final_eval=True) if "eval/version" in m}
-    assert folded == set(versions), (folded, versions)
+    # rows arriving between two trainer steps fold into one line, the newest winning (rl.metrics.EvalFold):
+    # every row is folded or superseded by a newer one folded in, and the final version's is there
+    assert folded <= set(versions) and steps in folded, (folded, versions)
+    assert all(v in folded or any(f > v for f in folded) for v in versions), (folded, versions)
     assert "eval policy v" in out
     from rl.contract.config import load
     group_size = load(run_dir).orchestrator.group_size
