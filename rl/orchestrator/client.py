@@ -160,7 +160,9 @@ class InferenceClient:
         """The client for the next request, round robin; the others are made when first needed."""
         i = next(self._next) % self._shards
         while len(self._pool) <= i:
-            self._pool.append(self._new_client(self.SHARD_CONNECTIONS))
+            c = self._new_client(self.SHARD_CONNECTIONS)
+            c.event_hooks = self._pool[0].event_hooks   # hooks set on the first (tools, tests) see every request
+            self._pool.append(c)
         return self._pool[i]
 
     async def aclose(self) -> None:
