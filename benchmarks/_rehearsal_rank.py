@@ -26,7 +26,6 @@ live measurement has 4 ranks, the orchestrator and the engine sharing this machi
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -55,27 +54,15 @@ def rchar() -> int:
 
 
 def _load(run_dir: Path, step: int, stop, d, cfg, vocab: int | None):
-    """(rank's batch or share, manifest, timings, path name): the repository's own data-plane call, with
-    the trainer's arguments (rl.trainer.loop)."""
-    try:
-        from rl.trainer.dataplane import next_share
-    except ImportError:
-        next_share = None
-    if next_share is not None:
-        kw = {}
-        if "plan" in inspect.signature(next_share).parameters:
-            from rl.contract.batch import ShardPlan
-            kw["plan"] = ShardPlan.from_config(cfg)
-        got = next_share(run_dir, step, stop, 0.02, d, vocab, **kw)
-        if got is None:
-            return None
-        share, manifest, timings = got
-        return share, manifest, dict(timings or {}), "share"
-    from rl.trainer.loop import _next_batch_all_ranks
-    got = _next_batch_all_ranks(run_dir, step, stop, 0.02, d, vocab_size=vocab)
+    """(rank's share, manifest, timings, path name): the trainer's own data-plane call with its arguments
+    (rl.trainer.loop)."""
+    from rl.contract.batch import ShardPlan
+    from rl.trainer.dataplane import next_share
+    got = next_share(run_dir, step, stop, 0.02, d, vocab, plan=ShardPlan.from_config(cfg))
     if got is None:
         return None
-    return got[0], got[1], {}, "whole"
+    share, manifest, timings = got
+    return share, manifest, dict(timings or {}), "share" if share.share is not None else "whole"
 
 
 def _pack(cfg, batch, d, step: int):

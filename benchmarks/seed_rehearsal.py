@@ -10,8 +10,8 @@ What runs for real, each as its own process started the way the launcher starts 
   words as it is asked for, so episodes are sized token blobs like SWE observations), router replay with
   `routed_experts_prompt_start`, the weight watcher, advantages, the batch and its publication;
 - the trainer's data ranks (benchmarks/_rehearsal_rank.py): a gloo process group of `--data-ranks`
-  processes, each running the trainer's wait / verify / load / pack (`rl.trainer.dataplane.next_share`
-  where the repository has it, else the trainer loop's whole-batch path), after which rank 0 publishes a
+  processes, each running the trainer's wait / verify / load / pack (`rl.trainer.dataplane.next_share`,
+  then rl.trainer.packing as train_step does), after which rank 0 publishes a
   small `weights/step_{n+1}` through rl.exchange so the off-policy bound moves.
 
 What is mocked, and why: the inference engines (benchmarks/_rehearsal_engine.py). vLLM returns routed
