@@ -511,10 +511,14 @@ def test_server_stops_on_done(setup):
 def test_a_dead_engine_ends_the_role_naming_the_cause(tmp_path):
     """vLLM's engine core dies and its API server stays up (503 on /health, 500 on every request): the
     role must not look alive. Killed here by what killed CI's run, chunked prefill of seeded requests on
-    the CPU (argparse takes the last flag: the plan's --no-enable-chunked-prefill, then this one). If
-    this vLLM stops dying on it, the plan's workaround (launch/plan.py, docs/cpu.md) can go."""
+    the CPU (argparse takes the last flag: the plan's --no-enable-chunked-prefill, then this one). The
+    step's budget (256 tokens) is below one prompt (500), so every request is cut into chunks whatever
+    the order requests arrive in: with the plan's 2048 a chunk happened only when several prompts landed
+    in one step, and a CI run where they arrived apart saw no death. If this vLLM stops dying on it,
+    the plan's workaround (launch/plan.py, docs/cpu.md) can go."""
     run_dir, plan = make_run_dir(tmp_path, "inference.startup_timeout_s=400",
-                                 "inference.extra_args=[--enable-chunked-prefill]")
+                                 "inference.extra_args=[--enable-chunked-prefill,--max-num-batched-tokens,256,"
+                                 "--max-num-seqs,8]")
     assets = exchange.publish(run_dir, "assets", 0, lambda d: write_hf_assets(d, MODEL), producer="test").path
     _publish_weights(run_dir, 0, random_hf_state_dict(assets, 1))
     out = tmp_path / "inference.out"
@@ -524,7 +528,7 @@ def test_a_dead_engine_ends_the_role_naming_the_cause(tmp_path):
             info = wait_server(run_dir, proc, 450, out)
             secret = paths.secret_file(run_dir).read_text().strip()
             prompts = [[int(x) for x in torch.randint(10, 500, (500,), generator=torch.Generator().manual_seed(k))]
-                       for k in range(8)]   # 4000 prompt tokens against a 2048-token step: chunked
+                       for k in range(8)]   # 500 prompt tokens each against a 256-token step: chunked
 
             async def go():
                 async with InferenceClient(info.url, secret=secret) as c:
