@@ -1,6 +1,6 @@
 """Writes builtin.jsonl, the built-in SWE tasks: `python -m rl.envs.swe.data.make_builtin`.
 
-Each task (builtin_tasks.py) is a tiny repository (`files`, with its visible tests), an issue text, the fix as
+Each task (a data file of builtin/, read by builtin_tasks.py) is a tiny repository (`files`, with its visible tests), an issue text, the fix as
 (path, old, new) replacements, and the hidden tests as new test files. The record's `patch` and
 `test_patch` are unified diffs computed from those, and FAIL_TO_PASS / PASS_TO_PASS are measured, not
 written by hand: the hidden and visible tests are run in the sandbox on the unmodified and on the fixed
