@@ -102,8 +102,8 @@ class TrainerConfig:
     weights_full_every: int = 10       # a full version every K; the others sparse deltas (0: always full)
     delta_max_fraction: float = 0.25   # a tensor whose changed bytes cost more than this goes whole
     # loss: importance-sampled policy gradient, token level (rl.trainer.loss)
-    mismatch: str = "truncate"         # the off-policy correction (rl.trainer.corrections): truncate | mask | none |
-    #                                    seq_truncate | seq_mask | geo_mask | m2po (default measured: docs/async.md)
+    mismatch: str = "truncate"         # the off-policy correction (rl.trainer.corrections): truncate | mask |
+    #                                    none | is | seq_truncate | seq_mask | geo_mask | m2po (docs/async.md)
     ratio_max: float = 2.0             # token (or sample) ratio above this: masked / truncated
     ratio_min: float = 0.5
     geo_ratio_min: float = 0.99        # geo_mask: a sample's geometric-mean ratio outside [min, max] is dropped

@@ -21,7 +21,7 @@ _CHOICES = {
     "model.family": FAMILIES,
     "cluster.backend": ("local", "slurm"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "trainer.mismatch": ("mask", "truncate", "none", "seq_truncate", "seq_mask", "geo_mask", "m2po"),
+    "trainer.mismatch": ("mask", "truncate", "none", "is", "seq_truncate", "seq_mask", "geo_mask", "m2po"),
     "trainer.activation_checkpointing": ("none", "selective", "full"),
     "inference.dtype": ("float32", "bfloat16", "auto"),
     "inference.fp8_load": ("auto", "dequantize", "fp8"),

@@ -6,7 +6,10 @@ trainer has r_t = pi_train(y_t) / pi_infer(y_t) = exp(lp - lp_inf). A correction
 into detached weights w_t (loss = -sum w_t A_t lp_t / N, rl.trainer.loss). The menu is what the peer
 frameworks publish; each entry names its source and the published rule (formulas restated, not copied):
 
-- "none": w_t = r_t, plain importance sampling (unbiased, unbounded variance).
+- "none": w_t = 1, no correction: the tokens are trained as if the trainer's policy had sampled them
+  (what a framework without rollout correction does, the baseline the peers' guides measure against;
+  biased by staleness and by the trainer/inference mismatch).
+- "is": w_t = r_t, plain importance sampling (unbiased, unbounded variance).
 - "truncate", token TIS (verl's rollout-correction `rollout_is=token`, SkyRL's `tis_ratio_type=token`,
   recommended there as the first thing to try with a cap of 2): w_t = min(r_t, ratio_max). The default:
   the best median time-to-reward under mismatch in benchmarks/async_rollouts.py (docs/async.md, where
@@ -50,7 +53,7 @@ from typing import Callable
 
 import torch
 
-MODES = ("mask", "truncate", "none", "seq_truncate", "seq_mask", "geo_mask", "m2po")
+MODES = ("mask", "truncate", "none", "is", "seq_truncate", "seq_mask", "geo_mask", "m2po")
 SEQUENCE_MODES = ("seq_truncate", "seq_mask", "geo_mask")
 # per-sample statistics, summed over micro-batches and ranks ("_max" ones: max)
 SEQ_STATS = ("seqs", "seqs_masked", "seq_log_ratio_sum", "seq_log_ratio_abs_max", "seq_geo_dev_sum",
@@ -135,6 +138,8 @@ def weights(log_r: torch.Tensor, m: torch.Tensor, cfg, *, sample: torch.Tensor |
             full_lr, full_m, mine = gather(log_r, m)
             keep = m2po_keep(full_lr, full_m, cfg.m2_threshold).reshape(-1)[mine].reshape(m.shape)
         w, dropped = r * keep, (1 - keep) * m
-    elif mode == "none":
+    elif mode == "is":
         w, dropped = r, torch.zeros_like(m)
+    elif mode == "none":
+        w, dropped = torch.ones_like(r), torch.zeros_like(m)
     return w * m, dropped, stats

@@ -15,9 +15,18 @@ def _inputs():
     return lp, lp_inf, adv, mask
 
 
-def test_none_mode_is_plain_importance_weighted_pg():
+def test_none_mode_trains_as_if_on_policy():
     lp, lp_inf, adv, mask = _inputs()
     loss, st = pg_loss(lp, lp_inf, adv, mask, LossConfig("none"))
+    loss.backward()
+    # no correction: d loss / d lp_i = -A_i m_i / N whatever the ratio (e^-2 on token 3, e^0.2 on 4)
+    assert torch.allclose(lp.grad, -(adv * mask) / 5)
+    assert finalize_stats(st)["masked_fraction"] == 0
+
+
+def test_is_mode_is_plain_importance_weighted_pg():
+    lp, lp_inf, adv, mask = _inputs()
+    loss, st = pg_loss(lp, lp_inf, adv, mask, LossConfig("is"))
     r = (lp.detach() - lp_inf).exp() * mask
     expected = -(r * adv * lp.detach() * mask).sum() / 5
     assert torch.allclose(loss, expected)
