@@ -4,8 +4,8 @@ The pool schedules rollouts one by one (a slot frees when its rollout is graded,
 is), and it measures waste and length bias per rollout. The samplers (rl.orchestrator.sampling,
 multiturn) run inside a group's asyncio task and do not know the pool; they report through two context
 variables set by the pool when it starts a group (`GROUP`) and by the sampler when a rollout begins
-(`ROLLOUT`): `rollout_begin`, `count_generated`, `rollout_end`. Outside a pool (schedule=batch, tests)
-those calls do nothing. The counters and the length statistics the batch meta carries live here too,
+(`ROLLOUT`): `rollout_begin`, `count_generated`, `segment_closed`, `rollout_end`. Outside a pool
+(schedule=batch, tests) those calls do nothing. The counters and the length statistics the batch meta carries live here too,
 so the pool keeps to scheduling.
 """
 from __future__ import annotations
@@ -48,6 +48,8 @@ class IdleClock:
 class RolloutAcct:
     tokens: int = 0                 # policy tokens generated (finished requests; a cancelled one: 0)
     seconds: float | None = None    # from the group's start to this rollout's end (None: unfinished)
+    segments: int = 0               # contexts the episode closed by summarizing (rl.orchestrator.multiturn)
+    segment_tokens: int = 0         # their policy tokens: what a cancel of the episode loses with them
 
 
 GROUP: contextvars.ContextVar = contextvars.ContextVar("hetrl_pool_group", default=None)
@@ -59,6 +61,13 @@ def count_generated(n: int) -> None:
     r = ROLLOUT.get()
     if r is not None:
         r.tokens += int(n)
+
+
+def segment_closed(segments: int, tokens: int) -> None:
+    """The rollout of this context has closed `segments` contexts so far, `tokens` policy tokens in them."""
+    r = ROLLOUT.get()
+    if r is not None:
+        r.segments, r.segment_tokens = int(segments), int(tokens)
 
 
 def rollout_begin(i: int) -> None:

@@ -54,8 +54,8 @@ against those of the trained ones. Tokens of a request cancelled mid-generation 
 servers, so a cancelled rollout counts only its finished requests (a lower bound).
 
 Drain: once every batch up to trainer.max_steps is published, or on a stop request, in-flight groups
-are cancelled (counted as dropped, reason `drain`) and awaited for at most
-`orchestrator.drain_timeout_s`.
+are cancelled (dropped, reason `drain`, with the contexts their episodes closed: rl.orchestrator.segments)
+and awaited for at most `orchestrator.drain_timeout_s`.
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ from typing import Any, Callable
 
 from rl import exchange, runtime
 from rl.contract import offpolicy, paths
+from rl.orchestrator import segments
 from rl.orchestrator.accounting import (GROUP, WASTE, PoolStats, RolloutAcct, length_stats, mask_stale,
                                         min_version, policy_tokens)
 from rl.orchestrator.grouplog import GroupLog, resume_plan, unresolved
@@ -114,6 +115,8 @@ class ContinuousPool:
                        **{f"{k}_tokens": 0 for k in WASTE + ("generated", "trained")}}
         self.lengths: dict[str, list[tuple[float, int]]] = {"started": [], "trained": []}
         self.durations = DurationModel()
+        self.lost = segments.LostSegments()   # closed contexts of cancelled episodes (summarization)
+        self._turn_tokens = 0   # tokens of the groups in flight when the pool last waited
         self._head: tuple[int, Any] | None = None
         self._seen_version: int | None = None
         self._version_t = time.monotonic()
@@ -313,9 +316,10 @@ class ContinuousPool:
         self.totals["cancelled"] += 1
         if reason == "stale":
             self._waste(g, "cancelled")
+        lost = self.lost.cancelled(g.gid, g.rollouts.values(), reason)
         if reason != "stop":
             self.log.dropped(g.gid, reason, n, where="inflight", tokens=g.tokens, seconds=now - g.started,
-                             **self._rest(g))
+                             **self._rest(g), **lost)
         # A stop interrupts a group, it does not judge it: left without a drop line, the group is played
         # again first by the next incarnation (resume_order), as after a crash, so a stopped and resumed
         # run samples the same prompts as one that was never stopped.
@@ -430,7 +434,7 @@ class ContinuousPool:
                 **{f"wasted_tokens_{k}_total": t[f"{k}_tokens"] for k in WASTE},
                 "wasted_token_fraction": wasted_total / max(t["generated_tokens"], 1),
                 # bias: episode lengths of every resolved rollout against those trained
-                **length_stats(self.lengths["started"], self.lengths["trained"])}
+                **length_stats(self.lengths["started"], self.lengths["trained"]), **self.lost.meta()}
         self.stats = PoolStats(idle0=self.sampler.idle.idle_s())
         return meta
 
@@ -470,6 +474,9 @@ class ContinuousPool:
                 self._fill(n)
                 groups = None if self._hold(n) else self._take(n)
                 if groups is None:
+                    if (turned := sum(g.tokens for g in self.inflight.values())) != self._turn_tokens:
+                        self._turn_tokens = turned   # a finished turn is progress (hour-long episodes): the
+                        runtime.progress()           # watchdog is for servers that stopped answering
                     runtime.waiting(f"rollout groups for rollouts/step_{n:06d} (finished by the servers, within "
                                     f"max_off_policy of it: needs weights/step_{offpolicy.needed_version(n, self.k):06d})")
                     self.wake.clear()

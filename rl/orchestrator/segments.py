@@ -17,12 +17,26 @@ context, k for its k-th summary's continuation; written only when some episode h
 and the samples of one episode are consecutive and in order. A reader counts rollouts as the samples
 with segment 0 (rl.contract.record_schemas.batch_meta, rl.contract.batch_checks.check_meta), so
 `entries` keep listing each rollout index once, and the report can show an episode's segments in order.
+
+What a cancelled episode loses (`LostSegments`). An episode in flight when its group is cancelled (stale,
+the end-of-run drain, a stop or preemption) loses every context it had already closed by summarizing:
+none of them can be trained, because every segment is trained with its episode's reward and advantage
+and only the episode's end gives a reward (a SWE episode is graded on its final tree). Keeping them for
+an unfinished episode would mean training policy turns without a reward; continuing the episode after a
+restart would need its sandbox's state, which dies with the job. So they are counted, never silently
+dropped: the drop line of the group in rollouts/groups.jsonl carries `segments` and `segment_tokens`,
+the next batch's meta (metrics.jsonl's `orchestrator/lost_segments...`) counts them since the previous
+batch and in all, and the orchestrator's log names the group and the reason. A stop writes no drop line
+(its groups are played again from the start by the next incarnation), so its loss is in the log only.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import numpy as np
 
 from rl.contract.batch import Sample
+from rl.runtime import log
 
 
 def expand(samples: list[Sample]) -> list[Sample]:
@@ -68,3 +82,35 @@ def meta(samples: list[Sample]) -> dict:
     """The batch meta's `segment` list (one entry per sample), or nothing when no episode was cut."""
     seg = [int(s.info.get("segment", 0)) for s in samples]
     return {"segment": seg} if any(seg) else {}
+
+
+class LostSegments:
+    """The closed contexts of cancelled episodes (the module docstring), counted from what the driver
+    reported per rollout (rl.orchestrator.accounting.segment_closed)."""
+
+    def __init__(self):
+        self.since = {"segments": 0, "tokens": 0}    # since the previous batch
+        self.total = {"segments": 0, "tokens": 0}    # in this incarnation
+
+    def cancelled(self, gid: int, rollouts: Iterable, reason: str) -> dict:
+        """Group `gid` is cancelled for `reason` with its rollouts' accounts `rollouts`: count and log what
+        its episodes had closed; returns the drop line's extra fields (none when nothing was closed)."""
+        rollouts = list(rollouts)
+        segs = sum(r.segments for r in rollouts)
+        if not segs:
+            return {}
+        toks = sum(r.segment_tokens for r in rollouts)
+        for d in (self.since, self.total):
+            d["segments"] += segs
+            d["tokens"] += toks
+        log("orchestrator", f"group {gid} cancelled ({reason}): its episodes had closed {segs} context(s) by "
+                            f"summarizing ({toks} policy tokens), lost untrained"
+                            + ("; the group is played again from its start after the restart" if reason == "stop" else ""))
+        return {"segments": segs, "segment_tokens": toks}
+
+    def meta(self) -> dict:
+        """The batch meta's counts (since the previous batch, and in all), then a new count begins."""
+        out = {"lost_segments": self.since["segments"], "lost_segment_tokens": self.since["tokens"],
+               "lost_segments_total": self.total["segments"], "lost_segment_tokens_total": self.total["tokens"]}
+        self.since = {"segments": 0, "tokens": 0}
+        return out

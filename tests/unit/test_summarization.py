@@ -245,6 +245,8 @@ def test_glm5_seed_keeps_the_recipes_long_episodes():
     assert lim.max_total_tokens == 131072 and lim.summary_prompt
     assert cfg.env.swe.wall_s >= lim.wall_s          # the environment does not end an episode first
     assert cfg.orchestrator.request_timeout_s >= 3600  # one long turn is not cut by the HTTP timeout
+    # the no-progress watchdog outwaits a whole episode (a trainer waiting for a batch of six-hour episodes)
+    assert cfg.cluster.stall_timeout_s > lim.wall_s
 
 
 def test_report_shows_an_episodes_contexts_in_order():
@@ -252,3 +254,37 @@ def test_report_shows_an_episodes_contexts_in_order():
     seg = [0, 1, 2, 0, 0, 1]
     assert [contexts(seg, i) for i in range(6)] == [[0, 1, 2]] * 3 + [[3], [4, 5], [4, 5]]
     assert contexts(None, 4) == [4]
+
+
+# --- what a cancelled episode had closed (long episodes: drain, stale, stop) ---------------------------
+
+def test_a_cancelled_episode_reports_the_contexts_it_closed(tok):
+    """The driver reports each context it closes to the pool's account of the rollout, so a cancel after
+    two summaries knows it loses two contexts and their policy tokens (every model token generated so
+    far: the third context has no model turn yet when the episode is cancelled)."""
+    from types import SimpleNamespace
+    from test_multiturn_r3 import ToolEnv
+    bridge = ChatBridge(tok)
+    reply = bridge.encode("ok, next") + [bridge.eos_id]
+    limits = multiturn.RolloutLimits(max_turns=50, max_tokens_per_turn=16, max_total_tokens=2048,
+                                     summarize_at=(100, 150), summary_prompt="Summarize your progress.")
+    acct, generated, blocked = accounting.RolloutAcct(), [], asyncio.Event()
+
+    async def generate(ids, max_tokens, turn, routed_start=0):
+        if acct.segments == 2:           # the third context's first turn: the episode is cancelled here
+            blocked.set()
+            await asyncio.Event().wait()
+        generated.append(len(reply))
+        return SimpleNamespace(ids=reply, logprobs=[-0.5] * len(reply), finish_reason="stop"), [0] * len(reply)
+
+    async def go():
+        async def episode():
+            accounting.ROLLOUT.set(acct)     # what rollout_begin does inside a pool's group
+            return await multiturn.run_episode(ToolEnv(), {"id": 0}, generate, bridge, limits)
+        task = asyncio.create_task(episode())
+        await asyncio.wait_for(blocked.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(go())
+    assert acct.segments == 2 and acct.segment_tokens == sum(generated) > 0
