@@ -13,6 +13,8 @@ tool observations); they are never subject to the bound.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def oldest_version(step: int, max_off_policy: int) -> int:
     """The oldest policy version whose tokens batch `step` may train on (may be negative early on)."""
@@ -32,3 +34,35 @@ def last_batch(version: int, max_off_policy: int) -> int:
 def needed_version(step: int, max_off_policy: int) -> int:
     """The weights that must be out before batch `step` can hold any trainable token (never below 0)."""
     return max(oldest_version(step, max_off_policy), 0)
+
+
+@dataclass(frozen=True)
+class StalePolicy:
+    """What the orchestrator does with a group that is still playing when its oldest tokens reach the
+    bound (`orchestrator.stale_policy`). The flags are what the pool, the batch former and the simulator
+    read; the names are compared nowhere else."""
+    name: str
+    keeps_groups: bool   # a group past the bound is kept and its stale tokens masked (else cancelled, replayed)
+    admits: bool         # a group starts only when its predicted duration fits before its last batch
+    trains_parts: bool   # a group's finished rollouts may be trained before their siblings finish
+    what: str
+
+
+STALE_POLICIES = {p.name: p for p in (
+    StalePolicy("drop", False, False, False,
+                "cancel a group whose oldest tokens pass the bound and play it again"),
+    StalePolicy("mask", True, False, False,
+                "keep the group; mask its tokens past the bound (they count, untrained)"),
+    StalePolicy("admit", True, True, False,
+                "as mask, and start a group only when its predicted duration fits the bound"),
+    StalePolicy("release", True, False, True,
+                "as mask, and train finished rollouts of a group before their siblings (no barrier)"),
+)}
+
+
+def stale_policy(name: str) -> StalePolicy:
+    """The row of `orchestrator.stale_policy` = `name`; a one-line error for another name."""
+    try:
+        return STALE_POLICIES[str(name)]
+    except KeyError:
+        raise ValueError(f"orchestrator.stale_policy={name!r}: must be one of {', '.join(STALE_POLICIES)}") from None

@@ -48,9 +48,6 @@ from rl.contract.batch import Sample
 from rl.orchestrator.accounting import RolloutAcct, check_finite, min_version
 
 
-STALE_POLICIES = ("drop", "mask", "admit", "release")
-
-
 def default_max_inflight(o: Any) -> int:
     """Rollouts in flight (orchestrator.max_inflight; None = prompts_per_step * group_size * (k + 1))."""
     if o.max_inflight is not None:
@@ -58,11 +55,9 @@ def default_max_inflight(o: Any) -> int:
     return int(o.prompts_per_step) * int(o.group_size) * (int(o.max_off_policy) + 1)
 
 
-def stale_policy(o: Any) -> str:
-    p = str(getattr(o, "stale_policy", "drop") or "drop")
-    if p not in STALE_POLICIES:
-        raise ValueError(f"orchestrator.stale_policy={p!r}: must be one of {', '.join(STALE_POLICIES)}")
-    return p
+def stale_policy(o: Any) -> offpolicy.StalePolicy:
+    """The row of `o.stale_policy` (rl.contract.offpolicy.STALE_POLICIES: the one place the names live)."""
+    return offpolicy.stale_policy(o.stale_policy)
 
 
 def task_key(task: Any) -> str:

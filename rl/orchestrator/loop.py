@@ -187,7 +187,7 @@ class Orchestrator:
         if not await self._wait_version(offpolicy.needed_version(step, self.o.max_off_policy)):
             return None
         sp = self.sampler
-        masking = stale_policy(self.o) != "drop"
+        masking = stale_policy(self.o).keeps_groups
         t0, idle0 = time.monotonic(), sp.idle.idle_s()
         kept: list[list[Sample]] = []
         dropped = failed = masked = 0
@@ -219,7 +219,7 @@ class Orchestrator:
             "dropped_groups": dropped, "failed_groups": failed, "gen_s": time.monotonic() - t0,
             "inference_idle_fraction": (sp.idle.idle_s() - idle0) / max(time.monotonic() - t0, 1e-9),
             "dropped_groups_total": self.stats["dropped_groups"], "schedule": "batch", "masked_tokens": masked,
-            "stale_policy": stale_policy(self.o)})
+            "stale_policy": stale_policy(self.o).name})
 
     def finish_batch(self, step: int, kept: list[list[Sample]], meta: dict,
                      refs: list | None = None) -> Draft:

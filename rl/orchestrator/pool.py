@@ -93,8 +93,8 @@ class ContinuousPool:
         self.group_size = int(self.o.group_size)
         self.max_inflight = default_max_inflight(self.o)   # rollouts
         self.policy = stale_policy(self.o)
-        self.masking = self.policy in ("mask", "admit", "release")
-        self.releasing = self.policy == "release"
+        self.masking = self.policy.keeps_groups
+        self.releasing = self.policy.trains_parts
         self.log = GroupLog(self.run_dir, restart)
         # the retry order, the next id and {group: ({rollout: reward} trained, {rollout} dropped)} before a
         # restart (stale_policy=release), from one read of the log and the trusted batches
@@ -181,7 +181,7 @@ class ContinuousPool:
         is due (k trainer steps after the current version appeared)? One predicted never to fit starts
         anyway (masked at the bound), and so does every group while the trainer waits for batch n (the
         window only reopens once n is trained), so nothing waits forever and no prompt is skipped."""
-        if self.policy != "admit" or self.step_s is None:
+        if not self.policy.admits or self.step_s is None:
             return True
         if n is not None and self._trainer_waits(n):
             return True
@@ -426,7 +426,7 @@ class ContinuousPool:
                 "pool_ready": len(self.ready),
                 "inference_idle_fraction": (self.sampler.idle.idle_s() - st.idle0) / span, "gen_s": span,
                 "retried_groups": self.totals["retried"], "schedule": "continuous",
-                "stale_policy": self.policy, "admit_waits_total": self.totals["admit_waits"],
+                "stale_policy": self.policy.name, "admit_waits_total": self.totals["admit_waits"],
                 # waste: since the previous batch, and over the incarnation (..._total)
                 "generated_tokens": st.tokens["generated"], "trained_tokens": st.tokens["trained"],
                 **{f"wasted_tokens_{k}": st.tokens[k] for k in WASTE},
