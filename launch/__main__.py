@@ -200,14 +200,18 @@ def _frozen(run_dir: str) -> dict:
 def cmd_resume(ns) -> int:
     cfg = _frozen(ns.run_dir)
     cfg["run_dir"] = ns.run_dir  # resolved by main (safefs.resolve_run_dir)
+    show = getattr(ns, "cfg", None) is not None   # --cfg job: print the config the resume would run, and exit
     if ns.overrides:
         from launch.compose import compose_points
-        over = compose_points(list(ns.overrides) + [f"run_dir={cfg['run_dir']}"], False)[0]
+        over = compose_points(list(ns.overrides) + [f"run_dir={cfg['run_dir']}"], False, check=not show)[0]
         over.pop("_overrides", None)
         cfg = over
     from omegaconf import OmegaConf
+    if show:
+        sys.stdout.write(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        return 0
     from rl.contract.validation import validate
-    validate(OmegaConf.create(cfg))
+    validate(cfg)
     return _launch(cfg)[0]
 
 
@@ -264,13 +268,80 @@ def cmd_doctor(ns) -> int:
     return run(ns)
 
 
+# (one-line help in `python -m launch --help`, description in `python -m launch CMD --help`)
+COMMANDS = {
+    "run": ("compose, validate, plan, then run here (cluster=local) or submit to Slurm (cluster=slurm)",
+            "Compose conf/ with the Hydra overrides, validate every point of a sweep, plan, then run the roles "
+            "here (cluster=local, the default) or submit one heterogeneous Slurm job per point "
+            "(cluster=slurm) and return. Nothing is written, started or submitted before every point passed."),
+    "plan": ("print the allocation, memory and step-time plan and the batch script; submit nothing",
+             "Compose and validate like run, then print the allocation plan, the per-GPU memory estimate "
+             "(docs/memory.md), the step-time prediction (docs/perf.md) and, for cluster=slurm, the batch "
+             "script. Writes and submits nothing."),
+    "status": ("job state, progress and roles of a run, read from its directory",
+               "The run's state (Slurm job or local roles), its progress and its roles, read from RUN_DIR."),
+    "resume": ("start or resubmit a run from its frozen config, from the newest complete checkpoint",
+               "Start (cluster=local) or resubmit (cluster=slurm) the run in RUN_DIR from its frozen "
+               "config.yaml; it resumes from the newest complete checkpoint. Overrides may change what a "
+               "resume can (trainer.max_steps, cluster.*)."),
+    "cancel": ("stop a run (Slurm: scancel; local: SIGTERM to the roles)",
+               "Stop the run in RUN_DIR: scancel its Slurm job, or send SIGTERM to its local roles (they "
+               "checkpoint, then exit)."),
+    "logs": ("print a role's log (-f to follow)", "Print RUN_DIR/logs/ROLE.log; -f follows it."),
+    "export": ("write the trained policy as a Hugging Face checkpoint (docs/export.md)",
+               "Write a checkpoint of RUN_DIR as a Hugging Face checkpoint directory (docs/export.md)."),
+    "report": ("one self-contained HTML page about a run (docs/report.md)",
+               "Write one self-contained HTML page about the run in RUN_DIR (docs/report.md)."),
+    "doctor": ("check packages, devices, kernels, filesystem and Slurm (docs/doctor.md)",
+               "Check packages, devices, kernels, the shared filesystem and Slurm against the config the "
+               "overrides compose; --gpu runs the trainer and publisher paths (docs/doctor.md)."),
+}
+# Subcommands whose config Hydra composes from overrides: they take Hydra's --cfg and --info.
+COMPOSING = ("run", "plan", "doctor")
+
+
+def _texts(name: str) -> dict:
+    short, long = COMMANDS[name]
+    return dict(help=short, description=long)
+
+
+def _compose_flags(s) -> None:
+    """Hydra's conventions (its app flags of the same names): print the config or Hydra's view of it and
+    exit, writing, starting and submitting nothing."""
+    from launch.compose import CFG_TYPES, INFO_TYPES
+    s.add_argument("-c", "--cfg", choices=CFG_TYPES, default=None,
+                   help="print the composed config (job: what the run would freeze; hydra: Hydra's own; all: "
+                        "both) as YAML and exit")
+    s.add_argument("-p", "--package", default=None, help="with --cfg: only this key of it (e.g. trainer)")
+    s.add_argument("--info", nargs="?", const="all", choices=INFO_TYPES, default=None,
+                   help="print Hydra's information (config search path, defaults tree and list, the config) "
+                        "and exit")
+
+
+def cmd_show(ns) -> int:
+    from launch import compose
+    over, multirun = list(getattr(ns, "overrides", None) or []), bool(getattr(ns, "multirun", False))
+    if ns.info is not None:
+        compose.show_info(over, multirun, ns.info)
+    else:
+        sys.stdout.write(compose.show_cfg(over, multirun, ns.cfg, ns.package))
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0],
+                                epilog="python -m launch CMD --help: the arguments of CMD")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="CMD")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = argv[0] if argv else None
     for name in ("run", "plan"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, **_texts(name))
         s.add_argument("-m", "--multirun", action="store_true", help="sweep: one job per point")
         s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=debug trainer.max_steps=10")
+        _compose_flags(s)
+        if name == "run":
+            s.add_argument("--detach", action="store_true", help="local backend: start the roles and return; "
+                           "they outlive the launcher (a Slurm job always does)")
         if name == "plan":   # the step-time prediction's inputs (docs/perf.md)
             s.add_argument("--simulate", action="store_true", help="also simulate the async pipeline")
             s.add_argument("--assume", action="append", metavar="KEY=VALUE",
@@ -278,31 +349,51 @@ def main(argv=None) -> int:
             s.add_argument("--metrics", metavar="METRICS_JSONL", help="workload from a finished run's metrics.jsonl")
             s.add_argument("--search", action="store_true",
                            help="rank trainer/prefill/decode splits and trainer layouts of the same total nodes")
-    s = sub.add_parser("resume")
+    s = sub.add_parser("resume", **_texts("resume"))
     s.add_argument("run_dir")
     s.add_argument("overrides", nargs="*", help="resumable overrides (trainer.max_steps, cluster.*)")
-    s = sub.add_parser("status")
+    s.add_argument("-c", "--cfg", choices=("job",), default=None,
+                   help="print the config the resume would run (frozen config + overrides) as YAML and exit")
+    s.add_argument("--detach", action="store_true", help="as for run")
+    s = sub.add_parser("status", **_texts("status"))
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
-    sub.add_parser("cancel").add_argument("run_dir")
-    s = sub.add_parser("logs")
+    sub.add_parser("cancel", **_texts("cancel")).add_argument("run_dir")
+    s = sub.add_parser("logs", **_texts("logs"))
     s.add_argument("run_dir")
-    s.add_argument("role")
-    s.add_argument("-f", "--follow", action="store_true")
-    from launch import export, report
-    export.add_arguments(sub.add_parser("export", help="write the trained policy as an HF checkpoint"))
-    report.add_arguments(sub.add_parser("report", help="one HTML page about a run"))
-    from launch.doctor import add_parser as add_doctor
-    add_doctor(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
+    s.add_argument("role", help="trainer, inference, orchestrator, router, ... (the names in RUN_DIR/logs)")
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
+    import importlib
+    for name in ("export", "report", "doctor"):
+        s = sub.add_parser(name, **_texts(name))
+        if wanted == name:   # their arguments need their modules: imported for that command only (plan stays fast)
+            importlib.import_module(f"launch.{name}").add_arguments(s)
+            if name in COMPOSING:
+                _compose_flags(s)
+    if wanted in COMPOSING and "--info" in argv[1:]:
+        # `--info` takes an optional value; an override right after it is not one (Hydra reads it so too)
+        k = argv.index("--info", 1)
+        from launch.compose import INFO_TYPES
+        if k + 1 >= len(argv) or argv[k + 1] not in INFO_TYPES:
+            argv.insert(k + 1, "all")
     multirun = False
     if argv and argv[0] in ("run", "plan"):
         # Hydra users put -m anywhere among the overrides; argparse would not accept it after them.
         multirun = any(a in ("-m", "--multirun") for a in argv[1:])
         argv = [argv[0]] + [a for a in argv[1:] if a not in ("-m", "--multirun")]
-    ns = p.parse_args(argv)
+    # Overrides may come on both sides of an option (`plan +experiment=x --cfg job seed=1`): argparse gives a
+    # nargs="*" positional only its first run, so the rest of them join it here; anything else is its error.
+    ns, extra = p.parse_known_args(argv)
+    if extra:
+        if isinstance(getattr(ns, "overrides", None), list) and not any(e.startswith("-") for e in extra):
+            ns.overrides += extra
+        else:
+            p.parse_args(argv)   # argparse's own one-line error and exit 2
     if ns.cmd in ("run", "plan"):
         ns.multirun = ns.multirun or multirun
+    if getattr(ns, "detach", False):   # the local backend's roles outlive the launcher (launch/local.py)
+        from launch.local import set_detached
+        set_detached()
     if getattr(ns, "run_dir", None) is not None:
         # resolved once, here: a run under a symlinked path (/scratch -> /lustre/scratch) works, and below
         # it every reader and writer refuses links (rl.contract.safefs, docs/run-directory-safety.md)
@@ -315,10 +406,13 @@ def main(argv=None) -> int:
         from rl.contract.safefs import resolve_run_dir
         out = Path(ns.out).expanduser()
         ns.out = str(resolve_run_dir(out) if ns.cmd == "export" else resolve_run_dir(out.parent) / out.name)
+    # --cfg / --info: print and exit; nothing is written, started or submitted
+    show = ns.cmd in COMPOSING and (getattr(ns, "cfg", None) or getattr(ns, "info", None)) is not None
     try:
-        return {"run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
-                "cancel": cmd_cancel, "logs": cmd_logs, "export": cmd_export,
-                "report": cmd_report, "doctor": cmd_doctor}[ns.cmd](ns)
+        return cmd_show(ns) if show else {
+            "run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
+            "cancel": cmd_cancel, "logs": cmd_logs, "export": cmd_export,
+            "report": cmd_report, "doctor": cmd_doctor}[ns.cmd](ns)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

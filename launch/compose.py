@@ -35,7 +35,6 @@ def _one_line(e: BaseException) -> str:
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     parser = OverridesParser.create()
     try:
@@ -44,6 +43,7 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
         raise ConfigError(f"bad override: {_one_line(e)}") from None
     if not any(o.is_sweep_override() for o in parsed):
         return [list(overrides)]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [list(p) for batch in batches for p in batch]
 
@@ -69,11 +69,42 @@ def compose(overrides: list[str]) -> dict:
         c = to_container(cfg)
     except Exception as e:  # noqa: BLE001 - interpolation errors name the key
         raise ConfigError(_one_line(e)) from None
-    return with_checkpoint(c)
+    return with_checkpoint(c, overrides)
 
 
-def with_checkpoint(c: dict) -> dict:
-    """The family and sizes of `model.hf_path`'s config.json written into the config (rl.contract.hf)."""
+def _override(overrides: list[str], key: str) -> str | None:
+    """The value the last `key=`, `+key=` or `++key=` override sets (None: not set on the command line)."""
+    value = None
+    for o in overrides:
+        k, eq, v = o.lstrip("+").partition("=")
+        if eq and k == key:
+            value = v.strip().strip("'\"")
+    return value
+
+
+def explicit_family(overrides: list[str]) -> str | None:
+    """model.family as the user set it: on the command line, else in the chosen experiment's file. The
+    composed value alone cannot tell an explicit `model.family=qwen3` from the schema's default qwen3, and
+    rl.contract.hf replaces a default family with the checkpoint's."""
+    fam = _override(overrides, "model.family")
+    if fam is not None:
+        return fam
+    exp = _override(overrides, "experiment")
+    f = CONF_DIR / "experiment" / f"{exp}.yaml"
+    if not exp or "/" in exp or not f.is_file():
+        return None
+    import yaml
+    try:
+        model = (yaml.safe_load(f.read_text()) or {}).get("model") or {}
+    except yaml.YAMLError:
+        return None   # Hydra has read it already; its own error wins
+    return model.get("family") if isinstance(model, dict) else None
+
+
+def with_checkpoint(c: dict, overrides: list[str] | None = None) -> dict:
+    """The family and sizes of `model.hf_path`'s config.json written into the config (rl.contract.hf).
+    A family set explicitly (by `overrides` or the experiment they choose) that the checkpoint is not is
+    refused, never silently replaced."""
     import dataclasses
     from rl.contract import hf
     from rl.contract.config import ModelConfig
@@ -91,6 +122,14 @@ def with_checkpoint(c: dict) -> dict:
         c["model"] = hf.resolve_model(m, dataclasses.asdict(ModelConfig()))
     except hf.CheckpointError as e:
         raise ConfigError(str(e)) from None
+    # rl.contract.hf refuses a family other than the schema's default that does not fit; the default itself
+    # it replaces, so only then is it asked whether the user wrote it (reading the experiment's file)
+    replaced = m.get("family") == ModelConfig.family != c["model"]["family"]
+    explicit = explicit_family(overrides or []) if replaced else None
+    if explicit is not None and c["model"]["family"] != explicit:
+        raise ConfigError(f"model.family={explicit}: {m['hf_path']}/{hf.CONFIG} is a {c['model']['family']} "
+                          f"checkpoint; remove model.family (it comes from the checkpoint) or point "
+                          f"model.hf_path at a {explicit} checkpoint")
     return c
 
 
@@ -101,8 +140,9 @@ def default_run_dir(experiment: str, sweep_ts: str | None = None, index: int | N
     return str(Path("runs") / "sweeps" / experiment / ts / str(index))
 
 
-def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
-    """Every point of the (possibly swept) command line, composed and validated, with its run_dir."""
+def compose_points(overrides: list[str], multirun: bool, check: bool = True) -> list[dict]:
+    """Every point of the (possibly swept) command line, composed and validated, with its run_dir.
+    `check=False` (`--cfg`) skips validation: the config is shown as composed, right or wrong."""
     points = expand_sweep(overrides)
     if len(points) > 1 and not multirun:
         raise ConfigError("a sweep override (a,b / range / choice) needs -m (--multirun)")
@@ -123,10 +163,101 @@ def compose_points(overrides: list[str], multirun: bool) -> list[dict]:
         else:
             resolve_ports(c)
         try:
-            validate(OmegaConf.create(c))
+            if not check:
+                raise _Unchecked
+            validate(c)
             check_run_dir(c["run_dir"])
+        except _Unchecked:
+            pass
         except ConfigError as e:
             raise ConfigError(f"{e}" + (f" (sweep point {i}: {' '.join(point)})" if len(points) > 1 else "")) from None
         c["_overrides"] = point
         out.append(c)
     return out
+
+
+class _Unchecked(Exception):
+    pass
+
+
+# -- Hydra's command-line conventions: --cfg job|hydra|all [--package P], --info [WHAT] ----------------------
+CFG_TYPES = ("job", "hydra", "all")
+INFO_TYPES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def _hydra_node(overrides: list[str]):
+    """The config composed with Hydra's own (`hydra:`, help texts removed, as `--cfg hydra` shows it)."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = hcompose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(_one_line(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    from omegaconf import flag_override
+    with flag_override(cfg.hydra, ["struct", "readonly"], False):
+        for k in ("help", "hydra_help"):
+            del cfg.hydra[k]
+    return cfg
+
+
+def show_cfg(overrides: list[str], multirun: bool, cfg_type: str, package: str | None = None) -> str:
+    """The text `--cfg` prints: each point's config as YAML, as Hydra's `--cfg` does, but the config shown
+    for `job` is the one the run would freeze (checkpoint sizes, run_dir and ports filled in), not yet
+    validated. Reads the checkpoint's config.json; writes and starts nothing."""
+    if cfg_type not in CFG_TYPES:
+        raise ConfigError(f"--cfg {cfg_type}: must be one of {', '.join(CFG_TYPES)}")
+    docs = []
+    points = compose_points(overrides, multirun, check=False)
+    for c in points:
+        point = c.pop("_overrides")
+        job = OmegaConf.create(c)
+        if cfg_type == "job":
+            tree = job
+        else:
+            # unresolved, as Hydra prints it: its ${now:...} and ${hydra.job.num} belong to a Hydra app's
+            # own output directories, which the launcher does not use (run_dir is the run's directory)
+            h = OmegaConf.to_container(_hydra_node(point).hydra, resolve=False)
+            tree = OmegaConf.create({"hydra": h} if cfg_type == "hydra" else {"hydra": h, **c})
+        head = f"# sweep point: {' '.join(point)}\n" if len(points) > 1 else ""
+        if package and package != "_global_":
+            sel = OmegaConf.select(tree, package)
+            if sel is None:
+                raise ConfigError(f"--package {package}: not found in the {cfg_type} config")
+            text = f"# @package {package}\n" + (OmegaConf.to_yaml(sel) if OmegaConf.is_config(sel) else f"{sel}\n")
+        else:
+            text = OmegaConf.to_yaml(tree)
+        docs.append(head + text)
+    return "---\n".join(docs)
+
+
+def show_info(overrides: list[str], multirun: bool, what: str = "all") -> None:
+    """`--info`: Hydra's own report (its version, the config search path, the defaults tree and list, the
+    config as Hydra composed it; `plugins` its plugins), printed by Hydra for the first point."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    if what not in INFO_TYPES:
+        raise ConfigError(f"--info {what}: must be one of {', '.join(INFO_TYPES)}")
+    points = expand_sweep(overrides)
+    if len(points) > 1 and not multirun:
+        raise ConfigError("a sweep override (a,b / range / choice) needs -m (--multirun)")
+    import logging
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers)   # Hydra points the root logger at stdout, at DEBUG, to print
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            GlobalHydra.instance().hydra.show_info(what, config_name="config", overrides=points[0],
+                                                   run_mode=RunMode.RUN)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are user input errors
+        raise ConfigError(_one_line(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]

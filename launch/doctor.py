@@ -300,8 +300,11 @@ def run(ns) -> int:
 
 
 def add_parser(sub) -> None:
+    add_arguments(sub.add_parser("doctor", help="check packages, devices, kernels, filesystem, Slurm (docs/doctor.md)"))
+
+
+def add_arguments(s) -> None:
     from rl.doctor import args as a  # standard library only: bad values are refused here, in one line
-    s = sub.add_parser("doctor", help="check packages, devices, kernels, filesystem, Slurm (docs/doctor.md)")
     s.add_argument("overrides", nargs="*", help="Hydra overrides of the config to judge (default: embedded)")
     s.add_argument("--gpu", action="store_true", help="run the trainer, memory, publish and vLLM checks")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where --gpu runs them")

@@ -8,7 +8,9 @@ the trainer cannot slow or break `launch plan`. The flags are checked here first
 the child inherits stdout and stderr, so its progress line and its one-line errors reach the user as
 they are, and its exit status is this command's: 2 for what was asked (no such step, an output directory
 in the way or reached through a symlink), 1 for a checkpoint that does not verify or holds a NaN or inf
-(named with its step), never a traceback.
+(named with its step), never a traceback. Its last line on success is how to serve what it wrote (the
+vLLM command per platform, with the family's flags); the export's README.md says why each flag is there
+and what an FP8 export needs (rl/serving.py, docs/export.md).
 """
 from __future__ import annotations
 

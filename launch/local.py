@@ -5,6 +5,18 @@ here works on the cluster. The launcher stays in the foreground, shows a live pr
 `metrics.jsonl`, and supervises: a role that crashes takes the others down (with its log's tail on the
 terminal), Ctrl-C or SIGTERM asks every role to stop at a step boundary and checkpoint, and running the
 same command again on the same run_dir resumes.
+
+The roles run in sessions of their own (a Ctrl-C reaches the launcher only, which then stops them in
+order), so nothing the terminal does reaches them directly. What a user expects of a foreground command
+is that it takes its work with it, so the roles are tied to the launcher's life instead: a hang-up
+(SIGHUP: the ssh session closed) is handled like SIGTERM, with a message and the launcher's output moved
+to logs/launcher.log; a launcher that dies without a word (SIGKILL, the OOM killer) reaches its roles
+through the kernel's parent-death signal (SIGTERM to each role process it started) and through each
+role's own watch on the launcher's pid and start time (rl.runtime.LauncherWatch, which also covers a
+torchrun rank, whose parent is the agent). Either way a role takes its ordinary stop: the step, a
+checkpoint, exit. `launch run --detach` is the opposite on purpose: the launcher starts the roles
+without either tie, records `detached` in local.json and returns; `launch status` shows the run RUNNING
+while any of its roles lives, and `launch cancel` stops them.
 """
 from __future__ import annotations
 
@@ -16,12 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-from launch.procs import LOCK, Recorded, process_start_time
+from launch.procs import LOCK, Recorded, process_start_time, start_ticks
 from launch.rundir import check_run_dir_choice, freeze_run_dir
 from rl.contract import paths, safefs
 from rl.contract.config import ConfigError
 from rl.contract.plan import Plan
 from rl.contract.records import LocalLauncher, RoleRecord
+
+LAUNCHER_ENV = "HETRL_LAUNCHER"   # rl.runtime.LAUNCHER_ENV: the launcher a role stops without (pid:start ticks)
 
 REPO = Path(__file__).resolve().parent.parent
 EXIT_PREEMPTED = paths.EXIT_PREEMPTED
@@ -109,30 +123,73 @@ def _last_line(path: Path) -> str:
         return ""
 
 
-class _Progress:
-    """One live line: step, reward, tokens/s, lag (rich on a terminal, plain lines otherwise)."""
+def _duration(seconds: float) -> str:
+    s = int(max(0.0, seconds))
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
-    def __init__(self, run_dir: Path, max_steps: int):
+
+class _Progress:
+    """One live line: step, reward, tokens/s, lag, elapsed time and ETA (rich on a terminal, plain lines
+    otherwise).
+
+    Made before the roles start, so the metrics already there are the steps an earlier launcher trained
+    (rl.prepare has cut them back to the checkpoint this incarnation resumes from): they are not printed
+    again as if live, one line says where the run resumed. The ETA is the steps left times the wall time
+    per step since the first step this launcher saw arrive, so start-up (model load, warm start) is not
+    taken for a step; until a second step arrives it is the trainer's own step time."""
+
+    def __init__(self, run_dir: Path, max_steps: int, resumed_from: int | None = None):
         from rl.metrics import read_metrics  # torch-free
         self._read = lambda run_dir: read_metrics(run_dir, final_eval=True)
         self.run_dir = run_dir
         self.max_steps = max_steps
-        self.seen = 0
+        self.t0 = time.monotonic()
+        ms = self._read(run_dir)
+        self.seen = len(ms)
+        self.trained = 1 + max((m["step"] for m in ms if "loss" in m), default=-1)
+        self.first_new: tuple[float, int] | None = None   # (arrival, steps trained) of the first new step
+        self.last: dict = next((m for m in reversed(ms) if "loss" in m), {})
+        if resumed_from is not None or self.trained:
+            self._print(f"resumed at step {self.trained}/{max_steps}"
+                        + (f" (checkpoint step {resumed_from})" if resumed_from is not None else "")
+                        + ": showing the steps trained from here on")
+        self.live = None   # started at the first update: after the roles, whose fork must not meet its thread
         self.tty = sys.stdout.isatty()
-        self.live = None
-        if self.tty:
+
+    def _print(self, line: str) -> None:
+        if getattr(self, "live", None) is not None:
+            self.live.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def timing(self, now: float) -> str:
+        """`elapsed 3m02s  eta 1m10s` for the steps trained so far."""
+        per = None
+        if self.first_new is not None and self.trained > self.first_new[1] and now > self.first_new[0]:
+            per = (now - self.first_new[0]) / (self.trained - self.first_new[1])
+        elif isinstance(self.last.get("step_time_s"), (int, float)):
+            per = float(self.last["step_time_s"])
+        left = max(0, self.max_steps - self.trained)
+        eta = "-" if per is None else _duration(left * per)
+        return f"elapsed {_duration(now - self.t0)}  eta {eta}"
+
+    def update(self, phase: str) -> None:
+        if self.tty and self.live is None:
             from rich.live import Live
             self.live = Live("", refresh_per_second=4, transient=False)
             self.live.start()
-
-    def update(self, phase: str) -> None:
         ms = self._read(self.run_dir)
+        now = time.monotonic()
         for m in ms[self.seen:]:
             lines = []
             if "loss" in m:  # a training step's line (the final evaluation comes as a line of its own)
+                self.trained, self.last = m["step"] + 1, m
+                if self.first_new is None:
+                    self.first_new = (now, self.trained)
                 lines.append(f"step {m['step'] + 1:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
                              f"kl {m.get('mismatch_kl', float('nan')):.2e}  lag {m.get('lag', float('nan')):.2f}  "
-                             f"{m.get('tokens_per_s', 0):.0f} tok/s  step {m.get('step_time_s', 0):.1f}s")
+                             f"{m.get('tokens_per_s', 0):.0f} tok/s  step {m.get('step_time_s', 0):.1f}s  "
+                             f"{self.timing(now)}")
             if "eval/version" in m:
                 passk = next((f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@")
                               and k != "eval/pass@1"), "")
@@ -141,16 +198,13 @@ class _Progress:
                              f"({m.get('eval/tasks', 0)} held-out tasks)" if "eval/error" not in m else
                              f"eval policy v{m['eval/version']}: failed: {m['eval/error']}")
             for line in lines:
-                if self.live is not None:
-                    self.live.console.print(line)
-                else:
-                    print(line, flush=True)
+                self._print(line)
         self.seen = len(ms)
         if self.live is not None:
-            last = ms[-1] if ms else {}
-            bar_n = int(20 * self.seen / max(self.max_steps, 1))
-            self.live.update(f"[bold][{'#' * bar_n}{'.' * (20 - bar_n)}][/bold] {self.seen}/{self.max_steps} "
-                             f"reward {last.get('reward_mean', 0):.3f}  {phase}")
+            from rich.markup import escape   # a log line is text, not markup
+            bar_n = int(20 * self.trained / max(self.max_steps, 1))
+            self.live.update(f"[bold][{'#' * bar_n}{'.' * (20 - bar_n)}][/bold] {self.trained}/{self.max_steps} "
+                             f"reward {self.last.get('reward_mean', 0):.3f}  {self.timing(now)}  {escape(phase)}")
 
     def close(self) -> None:
         if self.live is not None:
@@ -202,21 +256,62 @@ def _take_run_dir(run_dir: Path):
     return f
 
 
+DETACHED = False   # `launch run --detach` (set_detached): the roles outlive the launcher on purpose
+
+
+def set_detached(on: bool = True) -> None:
+    """`python -m launch run --detach`: start the roles and return; they do not stop with the launcher."""
+    global DETACHED
+    DETACHED = bool(on)
+
+
+def _die_with_launcher(launcher_pid: int):
+    """A Popen preexec_fn: the role gets SIGTERM (its ordinary stop: finish the step, checkpoint, exit)
+    when the launcher dies, even by SIGKILL. The kernel's parent-death signal, armed in the child between
+    fork and exec; libc is loaded here, before any fork. A launcher that died before the signal was armed
+    is caught by comparing the parent pid. None where there is no prctl (the roles' own launcher watch,
+    rl.runtime.LauncherWatch, still stops them)."""
+    import ctypes
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:
+            os._exit(128 + int(signal.SIGTERM))
+    return arm
+
+
+def _to_launcher_log(run_dir: Path) -> None:
+    """After a hang-up the terminal is gone and every write to it fails (EIO), which would end the
+    launcher with a traceback before its roles stop: from here on its output goes to
+    RUN_DIR/logs/launcher.log (through safefs: never through a link planted there)."""
+    fd = open_role_log(run_dir, "launcher")
+    try:
+        for out in (1, 2):
+            os.dup2(fd, out)
+    finally:
+        os.close(fd)
+
+
 def run_local(cfg: dict, plan: Plan) -> int:
     run_dir = Path(cfg["run_dir"]).absolute()
     lock = _take_run_dir(run_dir)
     try:
-        return _run_local(cfg, plan, run_dir)
+        return _run_local(cfg, plan, run_dir, DETACHED)
     finally:
         lock.close()
 
 
-def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
+def _run_local(cfg: dict, plan: Plan, run_dir: Path, detached: bool = False) -> int:
     resuming = freeze_run_dir(cfg, run_dir, plan)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("WANDB_MODE", cfg["wandb"]["mode"])
     env["PYTHONUNBUFFERED"] = "1"
+    env.pop(LAUNCHER_ENV, None)   # a launcher started from a role's shell is not that role's launcher
     print(f"{'resuming' if resuming else 'starting'} run in {run_dir}", flush=True)
     rc = subprocess.run(plan.prepare.command, env=env, cwd=REPO).returncode
     if rc != 0:
@@ -225,42 +320,70 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path) -> int:
         return 1
     # every role of this incarnation fences itself to the epoch prepare just took (rl.runtime.own_epoch)
     from rl.contract.records import ResumeState
-    env["HETRL_EPOCH"] = str(ResumeState.read(run_dir).restart)
+    resume = ResumeState.read(run_dir)
+    env["HETRL_EPOCH"] = str(resume.restart)
 
     logs = paths.logs_dir(run_dir)
     procs: dict[str, subprocess.Popen] = {}
     split, said = cpu_split(plan, sorted(os.sched_getaffinity(0)), os.environ)
     if said:
         print(said, flush=True)
+    # before the roles start: what is in metrics.jsonl now was trained by an earlier launcher
+    progress = None if detached else _Progress(run_dir, int(cfg["trainer"]["max_steps"]),
+                                               resume.checkpoint_step if resuming else None)
+    me = os.getpid()
+    ticks = start_ticks(me)
+    if not detached and ticks is not None:  # the roles stop when this launcher is gone (rl.runtime.LauncherWatch)
+        env[LAUNCHER_ENV] = f"{me}:{ticks}"
+    arm = None if detached else _die_with_launcher(me)
     for role, (cmd, role_env) in role_processes(plan).items():
         log = open_role_log(run_dir, role)
         try:
-            procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            procs[role] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                            env={**env, **role_env, **split.get(role, {})},
-                                           cwd=REPO, start_new_session=True)
+                                           cwd=REPO, start_new_session=True, preexec_fn=arm)
         finally:
             os.close(log)
-    LocalLauncher(host=socket.gethostname(), pid=os.getpid(), started=time.time(),
+    LocalLauncher(host=socket.gethostname(), pid=me, started=time.time(),
                   roles={r: p.pid for r, p in procs.items()},
-                  proc_started=process_start_time(os.getpid())).write(run_dir)
+                  proc_started=process_start_time(me), detached=detached).write(run_dir)
     print("roles: " + ", ".join(f"{r} (pid {p.pid})" for r, p in procs.items()) + f"; logs in {logs}", flush=True)
+    if detached:
+        print(f"detached: the roles run on without this launcher. Watch: python -m launch status {run_dir} "
+              f"(or logs {run_dir} trainer -f); stop: python -m launch cancel {run_dir}", flush=True)
+        return 0
 
     stopping = {"reason": None}
 
     def _on_signal(signum, frame):
         if stopping["reason"] is None:
             stopping["reason"] = signal.Signals(signum).name
-            print(f"\n{stopping['reason']}: asking roles to checkpoint and stop (again to kill)", flush=True)
+            said = (f"\n{stopping['reason']}" + (" (the terminal is gone; python -m launch run --detach runs "
+                                                  "without one)" if signum == signal.SIGHUP else "")
+                    + ": asking roles to checkpoint and stop (again to kill)")
+            if signum == signal.SIGHUP:
+                try:
+                    said += f"; output continues in {paths.log_file(run_dir, 'launcher')}"
+                    print(said, flush=True)   # if the terminal is still there (a `kill -HUP`)
+                except (OSError, RuntimeError):
+                    pass
+                try:
+                    _to_launcher_log(run_dir)
+                except OSError as e:
+                    said += f" (not: {e})"
+            try:
+                print(said, flush=True)
+            except (OSError, RuntimeError):   # a closed terminal; a print interrupted by this very signal
+                pass
             for p in procs.values():
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGTERM)
-        else:
+        elif signum != signal.SIGHUP:   # a terminal may hang up twice; only a second stop request kills
             for p in procs.values():
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
 
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = _Progress(run_dir, int(cfg["trainer"]["max_steps"]))
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     failed = None
     try:
         trainer_done_at = None
@@ -332,21 +455,32 @@ def cancel_command(run_dir) -> int:
 
 
 def job_status(run_dir: Path, unreadable: list[str]) -> dict:
-    """The run's "job" for `launch status`: whether the launcher recorded in local.json is alive."""
-    from launch.status import alive
+    """The run's "job" for `launch status`: RUNNING while the launcher recorded in local.json or any role
+    of the run is alive (each checked as `Recorded.alive` does: this host, the same process since its
+    record, and it shows in /proc that it belongs to this run), ENDED only when none is. A run whose
+    roles outlive their launcher says so in the reason: on purpose (`--detach`), or stopping after their
+    launcher died."""
     from rl.contract.records import RecordError
     try:
         rec = LocalLauncher.read(run_dir)
+        procs = recorded_processes(run_dir)
     except (RecordError, OSError) as e:
         unreadable.append(str(e))
         return {"id": None, "state": "UNKNOWN", "reason": "local.json could not be read"}
     if rec is None:
         return {"id": None, "state": "NEVER STARTED", "reason": ""}
-    how = alive(rec.host, rec.pid)
-    state = {"running": "RUNNING", "exited": "ENDED"}.get(
-        how, f"ON {str(rec.host)[:80]}" if how.startswith("on ") else "UNKNOWN")
-    return {"id": f"local pid {str(rec.pid)[:20]}", "state": state,
-            "reason": how if state == "UNKNOWN" else ""}
+    job = {"id": f"local pid {str(rec.pid)[:20]}", "state": "ENDED", "reason": ""}
+    if rec.host != socket.gethostname():
+        return {**job, "state": f"ON {str(rec.host)[:80]}"}
+    launcher = next((r for r in procs if r.what == "launcher"), None)
+    roles = sorted({r.what.removeprefix("role ") for r in procs if r.what != "launcher" and r.alive()[0]})
+    if launcher is not None and launcher.alive()[0]:
+        return {**job, "state": "RUNNING", "reason": "detached, launcher still starting" if rec.detached else ""}
+    if roles:
+        why = ("detached (launch run --detach): the launcher has exited" if rec.detached else
+               f"the launcher (pid {rec.pid}) is gone; its roles are stopping")
+        return {**job, "state": "RUNNING", "reason": f"{why}; alive: {', '.join(roles)}"}
+    return job
 
 
 def plan_text(plan: Plan, cfg: dict) -> None:

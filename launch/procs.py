@@ -36,19 +36,30 @@ from rl.contract import safefs
 _SLACK_S = 2.0
 
 
-def process_start_time(pid: int) -> float | None:
-    """Unix time at which process `pid` started, or None if there is no such process (or no /proc)."""
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22): exact, so
+    (pid, ticks) names one process for the machine's uptime. None if there is no such process, it has
+    exited (a zombie), or there is no /proc."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                    if ln.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
+    except OSError:
         return None
     # the command name (field 2) may contain spaces and parentheses: fields count from the last ')'
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] in ("Z", "X"):  # exited, not yet reaped (a container's init may never reap orphans)
         return None
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return int(fields[19])
+
+
+def process_start_time(pid: int) -> float | None:
+    """Unix time at which process `pid` started, or None if there is no such process (or no /proc)."""
+    ticks = start_ticks(pid)
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 LOCK = "launcher.lock"   # held open by a local launcher for its whole life (launch.local)

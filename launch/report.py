@@ -5,8 +5,9 @@ for a finished one copied off the cluster, and for a Slurm run as for a local on
 
 - `metrics.jsonl` (one line per trainer step, the orchestrator's numbers under `orchestrator/`, evaluation
   rows under `eval/`): reward, evaluation results per policy version, mismatch KL, lag, throughput of
-  the trainer and of the inference servers, trainer and inference idle time, dropped, cancelled,
-  failed and masked work, batches set aside and updates skipped;
+  the trainer and of the inference servers (a chart each: one axis per scale), trainer and inference
+  idle time, dropped, cancelled, failed and masked work, batches set aside and updates skipped, and
+  step times on a robust axis (a start-up wait sits on the top edge instead of setting the scale);
 - `rollouts/consumed.jsonl`, `incarnations/restart_*.json`, `roles/history.jsonl`, `slurm_jobs.jsonl`:
   restarts over steps (each consumed step carries the incarnation that trained it) and where each role
   ran in each incarnation;
@@ -342,8 +343,11 @@ def _charts(run: dict) -> str:
          "KL between the sampling engine's and the trainer's token distributions on the trained tokens"),
         ("Lag (trainer step - policy version of the tokens)", [("lag mean", _series(ms, "lag")),
                                                               ("lag max", _series(ms, "lag_max"))], "versions", ""),
-        ("Throughput", [("trainer tokens/s", _series(ms, "tokens_per_s")),
-                        ("inference gen tokens/s", _series(ms, o + "gen_tokens_per_s"))], "tokens/s", ""),
+        # two charts, not one: the trainer's thousands of tokens/s would flatten the servers' tens
+        ("Trainer throughput", [("trainer tokens/s", _series(ms, "tokens_per_s"))], "tokens/s",
+         "tokens trained per second of the trainer's step"),
+        ("Inference throughput", [("inference gen tokens/s", _series(ms, o + "gen_tokens_per_s"))], "tokens/s",
+         "completion tokens the servers generated per second (own axis: a different scale from the trainer's)"),
         ("Idle fraction", [("trainer (waiting for rollouts)", _series(ms, "idle_fraction")),
                            ("inference", _series(ms, o + "inference_idle_fraction"))], "fraction of wall time", ""),
         ("Dropped and wasted work per step", [
@@ -358,14 +362,17 @@ def _charts(run: dict) -> str:
                        [(c["step"], c["restart"]) for c in run["consumed"] if "restart" in c])],
          "restart count", "dashed lines in every chart: the first step a restarted incarnation trained"),
         ("Step time", [("train step s", _series(ms, "step_time_s")), ("wait for batch s", _series(ms, "wait_s")),
-                       ("publish s", _series(ms, "publish_s"))], "seconds", ""),
+                       ("publish s", _series(ms, "publish_s"))], "seconds",
+         "robust y axis: a start-up wait far above the other steps (step 0: model load and the servers' first "
+         "start; a restart's first step) sits on the top edge instead of setting the scale"),
     ]
+    robust = {"Step time"}
     if any(o + "turns_per_episode" in m for m in ms):
         charts.append(("Episodes (multi-turn)", [("turns/episode", _series(ms, o + "turns_per_episode")),
                                                  ("tool calls", _series(ms, o + "tool_calls")),
                                                  ("tool error rate", _series(ms, o + "tool_error_rate"))], "", ""))
     return "<h2>Over steps</h2><div class=\"charts\">" + "".join(
-        line_chart(t, s, y_label=y, markers=mk, note=n) for t, s, y, n in charts) + "</div>"
+        line_chart(t, s, y_label=y, markers=mk, note=n, robust=t in robust) for t, s, y, n in charts) + "</div>"
 
 
 _EVAL_X = ("eval/version", "eval/policy_version", "eval/version_min", "eval/version_max", "eval/step")

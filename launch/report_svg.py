@@ -7,7 +7,15 @@ which every browser renders natively, and the trajectory view folds with `<detai
 
 `line_chart(title, series, ...)` draws one or more series of (x, y) points on shared axes with "nice"
 tick values (1, 2, 5 x 10^k), a legend, and dashed vertical markers (restarts of the run). Points with a
-non-finite y are skipped; a series of one point is drawn as a dot.
+non-finite y are skipped; a series of one point is drawn as a dot. A chart shares one y axis, so the
+caller puts only series of one unit and one scale together (the trainer's tokens/s, thousands, and the
+servers' generated tokens/s, tens, are two charts: on one axis the smaller is a flat line at zero).
+
+`robust=True` is for series where a few points are expected far above the rest, like a step's wait
+for its batch at start-up (model load, the servers' first start, a restart): the y axis then ends at
+ROBUST_FACTOR x the ROBUST_QUANTILE quantile of the values instead of their maximum, the points above it
+are drawn on the top edge as open triangles (their tooltip gives the true value) and the chart's note
+names them. Otherwise one 40 s start-up wait would squash every later 1 s step onto the x axis.
 
 Everything drawn comes from files someone else could have written, so nothing here trusts a value: every
 text goes through `esc` (and `clip`, which cuts a long one with a visible marker), tick positions are
@@ -29,6 +37,7 @@ W, H = 560, 230                     # the chart's box in px; the plot area leave
 PAD_L, PAD_R, PAD_T, PAD_B = 58, 14, 30, 40
 MAX_POINTS = 2000                   # per series; beyond, every k-th point is drawn
 MAX_LABEL = 80                      # characters of a legend label or caption shown
+ROBUST_QUANTILE, ROBUST_FACTOR, ROBUST_MIN_POINTS = 0.75, 3.0, 5   # robust=True: the y axis's top
 _FMAX = sys.float_info.max
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d")
 
@@ -127,10 +136,22 @@ def _point(p) -> tuple[float | None, float | None]:
     return finite(x), finite(y)
 
 
+def robust_top(ys: Sequence[float]) -> float | None:
+    """The top of a robust y axis for `ys` (module docstring), or None where the maximum is no outlier
+    (too few points, or nothing above ROBUST_FACTOR x the quantile)."""
+    if len(ys) < ROBUST_MIN_POINTS:
+        return None
+    srt = sorted(ys)
+    q = srt[int(ROBUST_QUANTILE * (len(srt) - 1))]   # a quarter of the points may be outliers
+    cap = q * ROBUST_FACTOR if q > 0 else None
+    return cap if cap is not None and srt[-1] > cap else None
+
+
 def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, float]]]], *,
                y_label: str = "", x_label: str = "step", markers: Iterable[tuple[float, str]] = (),
-               note: str = "") -> str:
-    """One SVG chart. `series`: (label, [(x, y), ...]); `markers`: (x, label) dashed vertical lines."""
+               note: str = "", robust: bool = False) -> str:
+    """One SVG chart. `series`: (label, [(x, y), ...]); `markers`: (x, label) dashed vertical lines;
+    `robust`: the y axis ends below outliers, drawn on its top edge (module docstring)."""
     series = [(clip(label, MAX_LABEL), s) for label, s in series]
     x_label = clip(x_label, MAX_LABEL)
     full = [[(x, y) for x, y in map(_point, s) if x is not None and y is not None] for _, s in series]
@@ -149,8 +170,17 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, flo
     lo, hi = min(xs), max(xs)
     # a single step shows its neighbours; a span too narrow for float arithmetic is widened
     x0, x1 = (lo - 1, hi + 1) if lo == hi and abs(lo) < 1e15 else _span(lo, hi)
-    yt = nice_ticks(min(ys), max(ys))
+    cap = robust_top(ys) if robust else None
+    yt = nice_ticks(min(ys), max(ys) if cap is None else cap)
     y0, y1 = yt[0], yt[-1]
+    # only a robust axis cuts: elsewhere the top tick's rounding may leave the maximum an ulp above it
+    above = [(label, x, y) for (label, _), p in zip(series, pts) for x, y in p if cap is not None and y > y1]
+    if above:
+        shown = "; ".join(f"{label} @ {x_label} {fmt(x)}: {fmt(y)}" for label, x, y in above[:6])
+        more = f" and {len(above) - 6} more" if len(above) > 6 else ""
+        cut = (f"y axis cut at {fmt(y1)} (above {ROBUST_FACTOR:g} x the {ROBUST_QUANTILE:.0%} quantile of the "
+               f"values); drawn on the top edge: {shown}{more}")
+        note = f"{note}; {cut}" if note else cut
     # legend entries left to right, wrapped into rows; the plot starts below the last row
     legend, lx, row = [], PAD_L, 0
     for label, _ in series:
@@ -193,12 +223,17 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[tuple[float, flo
     for i, ((label, _), p, (lx, ly)) in enumerate(zip(series, pts, legend)):
         c = COLORS[i % len(COLORS)]
         if len(p) > 1:
-            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in p)
+            path = " ".join(f"{sx(x):.1f},{sy(y if cap is None else min(y, y1)):.1f}" for x, y in p)
             out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="1.6"/>')
         r = 2.2 if len(p) < 80 else 1.2
         for x, y in p:
-            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{c}">'
-                       f'<title>{esc(label)} @ {esc(x_label)} {esc(fmt(x))}: {esc(fmt(y))}</title></circle>')
+            tip = f'<title>{esc(label)} @ {esc(x_label)} {esc(fmt(x))}: {esc(fmt(y))}</title>'
+            if cap is not None and y > y1:  # above a robust axis: an open triangle on the top edge, the true value in its tooltip
+                px, py = sx(x), sy(y1)
+                out.append(f'<polygon points="{px - 4:.1f},{py + 3:.1f} {px + 4:.1f},{py + 3:.1f} {px:.1f},{py - 4:.1f}" '
+                           f'fill="#fff" stroke="{c}" stroke-width="1.4" class="above">{tip}</polygon>')
+            else:
+                out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{c}">{tip}</circle>')
         out.append(f'<rect x="{lx:.0f}" y="{ly}" width="10" height="10" fill="{c}"/>'
                    f'<text x="{lx + 14:.0f}" y="{ly + 9}" class="legend">{esc(label)}</text>')
     out.append("</svg>")

@@ -1,10 +1,12 @@
 """`python -m launch status RUN_DIR`: where a run stands, read from its run directory (and Slurm).
 
 Works on every run, local or Slurm, running or finished: the job state (Slurm: squeue / scontrol, never
-sacct; local: whether the launcher process recorded in `local.json` is alive), the step and reward of
-the newest metrics line, the newest complete rollouts / weights / checkpoint, and every role's record
-(where it ran, whether its process is alive when it ran on this host), and every vLLM server whose
-engine core died, with its exception and log line. Torch-free.
+sacct; local: RUNNING while the launcher recorded in `local.json` or any role of the run is alive, so a
+run never reads ENDED while a role trains on), the newest trained step and its reward (a finished run's
+last metrics line is the final evaluation's, one step past the last trained one, so it is not the step),
+the newest evaluation, the newest complete rollouts / weights / checkpoint, every role's record (where it
+ran, whether its process is alive when it ran on this host), and every vLLM server whose engine core
+died, with its exception and log line. Torch-free.
 
 Status is what a user runs when something went wrong, so it must work on a run directory in any state,
 written by anyone: each record is read on its own (through rl.contract.safefs: no link followed, a FIFO
@@ -24,6 +26,7 @@ import socket
 from pathlib import Path
 
 from launch.backends import executor
+from launch.procs import Recorded
 from rl.contract import backends, paths, safefs
 from rl.contract.config import ConfigError
 from rl.contract.records import ResumeState, RoleRecord, read_optional
@@ -53,29 +56,39 @@ def alive(host, pid) -> str:
         return f"not a pid ({pid})"
 
 
-def _last_metrics(run_dir: Path, unreadable: list[str]) -> dict | None:
-    """The newest complete line of metrics.jsonl that is an object with a step number (or no step)."""
+def _last_metrics(run_dir: Path, unreadable: list[str]) -> tuple[dict | None, dict | None]:
+    """(the newest training step's line, the newest line with an evaluation) among the complete lines of
+    metrics.jsonl that are objects with a step number. A finished run's last line is the final
+    evaluation's (`step` = max_steps, no loss: rl.metrics.is_eval_only), so the step trained and its
+    reward come from the line before it."""
     path = paths.metrics_file(run_dir)
     try:
         fd = safefs.open_read(path)
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as e:
         unreadable.append(str(e) if isinstance(e, safefs.UnsafePath) else f"{path}: {e.strerror or e}")
-        return None
+        return None, None
     try:
         size = os.fstat(fd).st_size
         data = os.pread(fd, _TAIL, max(0, size - _TAIL))
     finally:
         os.close(fd)
+    step = evaluation = None
     for ln in reversed([ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]):
         try:
             m = json.loads(ln)
         except ValueError:
             continue  # a line being appended right now, or the cut-off first line of the tail
-        if isinstance(m, dict) and ("step" not in m or _is_step(m["step"])):
-            return m
-    return None
+        if not isinstance(m, dict) or ("step" in m and not _is_step(m["step"])):
+            continue
+        if evaluation is None and "eval/version" in m:
+            evaluation = m
+        if step is None and not ("eval/version" in m and "loss" not in m):
+            step = m
+        if step is not None and evaluation is not None:
+            break
+    return step, evaluation
 
 
 def _is_step(v) -> bool:
@@ -120,8 +133,10 @@ def _roles(run_dir: Path, unreadable: list[str]) -> dict:
             unreadable.append(f"{paths.roles_dir(run_dir)}: a record of role {str(r.role)[:40]!r} has "
                               f"host={str(r.host)[:40]!r} pid={str(r.pid)[:20]!r} (not a host and pid)")
             continue
-        out[r.role] = {"host": r.host, "pid": r.pid, "state": alive(r.host, r.pid),
-                       "restart": r.slurm_restart_count}
+        state = alive(r.host, r.pid)
+        if state == "running":   # and still that role: not a reused pid (launch.procs.Recorded)
+            state = "running" if Recorded(f"role {r.role}", r.host, r.pid, r.time, run_dir).alive()[0] else "exited"
+        out[r.role] = {"host": r.host, "pid": r.pid, "state": state, "restart": r.slurm_restart_count}
     return out
 
 
@@ -175,10 +190,17 @@ def status(run_dir: str | os.PathLike) -> dict:
     out["restart"] = resume.restart if resume else None
     out["roles"] = _roles(run_dir, unreadable)
     out["engine_deaths"] = _engine_deaths(paths.logs_dir(run_dir), unreadable)
-    m = _last_metrics(run_dir, unreadable)
-    out["step"] = m["step"] + 1 if m and "step" in m else 0
+    try:   # inference servers up / planned, and those `launch scale` added (launch/scale.py)
+        from launch.scale import servers_status
+        out["servers"] = servers_status(run_dir)
+    except Exception as e:  # noqa: BLE001  a run dir without a readable plan
+        unreadable.append(f"inference servers: {e}")
+    m, evaluation = _last_metrics(run_dir, unreadable)
+    out["step"] = m["step"] + 1 if m and "step" in m else 0   # steps trained (line `step` is 0-based)
     out["reward"] = _number(m.get("reward_mean")) if m else None
     out["last_metrics"] = m
+    out["last_eval"] = ({k: v for k, v in evaluation.items() if k == "eval/version" or k.startswith("eval/pass@")
+                         or k in ("eval/reward_mean", "eval/tasks", "eval/error")} if evaluation else None)
     out["unreadable"] = unreadable
     return out
 
@@ -206,12 +228,23 @@ def render(st: dict, console=None) -> None:
     if job.get("nodes"):
         row("nodes", "  |  ".join(f"group {i}: {n}" for i, n in enumerate(job["nodes"])))
     row("restarts", st.get("restart"))
+    for line in job.get("requeues") or []:   # each stop that asked for a requeue, and why (launch/slurm.py)
+        row("requeue", line)
     reward = st.get("reward")
     row("step", f"{st['step']}/{st['max_steps']}" + (f"  reward {reward:.3f}" if reward is not None else ""))
+    ev = st.get("last_eval")
+    if ev:
+        row("evaluation", f"policy v{ev.get('eval/version')}: " + (f"failed: {ev['eval/error']}" if "eval/error" in ev
+            else "  ".join(f"{k[5:]} {v:.3f}" if isinstance(v, float) else f"{k[5:]} {v}"
+                           for k, v in ev.items() if k not in ("eval/version", "eval/error"))))
     for kind in (paths.ROLLOUTS, paths.WEIGHTS, paths.CHECKPOINTS):
         row(f"newest {kind}", st.get(f"latest_{kind}"))
     for role, r in sorted(st["roles"].items()):
         row(f"role {role}", f"{r['state']} (pid {r['pid']} on {r['host']})")
+    if sv := st.get("servers"):
+        row("inference servers", f"{sv['up']} up / {sv['planned']} planned" + "".join(
+            f"  |  inference_{x['index']} (job {x['job']}): " + ("drained" if x["drained"] else "up" if x["up"] else "starting")
+            for x in sv["extra"]))
     for server, death in sorted(st.get("engine_deaths", {}).items()):
         row(f"{server} engine", f"died: {death}")
     m = st.get("last_metrics")

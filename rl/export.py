@@ -9,7 +9,10 @@ What comes out is a directory transformers and vLLM load like any release: `conf
 `generation_config.json`, the tokenizer with its chat template (all from the run's `assets/step_000000`,
 which is the start checkpoint's own files for an `hf_path` run or the tiny model's otherwise), and the
 weights as sharded safetensors with `model.safetensors.index.json`, named as the start checkpoint names
-them (a multimodal Kimi keeps its `language_model.` prefix).
+them (a multimodal Kimi keeps its `language_model.` prefix). Its `README.md` says how to serve it: the
+vLLM command per platform with the flags the family needs there, from the family table (rl.serving),
+and what an FP8 export needs; the same commands are printed as the last line. A start checkpoint's own
+README.md (a release's model card) is kept as `README.start_checkpoint.md`.
 
 Where the weights come from. The trainer's DCP checkpoint `checkpoints/step_N` holds the fp32 master
 weights (and the optimizer state, which is not read). It is verified against its manifest first, its
@@ -52,7 +55,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from rl import exchange, fp8
+from rl import exchange, fp8, serving
 from rl.contract import safefs
 from rl.contract.config import ConfigError
 
@@ -60,6 +63,7 @@ DTYPES = ("bfloat16", "fp8")
 MODEL_PREFIX = "model."          # the DCP entries of the model (the checkpoint's stateful key)
 SHARD_BYTES = 5 << 30            # the shard size HF's own save_pretrained uses by default
 _SKIP_ASSETS = (exchange.MANIFEST, "model.safetensors.index.json")
+README, START_README = "README.md", "README.start_checkpoint.md"   # ours: how to serve it (rl.serving)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -123,9 +127,13 @@ def export(run_dir, out_dir, *, step: int | None = None, dtype: str = "bfloat16"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp, 0o700)  # new (never an existing path) and closed to others until the rename
     try:
+        start_readme = None
         for p in sorted(assets.iterdir()):  # verified above: regular files of the step, no links
             if p.is_file() and p.name not in _SKIP_ASSETS and not p.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(p, tmp / p.name)
+                # a release's model card describes the start checkpoint, not this policy: kept beside ours
+                name = START_README if p.name == README else p.name
+                start_readme = name if p.name == README else start_readme
+                shutil.copy2(p, tmp / name)
         writer = _ShardWriter(tmp, shard_bytes, quantize)
         produced = set()
         where = f"{ckpt.KIND}/step_{ckpt_step:06d}"
@@ -138,6 +146,8 @@ def export(run_dir, out_dir, *, step: int | None = None, dtype: str = "bfloat16"
             passed += 1
         index, quantized = writer.finish()
         _write_config(tmp, start_cfg, dtype, writer.two_dim, quantized)
+        (tmp / README).write_text(serving.readme(cfg.model.family, dtype, str(out_dir), start_cfg,
+                                                 source=str(run_dir), step=ckpt_step, start_readme=start_readme))
         os.chmod(tmp, 0o755)
         if os.path.lexists(out_dir):
             os.rmdir(out_dir)  # an empty directory, checked above; a link swapped in since is not removed
@@ -150,6 +160,7 @@ def export(run_dir, out_dir, *, step: int | None = None, dtype: str = "bfloat16"
                "bytes": index["metadata"]["total_size"], "seconds": time.monotonic() - t0}
     log(f"exported checkpoints/step_{ckpt_step:06d} ({dtype}) to {out_dir}: {summary['tensors']} tensors in "
         f"{summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, {summary['seconds']:.1f} s")
+    log(serving.serve_line(cfg.model.family, dtype, str(out_dir), start_cfg))
     return summary
 
 

@@ -6,6 +6,17 @@ through the typed schema (rl.contract.config.load), `DIR/plan.json` (rl.contract
 incarnation resumes from), records where it runs in `DIR/roles/<role>.json`, and watches for SIGTERM
 (preemption) and SIGUSR1 (Slurm's time-limit warning): both ask the role to stop at the next step
 boundary. No torch here.
+
+A role of a local run also stops when its launcher is gone (`LauncherWatch`): the launcher starts the
+roles in sessions of their own, so a SIGKILLed launcher or a closed terminal would otherwise leave them
+training with nobody watching. The launcher arms the kernel's parent-death signal on the processes it
+starts; this watch is the second half, for every process of a role (a torchrun rank, whose parent is the
+agent, not the launcher): it polls the launcher's pid and /proc start time, passed in HETRL_LAUNCHER, and
+on a mismatch sends this process SIGTERM, so the role drains the way a stop always does (finish the
+step, checkpoint, exit). The launcher's pid and start time come in the environment rather than from
+local.json because local.json is written after the roles start, and the start time makes a reused pid
+count as gone. `launch run --detach` and the Slurm batch script do not set it: there the roles outlive
+whoever started them on purpose.
 """
 from __future__ import annotations
 
@@ -42,6 +53,10 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
     if not paths.config_file(ns.run_dir).is_file():
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
     start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)
+    try:
+        watch_launcher(role)
+    except ValueError as e:
+        p.error(str(e))
     faults.set_role(role)
     _one_line_refusals(role)
     return ns
@@ -224,3 +239,54 @@ class waiting_for:
     def __exit__(self, *exc):
         progress()
         return False
+
+
+LAUNCHER_ENV = "HETRL_LAUNCHER"   # "PID:START_TICKS" of the local launcher a role stops without
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks since boot at which the process started): with the pid, an
+    identity no later process has. None when there is no such process, or it has exited (a zombie).
+    launch.procs reads the same field; rl does not import the launcher, hence the second copy."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()   # the command name may hold spaces and ')'
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def launcher_identity(value: str) -> tuple[int, int]:
+    """(pid, start ticks) from HETRL_LAUNCHER's value; anything else is a ValueError naming it."""
+    pid, _, ticks = value.partition(":")
+    if not (pid.isascii() and pid.isdigit() and ticks.isascii() and ticks.isdigit()):
+        raise ValueError(f"{LAUNCHER_ENV}={value!r}: not PID:START_TICKS (the local launcher sets it)")
+    return int(pid), int(ticks)
+
+
+class LauncherWatch:
+    """A daemon thread that calls `stop` once the launcher named by (pid, start ticks) is gone."""
+
+    def __init__(self, role: str, pid: int, ticks: int, poll_s: float = 1.0, stop=None):
+        import threading
+        self.role, self.pid, self.ticks, self.poll_s = role, pid, ticks, poll_s
+        self._stop = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        self.fired = threading.Event()
+        threading.Thread(target=self._watch, name=f"{role}-launcher-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while process_start_ticks(self.pid) == self.ticks:
+            time.sleep(self.poll_s)
+        log(self.role, f"the launcher (pid {self.pid}) is gone: stopping at the next step boundary "
+                       f"(python -m launch run --detach runs roles that outlive their launcher)")
+        self.fired.set()
+        self._stop()
+
+
+def watch_launcher(role: str) -> LauncherWatch | None:
+    """Start the launcher watch when the local launcher asked for one (HETRL_LAUNCHER set)."""
+    value = os.environ.get(LAUNCHER_ENV)
+    if not value:
+        return None
+    pid, ticks = launcher_identity(value)
+    return LauncherWatch(role, pid, ticks)

@@ -346,8 +346,11 @@ class EvalConfig:
     every: int = 2                     # evaluate every `every` policy versions (and the final one); 0 = off
     tasks: int = 8                     # held-out tasks (a split of the environment's tasks, or the file's first N)
     tasks_file: Optional[str] = None   # held-out rows in the environment's task format (digits: JSONL; swe: docs/swe.md)
-    samples: int = 1                   # completions per task: pass@samples and mean reward over them
-    temperature: float = 0.0           # 0 = greedy
+    # Sampled, not greedy: the embedded default's greedy pass@1 reached 1.0 by version 14 of 40 (the
+    # mode is right long before the policy is), while pass@1 over 4 samples at the rollouts' temperature
+    # measures the distribution RL trains and keeps moving (docs/eval.md)
+    samples: int = 4                   # completions per task: pass@samples and mean reward over them
+    temperature: float = 1.0           # 0 = greedy
     top_p: float = 1.0
     max_tokens: Optional[int] = None   # default: orchestrator.max_tokens
     max_concurrency: int = 4           # eval requests at once: its share beside the rollouts
@@ -393,7 +396,13 @@ def typed(cfg) -> Config:
         return cfg
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
-    return OmegaConf.to_object(structured({k: v for k, v in cfg.items() if k not in ("hydra", "_overrides")}))
+    data = {k: v for k, v in cfg.items() if k not in ("hydra", "_overrides")}
+    # OmegaConf's structured merge and to_object cost ~45 ms CPU per call (planning made 5); a dict that
+    # already fits the schema is built directly, in ~0.3 ms
+    # (rl.contract.typed_tree returns None for anything OmegaConf must convert or refuse)
+    from rl.contract.typed_tree import build
+    fast = build(Config, data)
+    return fast if fast is not None else OmegaConf.to_object(structured(data))
 
 
 def load(run_dir: str | os.PathLike) -> DictConfig:

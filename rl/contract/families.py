@@ -72,6 +72,10 @@ class Family:
     # own list, written as a checkpoint's quantization_config ignore list (`re:` = fullmatch on the module
     # name); rl.contract.hf.ignored_modules adds them to the checkpoint's list
     fp8_keep_modules: tuple[str, ...] = ()
+    # config.json keys (a key, then its older aliases: the first present counts) of a count of groups that
+    # context parallel hands out whole, one share per cp rank: trainer.parallel.cp must divide it. Checked at
+    # plan time (rl.contract.validation), the same rule the trainer's network enforces when it is built.
+    cp_groups: tuple[str, ...] = ()
 
     @property
     def checkpoint_fields(self) -> tuple[str, ...]:
@@ -143,7 +147,9 @@ ROWS = (
            # (rl.models.nemotron_h.gemm), so shards and training agree on it.
            fp8_keep_modules=(r"re:(.*\.)?layers\.\d+\.mixer", r"re:.*\.mixer\.conv1d", r"re:.*\.mixer\.gate",
                              r"re:.*\.mixer\.[qkvo]_proj", r"re:.*\.mixer\.fc[12]_latent_proj",
-                             r"re:(.*\.)?embeddings", r"re:(.*\.)?lm_head")),
+                             r"re:(.*\.)?embeddings", r"re:(.*\.)?lm_head"),
+           # the Mamba mixer's B/C groups (rl.models.nemotron_h.mamba.enable_context_parallel)
+           cp_groups=("n_groups", "mamba_n_groups")),
 )
 
 BY_NAME = {f.name: f for f in ROWS}

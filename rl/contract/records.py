@@ -260,6 +260,7 @@ class LocalLauncher:
     started: float
     roles: dict = field(default_factory=dict)   # role -> pid
     proc_started: Optional[float] = None        # the launcher's start time as /proc gives it (cancel checks it)
+    detached: bool = False                      # `launch run --detach`: the roles outlive the launcher on purpose
 
     # cancel signals what this record names: a value of the wrong type is refused in one line here, not
     # a TypeError inside the liveness check
@@ -270,6 +271,7 @@ class LocalLauncher:
         "roles": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _count(p) and p > 1
                                                          for k, p in v.items()), "an object of role -> pid"),
         "proc_started": (lambda v: v is None or _time(v), "a time in seconds or null"),
+        "detached": (lambda v: isinstance(v, bool), "true or false"),
     }
 
     def write(self, run_dir) -> None:

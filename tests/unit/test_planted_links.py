@@ -76,6 +76,7 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     ("rl/export.py", "_ShardWriter.finish", "os.rename"): USER_OUT,
     ("rl/export.py", "_ShardWriter.finish", ".write_text"): USER_OUT,
     ("rl/export.py", "_write_config", ".write_text"): USER_OUT,
+    ("rl/export.py", "export", ".write_text"): USER_OUT + " (its README.md, inside the 0700 tmp dir)",
     ("launch/doctor.py", "fs_bandwidth", "where.mkdir"): "doctor --fs: the directory the user names to measure",
     ("launch/doctor.py", "fs_bandwidth", "tempfile.mkstemp"): "doctor --fs: a fresh O_EXCL temp file there",
     ("launch/doctor.py", "slurm_row", ".write_text"): DOCTOR_TMP,
