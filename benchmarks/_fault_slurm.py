@@ -17,6 +17,14 @@ one fault at the Slurm level; the run must then end DONE through Slurm's own req
                         with SIGSTOP until `scontrol requeue` has returned (so it is provably still alive,
                         dying, when the requeue lands), then SIGCONT: Slurm kills everything and
                         starts the job again (SLURM_RESTART_COUNT=1), which must finish the run.
+The elastic kinds (inference.router=true; the job must absorb them without a requeue or a resume):
+  slurm_kill_engine     SIGKILL to inference_0's vLLM engine core: the batch script restarts the role in
+                        place and the restarted server (a new pid in its record) serves the rest.
+  slurm_lose_server     2 servers, cluster.max_role_restarts=0: inference_1's step cancelled by scancel
+                        (gone for good); the job goes on with inference_0 (the batch log says so).
+  slurm_scale           `launch scale +1` (the trainer held with SIGSTOP until the extra server's record is
+                        there, so the run cannot end first), one more step, `launch scale -1`: the extra
+                        server served requests, drained, and its job ended.
 
 Each records its proof that the fault landed (`trial.proof`) or why it did not (`trial.not_landed`).
 
@@ -37,7 +45,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("slurm_kill_batch", "slurm_kill_step", "slurm_cancel_prepare", "slurm_requeue_dying")
+# Elastic inference (issue 43): faults the job must absorb in the same incarnation, with the router on.
+ELASTIC_KINDS = ("slurm_kill_engine", "slurm_lose_server", "slurm_scale")
+KINDS = ("slurm_kill_batch", "slurm_kill_step", "slurm_cancel_prepare", "slurm_requeue_dying", *ELASTIC_KINDS)
+ELASTIC_EXTRA = {
+    "slurm_kill_engine": ["inference.router=true"],
+    "slurm_lose_server": ["inference.router=true", "inference.replicas=2", "cluster.max_role_restarts=0",
+                          "cluster.min_inference_fraction=0.5"],
+    "slurm_scale": ["inference.router=true"],
+}
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED")
 ROLE_MODULES = {"rl.trainer": "trainer", "rl.orchestrator": "orchestrator", "rl.inference": "inference"}
@@ -221,6 +237,7 @@ def run_slurm_trial(trial, rng, timeout: float, cluster: Cluster, h) -> None:
     fault_log = run_dir.parent / f"{run_dir.name}.faults.jsonl"
     first_env = dict(env)
     nth = None
+    trial.extra += [x for x in ELASTIC_EXTRA.get(kind, []) if x not in trial.extra]
     if kind == "slurm_cancel_prepare":
         nth = rng.choice([1, 2])
         first_env.update(HETRL_FAULT=f"prepare.mid@prepare:{nth}:stall", HETRL_FAULT_LOG=str(fault_log),
@@ -237,6 +254,10 @@ def run_slurm_trial(trial, rng, timeout: float, cluster: Cluster, h) -> None:
     except Exception as e:  # noqa: BLE001 - a harness error is this trial's failure, not the run's
         trial.failures.append(f"injecting {kind}: {type(e).__name__}: {e}")
     _finish(trial, cluster, env, timeout)
+    if kind in ELASTIC_KINDS and (len(trial.incarnations) != 1 or "rq" in trial.incarnations[0]
+                                  or resume_restart(run_dir) != 0):
+        trial.failures.append(f"{kind} must be absorbed by the running job, but the run took {trial.incarnations} "
+                              f"(resume.json restart {resume_restart(run_dir)})")
 
 
 def _moment(trial, rng, cluster: Cluster, job: str, h, timeout: float = 400) -> bool:
@@ -244,7 +265,7 @@ def _moment(trial, rng, cluster: Cluster, job: str, h, timeout: float = 400) -> 
     trial.detail += f" after step {k}"
 
     def ready():
-        return len(role_tasks(trial.run_dir)) == 3 and h.steps_done(trial.run_dir) >= k
+        return len(role_tasks(trial.run_dir)) >= 3 and h.steps_done(trial.run_dir) >= k
     ok = wait_until(lambda: ready() or job_state(cluster, job)["state"] not in ACTIVE, timeout, poll=0.5)
     time.sleep(rng.uniform(0, 2))
     return ok and ready() and not (trial.run_dir / "DONE").exists()
@@ -285,6 +306,9 @@ def _inject(trial, rng, cluster: Cluster, job: str, nth: int | None, fault_log: 
         return
     tasks = role_tasks(run_dir)
     done_before = h.steps_done(run_dir)
+    if kind in ELASTIC_KINDS:
+        _inject_elastic(trial, cluster, job, tasks, done_before, h)
+        return
     if kind == "slurm_kill_batch":
         pid = batch_shell(job)
         if pid is None:
@@ -346,6 +370,124 @@ def _inject(trial, rng, cluster: Cluster, job: str, nth: int | None, fault_log: 
             trial.proof.append(f"{role} pid {t['pid']} still alive (dying) when the requeue returned")
         else:
             trial.not_landed = f"{role} pid {t['pid']} had exited before the requeue returned"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for t in os.listdir(f"/proc/{pid}/task")
+                for x in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def engine_core(server_pid: int) -> int | None:
+    """The vLLM engine core process under the API server `server_pid` (its title names it)."""
+    todo, seen = list(_children(server_pid)), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text(errors="replace")
+        except OSError:
+            continue
+        if "EngineCore" in " ".join(_cmdline(pid)) + comm:
+            return pid
+        todo += _children(pid)
+    return None
+
+
+def _server_pid(run_dir: Path, index: int) -> int | None:
+    try:
+        return int(json.loads((run_dir / "inference" / f"server_{index}.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _inject_elastic(trial, cluster: Cluster, job: str, tasks: dict, done_before: int, h) -> None:
+    run_dir, kind = trial.run_dir, trial.kind
+    batch_log = run_dir / "logs" / f"slurm-{job}.out"
+    if kind == "slurm_kill_engine":
+        # the moment may come before the server is up (step 0): the engine core must exist to be killed
+        wait_until(lambda: (_server_pid(run_dir, 0) and engine_core(_server_pid(run_dir, 0)))
+                   or (run_dir / "DONE").exists(), 600, 1)
+        done_before = h.steps_done(run_dir)
+        server = _server_pid(run_dir, 0)
+        engine = engine_core(server) if server else None
+        if engine is None or not alive(engine):
+            trial.not_landed = f"no live engine core under inference_0's server (pid {server})"
+            return
+        os.kill(engine, signal.SIGKILL)
+        gone = wait_until(lambda: not alive(engine), 10)
+        trial.detail += f": SIGKILL engine core pid {engine} (server {server}) at step {done_before}"
+        back = wait_until(lambda: _server_pid(run_dir, 0) not in (None, server) or (run_dir / "DONE").exists(), 600, 1)
+        new = _server_pid(run_dir, 0)
+        if gone and back and new not in (None, server):
+            trial.proof.append(f"engine core {engine} alive, killed; inference_0 restarted in place "
+                               f"(server pid {server} -> {new}) in job {job}; {done_before} step(s) done")
+        else:
+            trial.not_landed = f"engine core {engine} gone: {gone}; restarted server: {new} (was {server})"
+    elif kind == "slurm_lose_server":
+        t = tasks.get("inference_1")
+        if t is None:
+            trial.not_landed = "no inference_1 step running"
+            return
+        r = cluster.run("scancel", f"{t['job']}.{t['step']}")
+        if r.returncode != 0:
+            trial.failures.append(f"scancel {t['job']}.{t['step']}: {r.stderr.strip()}")
+        gone = wait_until(lambda: not alive(t["pid"]), 60)
+        trial.detail += f": scancel {t['job']}.{t['step']} (inference_1) at step {done_before}"
+
+        def given_up():
+            try:
+                return "given up; going on with 1 of 2 inference servers" in batch_log.read_text(errors="replace")
+            except OSError:
+                return False
+        if gone and wait_until(given_up, 60):
+            trial.proof.append(f"inference_1 pid {t['pid']} alive before, gone after; the batch script gave it up "
+                               f"and went on with 1 of 2 servers; {done_before} step(s) done")
+        else:
+            trial.not_landed = f"inference_1 gone: {gone}; given up in the batch log: {given_up()}"
+    elif kind == "slurm_scale":
+        trainer = tasks.get("trainer", {}).get("pid")
+        env = job_env(trial, cluster)
+        # held only once it has published weights and trained a step: the extra server needs the weights
+        # (holding the trainer before its first publication stalled every server: a trial measured it)
+        if not wait_until(lambda: h.steps_done(run_dir) >= 1 and _server_pid(run_dir, 0) is not None
+                          or (run_dir / "DONE").exists(), 900, 1) or (run_dir / "DONE").exists():
+            trial.not_landed = "the run ended (or never trained a step) before the moment of the scale-up"
+            return
+        done_before = h.steps_done(run_dir)
+        if trainer:
+            os.kill(trainer, signal.SIGSTOP)   # the run cannot end before the extra server is up
+        try:
+            r = launch_cmd(trial, env, "scale", str(run_dir), "--inference", "+1")
+            if r.returncode != 0:
+                trial.failures.append(f"launch scale +1 exited {r.returncode}: {r.stdout.strip()[-300:]}")
+                return
+            up = wait_until(lambda: _server_pid(run_dir, 1) is not None, 600, 1)
+        finally:
+            if trainer:
+                os.kill(trainer, signal.SIGCONT)
+        extra_job = json.loads((run_dir / "inference" / "extra" / "replica_1.json").read_text()).get("job")
+        def has_served() -> bool:
+            try:
+                return "POST /inference/v1/generate" in (run_dir / "logs" / "inference_1.vllm.log").read_text(
+                    errors="replace")
+            except OSError:
+                return False
+        # drained once it has served (the router's affinity may keep a short run's sessions elsewhere a while)
+        wait_until(lambda: has_served() or (run_dir / "DONE").exists(), 300, 1)
+        r = launch_cmd(trial, env, "scale", str(run_dir), "--inference", "-1")
+        ended = wait_until(lambda: job_state(cluster, extra_job)["state"] not in ACTIVE, 300, 1)
+        served = has_served()
+        trial.detail += f": launch scale +1 (job {extra_job}) at step {done_before}, -1 at step {h.steps_done(run_dir)}"
+        if up and served and r.returncode == 0 and ended:
+            trial.proof.append(f"extra server inference_1 (job {extra_job}) up, served requests, drained; its job ended")
+        else:
+            trial.not_landed = (f"extra server up: {up}, served: {served}, drain exit {r.returncode}, "
+                                f"its job ended: {ended}")
 
 
 def _finish(trial, cluster: Cluster, env: dict, timeout: float) -> None:

@@ -27,7 +27,8 @@ LOCAL_KINDS = ("kill_role", "kill_all", "stop", "crash_point", "disk_full", "bit
 SLURM_KINDS = _fault_slurm.KINDS
 KINDS = LOCAL_KINDS + SLURM_KINDS
 # kinds whose fault ends the incarnation it hits: a later incarnation must have run
-ENDS_INCARNATION = ("kill_role", "kill_all", "stop", "crash_point", "zombie", *SLURM_KINDS)
+ENDS_INCARNATION = ("kill_role", "kill_all", "stop", "crash_point", "zombie",
+                    *(k for k in SLURM_KINDS if k not in _fault_slurm.ELASTIC_KINDS))
 STEPS = 4
 LANDED, NEUTRALISED, NOT_INJECTED = "landed", "landed, neutralised", "not injected"
 BASE = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "trainer.warm_start.steps=30",

@@ -62,6 +62,9 @@ Fault kinds (`--kinds`, default all):
                         after `scontrol requeue` of a job that trained some steps, the second one's)
   slurm_requeue_dying   SIGTERM to one role's step task, frozen (SIGSTOP) until `scontrol requeue` returned;
                         Slurm's requeue must finish the run
+  slurm_kill_engine     inference_0's vLLM engine core SIGKILLed (router on): restarted in place, no requeue
+  slurm_lose_server     one of 2 inference steps cancelled for good: the job goes on with the other
+  slurm_scale           `launch scale +1`, then `-1` mid-run: the extra server serves, drains, its job ends
 (benchmarks/_fault_slurm.py has the Slurm kinds.)
 
     python benchmarks/fault_trials.py --trials 50 [--jobs 2] [--seed 0] [--kinds kill_all,bitflip] [--out DIR]

@@ -79,7 +79,7 @@ def _check_sbatch_header(plan: Plan, cluster: ClusterConfig, job_name: str) -> N
             raise ConfigError(f"cluster.extra_sbatch[{n}]={str(line)!r}: must be one line")
 
 
-def render_script(plan: Plan, cfg, template: str = "job.sbatch.j2") -> str:
+def render_script(plan: Plan, cfg, template: str = "job.sbatch.j2", **extra) -> str:
     """The batch script of `plan` with the cluster settings of `cfg` (a composed config, read as the typed
     Config: the schema has every default), without submitting. A value that cannot be put into an #SBATCH
     line safely is a ConfigError naming its key."""
@@ -93,7 +93,7 @@ def render_script(plan: Plan, cfg, template: str = "job.sbatch.j2") -> str:
     cluster = typed(cfg).cluster
     job_name = cluster.job_name or f"hetrl-{plan.experiment}"
     _check_sbatch_header(plan, cluster, job_name)
-    return env.get_template(template).render(plan=plan, cluster=cluster, job_name=job_name)
+    return env.get_template(template).render(plan=plan, cluster=cluster, job_name=job_name, **extra)
 
 
 # -- Slurm commands ----------------------------------------------------------------------------------
@@ -295,7 +295,21 @@ def job_status(run_dir, unreadable: list[str]) -> dict:
     except (ConfigError, OSError) as e:  # a malformed or planted submissions record
         unreadable.append(str(e))
         return {"id": None, "state": "UNKNOWN", "reason": "the job record could not be read"}
-    return {"id": job, **(job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""})}
+    return {"id": job, **(job_state(job) if job else {"state": "NOT SUBMITTED", "reason": ""}),
+            "requeues": requeue_reasons(run_dir, unreadable)}
+
+
+def requeue_reasons(run_dir, unreadable: list[str], last: int = 5) -> list[str]:
+    """The newest lines of logs/requeues.log: each stop that asked for a requeue, why (a signal, a role's
+    crash, too few inference servers) and what rl.requeue decided (written by the batch script)."""
+    try:
+        text = safefs.read_text(Path(run_dir) / "logs" / "requeues.log", limit=1 << 20)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        unreadable.append(f"logs/requeues.log: {e}")
+        return []
+    return [line for line in text.splitlines() if line.strip()][-last:]
 
 
 def plan_text(plan: Plan, cfg: dict) -> str:

@@ -314,6 +314,8 @@ class ClusterConfig:
     signal_grace_s: int = 120
     requeue: bool = True
     max_restarts: int = 20             # requeues of one job at most (rl.requeue); each also needs a new checkpoint
+    max_role_restarts: int = 3         # in-place restarts of one inference role per incarnation (sbatch supervisor)
+    min_inference_fraction: float = 1.0  # servers given up on below this fraction of the planned: requeue
     stall_timeout_s: float = 7200.0    # a role waiting this long for another role's output ends the job; 0 = never
     exclusive: bool = True             # whole nodes per het component (#SBATCH --exclusive)
     job_name: Optional[str] = None     # default: hetrl-<experiment>

@@ -386,6 +386,9 @@ def validate(cfg: DictConfig | dict) -> None:
     c = cfg.cluster
     need(c.signal_grace_s >= 10, "cluster.signal_grace_s", "leave at least 10 s to checkpoint")
     need(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: never requeue)")
+    need(c.max_role_restarts >= 0, "cluster.max_role_restarts",
+         "must be >= 0 (0: a failed inference server is not restarted in place)")
+    need(0 < c.min_inference_fraction <= 1, "cluster.min_inference_fraction", "must be in (0, 1]")
     need(c.stall_timeout_s >= 0, "cluster.stall_timeout_s", "must be >= 0 (0: no watchdog)")
     need(bool(_SLURM_TIME.match(str(c.time))), "cluster.time",
          "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
@@ -427,8 +430,6 @@ def validate(cfg: DictConfig | dict) -> None:
              "the local backend runs at most 2 CPU ranks")
 
 
-def check_run_dir(run_dir: str | os.PathLike) -> None:
-    """A run directory that can be created and written, before anything is submitted or started."""
 def _other_python(cfg) -> bool:
     """Whether the roles run another interpreter (cluster.python) than this one, whose installed packages
     this process cannot see: then a verifiers environment is resolved by the orchestrator alone."""
@@ -440,6 +441,8 @@ def _other_python(cfg) -> bool:
     return found is None or os.path.realpath(found) != os.path.realpath(sys.executable)
 
 
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """A run directory that can be created and written, before anything is submitted or started."""
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"run_dir={str(p)!r}: exists and is not a directory")

@@ -32,6 +32,15 @@ Without a secret (`--backend` mode, or a run dir without one) nothing is checked
 The orchestrator loads new weights into the servers directly (per-server in-flight counts matter
 there); it sends generation through the router and calls /router/reset_index after each update.
 
+Servers that fail, restart and join (issue 43): a request whose server fails under it (the connection
+lost, or a 5xx while the server's /health is down: a dead engine core) is sent again to another server;
+its caller gets one answer, so nothing is doubled. With no server up, a request waits for one (up to
+inference.startup_timeout_s) instead of failing: a server restarting in place takes it. A server whose
+record disappears is down at once and held down until a record with a new pid appears (its role writes
+it only once it serves the newest weights); a server marked down by failed polls comes back only when
+/health answers 200 again. Records of extra servers (`launch scale`, rl.contract.elastic) are followed
+the same way.
+
 Run-dir mode: waits for `D/inference/server_<i>.json` of every planned replica (pools from
 `D/plan.json`), re-reads them while it runs (a restarted server is picked up, its index cleared),
 serves on `inference.host`:`inference.router_port`, writes `D/inference/router.json` {"url", ...},
@@ -53,8 +62,8 @@ from pathlib import Path
 from rl.inference.auth import bearer, is_open, token_ok
 from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
-                                  RequestKey, RouterConfig, completion_key, decode_body, parse_metrics,
-                                  prefill_body, reported_cached_tokens, request_key)
+                                  RequestKey, RouterConfig, Unreachable, completion_key, decode_body,
+                                  parse_metrics, prefill_body, reported_cached_tokens, request_key)
 
 # Server paths the router forwards as they are (GET, to the least loaded healthy server); read-only.
 FORWARDED_PATHS = ("/v1/models", "/version")
@@ -62,15 +71,9 @@ FORWARDED_PATHS = ("/v1/models", "/version")
 
 def discover(run_dir: Path) -> tuple[list[tuple[str, str, str]], int]:
     """([(name, url, pool)] of the servers up now, how many are planned) from the run directory."""
-    from rl import runtime
-    from rl.contract.records import ServerRecord
-    replicas = runtime.load_plan(run_dir).inference.replicas
-    found = []
-    for r in replicas:
-        rec = ServerRecord.read(run_dir, r.index)
-        if rec is not None:
-            found.append((r.name, rec.url, r.pool))
-    return found, len(replicas)
+    from rl.contract.elastic import server_records
+    found, planned = server_records(run_dir)
+    return [(name, url, pool) for name, (url, pool, _) in found.items()], planned
 
 
 # -- the HTTP side -----------------------------------------------------------------------------------
@@ -88,6 +91,9 @@ class Router:
         self.run_dir = run_dir
         self.log = log
         self.started = time.time()
+        # How long a request waits for a server when none is up (all down or restarting in place) before
+        # it is answered 503; in run-dir mode inference.startup_timeout_s, a restart's worst case.
+        self.down_wait_s = 60.0
         self.counts: Counter = Counter()
         self._http = None
         self._runner = None
@@ -192,6 +198,8 @@ class Router:
                     if r.status != 200:
                         raise RuntimeError(f"/metrics -> {r.status}")
                     text = await r.text()
+                if not b.healthy:   # a dead engine core leaves /metrics up: back only when /health says so
+                    await self._check_health(b)
                 b.update_metrics(parse_metrics(text), time.monotonic(), self.cfg)
             except Exception as e:  # noqa: BLE001  any failure counts against the server
                 b.failures += 1
@@ -209,18 +217,40 @@ class Router:
             except Exception as e:  # noqa: BLE001  keep polling
                 self.log(f"router: poll failed: {e}")
 
+    async def _check_health(self, b: Backend) -> None:
+        """Raise unless the server's /health answers 200 (vLLM answers 503 once its engine core is dead)."""
+        import aiohttp
+        async with self._http.get(f"{b.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"/health -> {r.status}")
+
     def _rediscover(self) -> None:
-        found, _ = discover(self.run_dir)
-        for name, url, pool in found:
+        """Follow the server records: a record that disappears is a server that failed (its role withdrew
+        it and is being restarted in place): down at once, and held down, whatever its polls say, until a
+        record appears again. A record with another pid or URL is a restarted server: up, its index cleared
+        (its cache is empty), since its role writes the record only once it serves the newest weights."""
+        from rl.contract.elastic import server_records
+        found, _ = server_records(self.run_dir)
+        for name, b in self.backends.items():
+            if name not in found and not b.held:
+                b.held = True
+                self._down(b, "its server record is gone (failed, its role restarting; or draining)")
+                self.counts["withdrawn"] += 1
+        for name, (url, pool, pid) in found.items():
             url = url.rstrip("/")
             b = self.backends.get(name)
             if b is None:
-                self.backends[name] = Backend(name, url, pool, PrefixIndex(self.cfg.index_blocks))
+                self.backends[name] = Backend(name, url, pool, PrefixIndex(self.cfg.index_blocks), pid=pid)
                 self.log(f"router: {name} ({pool}) at {url}")
-            elif b.url != url:
-                self.log(f"router: {name} moved {b.url} -> {url}; its prefix index is cleared")
-                b.url, b.healthy, b.failures, b.baseline = url, True, 0, {}
+            elif b.pid is None and b.url == url and not b.held:
+                b.pid = pid   # the record the router started from
+            elif b.url != url or b.pid != pid or b.held:
+                what = f"moved {b.url} -> {url}" if b.url != url else f"restarted (pid {b.pid} -> {pid})"
+                self.log(f"router: {name} {what}; up again, its prefix index cleared")
+                b.url, b.pid, b.held, b.healthy, b.failures, b.baseline = url, pid, False, True, 0, {}
+                b.metrics_time = float("-inf")
                 b.index.clear()
+                self.counts["rejoined"] += 1
 
     # routed requests
     async def _routed(self, request):
@@ -233,33 +263,64 @@ class Router:
         session = request.headers.get(SESSION_HEADER) or (str(session) if session is not None else None)
         path = request.path
         key = request_key(path, body, session, self.cfg)
+        # A server that fails under a request (connection lost, or a 5xx with /health down: a dead engine)
+        # gets the request sent again elsewhere: its answer never reached the caller, so the caller sees
+        # one answer (the request is re-sampled, not doubled). With no server up the request waits for one
+        # (a server restarting in place) up to down_wait_s. Attempts are bounded against a loop.
         tried: set[str] = set()
-        while True:
+        waited_since = None
+        attempts = 0
+        while attempts < 8 + 2 * len(self.backends):
             try:
                 d = self.policy.route(list(self.backends.values()), key, time.monotonic(), exclude=tried)
             except NoBackend as e:
-                return web.json_response({"error": f"router: {e}"}, status=503)
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since = now
+                    self.counts["waits_for_server"] += 1
+                if now - waited_since > self.down_wait_s:
+                    return web.json_response({"error": f"router: {e} after waiting {self.down_wait_s:.0f} s"},
+                                             status=503)
+                tried.clear()   # those are down now; one that comes back may take the request again
+                await asyncio.sleep(0.25)
+                continue
+            if waited_since is not None:
+                self.counts["wait_for_server_ms"] += int(1000 * (time.monotonic() - waited_since))
+                waited_since = None
             self.policy.dispatched(d, key)
+            attempts += 1
             outcome: dict = {}
             try:
                 return await self._execute(request, path, body, d, key, outcome)
-            except _Unreachable as e:
+            except Unreachable as e:
                 tried.add(e.backend.name)
                 self._down(e.backend, str(e))
                 self.counts["retries"] += 1
             finally:
                 self.policy.finished(d, key, outcome.get("done"), outcome.get("cached"))
+        return web.json_response({"error": f"router: {path} failed on every attempt"}, status=502)
 
     async def _post(self, b: Backend, path: str, body: dict, request):
         import aiohttp
         try:
             return await self._http.post(f"{b.url}{path}", json=body, headers=self._headers(request),
                                          params=request.query)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
-            raise _Unreachable(b, f"{type(e).__name__}: {e}") from e
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:   # refused, reset, disconnected
+            raise Unreachable(b, f"{type(e).__name__}: {e}") from e
+
+    async def _failed_server(self, b: Backend, status: int) -> bool:
+        """A 5xx from `b`: is the server failing (its /health is not 200), not just this request?"""
+        if status < 500:
+            return False
+        try:
+            await self._check_health(b)
+        except Exception:  # noqa: BLE001  unreachable or unhealthy alike
+            return True
+        return False
 
     async def _execute(self, request, path: str, body: dict, d: Decision, key: RequestKey,
                        outcome: dict):
+        import aiohttp
         from aiohttp import web
         extra = {BACKEND_HEADER: d.backend.name}
         send = body
@@ -287,9 +348,14 @@ class Router:
                     await out.write(chunk)
             await out.write_eof()
             return out
-        async with r:
-            raw = await r.read()
-            status, ctype = r.status, r.content_type
+        try:
+            async with r:
+                raw = await r.read()
+                status, ctype = r.status, r.content_type
+        except aiohttp.ClientPayloadError as e:   # the server died while sending the answer
+            raise Unreachable(d.backend, f"{type(e).__name__}: {e}") from e
+        if await self._failed_server(d.backend, status):
+            raise Unreachable(d.backend, f"{path} -> {status} and /health is down: {raw[:200]!r}")
         if status == 200:
             try:
                 data = json.loads(raw)
@@ -407,12 +473,6 @@ class Router:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-class _Unreachable(Exception):
-    def __init__(self, backend: Backend, msg: str):
-        super().__init__(msg)
-        self.backend = backend
-
-
 # -- the role ----------------------------------------------------------------------------------------
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m rl.inference.router", description=__doc__.split("\n")[0])
@@ -476,6 +536,8 @@ async def _serve(ns) -> int:
     cfg = RouterConfig(**{**base, **{k: getattr(ns, k) for k in RouterConfig.__dataclass_fields__
                                      if getattr(ns, k) is not None}})
     router = Router(backends, cfg, secret=secret, run_dir=run_dir, log=log)
+    if run_dir is not None:
+        router.down_wait_s = float(rcfg.inference.startup_timeout_s)
     url = await router.start(host, port)
     pools = Counter(b.pool for b in router.backends.values())
     log(f"routing ({cfg.policy}) on {url} to {len(backends)} server(s): {dict(pools)}")

@@ -253,6 +253,8 @@ class Backend:
     metrics_time: float = -math.inf
     healthy: bool = True
     failures: int = 0
+    held: bool = False                  # its server record is gone (the role is restarting): down until a new one
+    pid: int | None = None              # the server's pid in its record: another pid is a restarted server
     requests: int = 0
     sessions: int = 0
     predicted_cached: int = 0           # the router's estimate, summed over requests that reported
@@ -296,14 +298,14 @@ class Backend:
             self.index.resize(max(1, int(cap // cfg.block_tokens)))
         self.metrics_time = now
         self.failures = 0
-        self.healthy = True
+        self.healthy = not self.held
 
     def hit_rate(self) -> float | None:
         q = self.prefix_queries - self.baseline.get("prefix_queries", 0.0)
         return (self.prefix_hits - self.baseline.get("prefix_hits", 0.0)) / q if q > 0 else None
 
     def stats(self, cfg: RouterConfig, now: float) -> dict:
-        return {"name": self.name, "url": self.url, "pool": self.pool, "healthy": self.healthy,
+        return {"name": self.name, "url": self.url, "pool": self.pool, "healthy": self.healthy, "held": self.held,
                 "in_flight": self.in_flight, "running": self.running, "waiting": self.waiting,
                 "kv_usage": self.kv_usage, "load": self.load(cfg, now), "full": self.full(cfg, now),
                 "requests": self.requests, "sessions": self.sessions, "index_blocks": len(self.index),
@@ -493,3 +495,11 @@ def decode_body(body: dict, kv_transfer_params: dict) -> dict:
 
 
 # -- discovery ---------------------------------------------------------------------------------------
+
+
+class Unreachable(Exception):
+    """A server the router could not get an answer from (connection lost, or a 5xx while its /health is
+    down): the request goes to another server (rl.inference.router)."""
+    def __init__(self, backend: Backend, msg: str):
+        super().__init__(msg)
+        self.backend = backend

@@ -32,6 +32,14 @@ starts this role once per node of the replica (one Slurm task per node, so the n
    (0.0.0.0 on Slurm), the bind address otherwise. Headless nodes have no API server: they neither poll
    `/health` nor write a server record, and log to their own `inference_<I>.node<k>.vllm.log`.
 
+A server that fails is not the end of the run (issue 43): the head withdraws its server record first
+(`withdraw_record`; the router takes a missing record for a server that is down and the orchestrator stops
+loading weights into it), stops its child and exits non-zero, and the batch script restarts the role in
+place; the restarted role loads the newest published version and writes a new record (a new pid) only
+once it serves it. The replica may also be an extra row `launch scale` added (rl.contract.elastic, same
+code path); when its drain marker appears the head withdraws its record, lets the requests it holds
+finish (`drain`) and exits 0.
+
 Every node then stays up until `D/DONE` appears or it is signalled, and stops its child (terminate, wait,
 kill) through rl.inference.guard, a small process that outlives a role killed by SIGKILL and takes the
 whole server (API server, engine core, workers) down with it. Later
@@ -53,7 +61,7 @@ import httpx
 
 import rl
 from rl import exchange, runtime
-from rl.contract import paths, safefs
+from rl.contract import elastic, paths, safefs
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
@@ -248,7 +256,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     run_dir = Path(run_dir).resolve()
     cfg = runtime.load_config(run_dir)
     plan = runtime.load_plan(run_dir)
-    replica = plan.replica(index)
+    replica = elastic.replica_row(plan, run_dir, index)   # a plan row, or one `launch scale` added
     rank = node_rank_from_env(os.environ) if node_rank is None else node_rank
     planned = replica.vllm_argv(rank)  # refuses a node rank outside the replica
     head = replica.is_head(rank)
@@ -274,6 +282,8 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         assets = exchange.step_dir(run_dir, paths.ASSETS, 0)
         weights = exchange.step_dir(run_dir, paths.WEIGHTS, version)
 
+    if head and withdraw_dead_record(run_dir, index):
+        log(f"{name}: removed the server record of a predecessor on this host that is gone")
     local = Path(plan.node_local_dir)
     gone = clean_stale(local.parent, keep=local.name)
     if gone:
@@ -322,7 +332,7 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
             ServerRecord(url=url, version=version, host=socket.gethostname(), pid=vllm_pid, index=index,
                          fp8=fp8, log=str(log_path), nodes=replica.nodes).write(run_dir)
         runtime.record_role(run_dir, name, url=url if head else None, vllm_pid=vllm_pid, node_rank=rank)
-        next_health = time.monotonic() + HEALTH_EVERY_S
+        next_health, refused = time.monotonic() + HEALTH_EVERY_S, [0]
         while not stop.is_set() and not runtime.is_done(run_dir):
             if proc.poll() is not None:
                 if death := engine_death(log_path):   # vLLM may shut its API server down after it
@@ -330,12 +340,20 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
                                        f"the server exited with status {proc.returncode}")
                 raise RuntimeError(f"vLLM ({name}) exited with status {proc.returncode}; see {log_path}")
             if head and time.monotonic() >= next_health:
-                check_engine_alive(url, name, log_path)
+                check_engine_alive(url, name, log_path, refused)
                 next_health = time.monotonic() + HEALTH_EVERY_S
+            if elastic.draining(run_dir, index):
+                drain(run_dir, index, vllm_pid, url, secret, float(cfg.orchestrator.request_timeout_s))
+                break
             time.sleep(0.5)
-        log(f"{name}: " + ("DONE" if not stop.is_set() else f"stopping ({stop.reason})"))
+        else:
+            log(f"{name}: " + ("DONE" if not stop.is_set() else f"stopping ({stop.reason})"))
     except InterruptedError as e:
         log(str(e))
+    except BaseException:
+        if head:   # first, so the router routes around this server before the slow stop below
+            withdraw_record(run_dir, index, vllm_pid)
+        raise
     finally:
         rc = guard.stop_child(proc, grace=3 * guard.GRACE_S)   # the guard escalates within 2 x GRACE_S
         log(f"{name}: vLLM stopped (status {rc})")
@@ -345,16 +363,91 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
 HEALTH_EVERY_S = 5.0
 
 
-def check_engine_alive(url: str, name: str, log_path: Path) -> None:
+def drain(run_dir: Path, index: int, pid: int, url: str, secret: str | None, timeout: float) -> None:
+    """`launch scale --inference -N` asked this server to leave: withdraw its record (the router sends it
+    nothing new, the orchestrator loads no more weights into it), then wait until the requests it holds
+    are answered (vLLM's running + waiting gauges read 0 twice, a router poll apart), at most `timeout`
+    (orchestrator.request_timeout_s, what a request may take anyway)."""
+    from rl.inference.routing import parse_metrics
+    withdraw_record(run_dir, index, pid, why="draining")
+    deadline, idle = time.monotonic() + timeout, 0
+    time.sleep(1.0)   # a request the router dispatched just before it saw the record go
+    while time.monotonic() < deadline and idle < 2:
+        try:
+            r = httpx.get(f"{url}/metrics", headers=bearer(secret) if secret else {}, timeout=10.0)
+            m = parse_metrics(r.text) if r.status_code == 200 else {}
+            busy = m.get("running", 1.0) + m.get("waiting", 0.0)
+        except httpx.HTTPError:
+            busy = 1.0
+        idle = idle + 1 if busy == 0 else 0
+        time.sleep(0.5)
+    log(f"inference_{index}: drained" + ("" if idle >= 2 else f" (still busy after {timeout:.0f} s)"))
+
+
+def withdraw_dead_record(run_dir: Path, index: int) -> bool:
+    """A restarted role's first act: a record left by a predecessor killed before it could withdraw it
+    (SIGKILL, the OOM killer) names a dead server on this host; without this the router would take it
+    for a server that is merely slow to answer its polls."""
+    try:
+        rec = ServerRecord.read(run_dir, index)
+    except (OSError, RecordError):
+        return False
+    if rec is None or rec.host != socket.gethostname() or _alive(rec.pid):
+        return False
+    return withdraw_record(run_dir, index, rec.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def withdraw_record(run_dir: Path, index: int, pid: int, why: str = "the server failed") -> bool:
+    """Remove replica `index`'s server record if it still names this role's server (`pid`): the server
+    failed, and the router and the orchestrator take a missing record for a server that is down (the
+    batch script restarts the role in place, and the restarted role writes a new one). A record another
+    process wrote since is left alone."""
+    try:
+        rec = ServerRecord.read(run_dir, index)
+    except (OSError, RecordError):
+        return False
+    if rec is None or rec.pid != pid:
+        return False
+    paths.server_record(run_dir, index).unlink(missing_ok=True)
+    log(f"inference_{index}: server record withdrawn ({why})")
+    return True
+
+
+REFUSED_LIMIT = 3   # consecutive refused /health looks (HEALTH_EVERY_S apart) that mean a dead server
+
+
+def check_engine_alive(url: str, name: str, log_path: Path, refused: list[int] | None = None) -> None:
     """Raise, naming the cause from the log, when the server's engine core is dead.
 
     A dead engine core does not end vLLM's API server: it answers /health with 503 and every request
     with HTTP 500 until it is stopped, which leaves a server that looks alive to the process table.
-    Only a 503 counts; a slow or refused /health (a loaded host, a restart) is left to the next look."""
+    A 503 counts at once. So does a port that refuses connections REFUSED_LIMIT looks in a row (counted
+    in `refused`): an API server whose engine core died during a weight load was seen to close its port
+    and hang in its shutdown (a fault trial: alive, deaf, for 5 minutes, until the orchestrator's stall
+    watchdog ended the job). A slow /health (a loaded host) is left to the next look."""
     try:
         status = httpx.get(f"{url}/health", timeout=10.0).status_code
+    except httpx.ConnectError:
+        if refused is not None:
+            refused[0] += 1
+            if refused[0] >= REFUSED_LIMIT:
+                cause = engine_death(log_path) or f"its port refused /health {refused[0]} times in a row"
+                raise RuntimeError(f"vLLM ({name}): server dead: {cause}; see {log_path}") from None
+        return
     except httpx.HTTPError:
         return
+    if refused is not None:
+        refused[0] = 0
     if status == 503:
         cause = engine_death(log_path) or f"/health answered 503; see {log_path}"
         raise RuntimeError(f"vLLM ({name}): engine core died: {cause}")

@@ -44,7 +44,7 @@ from rl.orchestrator.sampling import Sampler
 from rl.contract.batch import RolloutBatch, Sample, ShardPlan, write_samples
 from rl.contract.secret import secret_or_none
 from rl.orchestrator.versions import VersionTracker
-from rl.contract import offpolicy, paths
+from rl.contract import elastic, offpolicy, paths
 from rl.contract.records import ServerRecord
 from rl.runtime import StopFlag, is_done, load_plan, log, resume_state
 
@@ -62,6 +62,25 @@ def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int)
 
     The whole group goes or stays: its advantages are relative to each other."""
     return offpolicy.within_bound(min_version(group, step), step, max_off_policy)
+
+
+def _server_up(run_dir: Path, index: int) -> bool:
+    """Has server `index` a record (rl.inference.server withdraws it when the server fails)? Outside a
+    launched run (no plan.json: the unit tests' orchestrators) there are no records to follow."""
+    if not paths.plan_file(run_dir).exists():
+        return True
+    try:
+        return ServerRecord.read(run_dir, index) is not None
+    except Exception:  # noqa: BLE001  unreadable: as before, try it
+        return True
+
+
+def _servers_up(run_dir: Path) -> dict:
+    """{servers_up, servers_planned} for a batch's metrics (rl.contract.elastic); {} without a plan."""
+    try:
+        return dict(zip(("servers_up", "servers_planned"), elastic.servers_up(load_plan(run_dir), run_dir)))
+    except Exception:  # noqa: BLE001  a run dir without plan.json (the unit tests' orchestrators)
+        return {}
 
 
 async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
@@ -110,6 +129,7 @@ class Orchestrator:
         self.eval_tasks = hold_out(self.sampler.env, cfg.eval, int(cfg.seed)) if int(cfg.eval.every) else []
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
         self._workers: list[int] = []
+        self._extra: dict[int, InferenceClient] = {}   # servers a `launch scale` job added, by index
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
         self.reload_backoff_s = 1.0
 
@@ -123,11 +143,11 @@ class Orchestrator:
         sp = self.sampler
         t0 = time.monotonic()
         sp.gate.clear()
-        try:
+        try:   # a server whose record is withdrawn is restarting in place and loads the newest weights itself
             results = await asyncio.gather(*(
                 c.update_weights(str(path), version, report_dir=self._reports(i),
                                  workers=self._workers[i] if i < len(self._workers) else None)
-                for i, c in enumerate(sp.clients)))
+                for i, c in [*enumerate(sp.clients), *self._scaled_in().items()] if _server_up(self.run_dir, i)))
         finally:
             sp.gate.set()
         in_flight: dict[str, int] = {}
@@ -140,6 +160,23 @@ class Orchestrator:
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += dt
         log(ROLE, f"servers now on policy version {version} ({dt * 1000:.0f} ms, {len(in_flight)} requests in flight)")
+
+    def _scaled_in(self) -> dict:
+        """{index: client} of the servers `launch scale` added (rl.contract.elastic), once each has a record;
+        generation reaches them through the router, weights from here like the planned ones."""
+        extra = self._extra
+        try:
+            indexes = elastic.server_indexes(load_plan(self.run_dir), self.run_dir)
+        except Exception:  # noqa: BLE001  a run dir without plan.json (the unit tests' orchestrators)
+            indexes = []
+        for i in indexes:
+            if i >= len(self.sampler.clients) and i not in extra and (rec := ServerRecord.read(self.run_dir, i)):
+                extra[i] = InferenceClient(rec.url, secret=secret_or_none(self.run_dir),
+                                           timeout=float(self.o.request_timeout_s))
+                row = elastic.replica_row(load_plan(self.run_dir), self.run_dir, i)
+                self._workers += [None] * (i + 1 - len(self._workers))
+                self._workers[i] = int(row.dp) * int(row.tp)
+        return {i: c for i, c in extra.items() if not elastic.draining(self.run_dir, i)}
 
     async def _weight_watcher(self) -> None:
         """Load every new version into the servers. A failed reload is retried (with backoff) up to
@@ -255,6 +292,7 @@ class Orchestrator:
             "lag_mean": float(step - versions.mean()) if len(versions) else 0.0,
             "lag_max": int(step - versions.min()) if len(versions) else 0,
             "weight_updates": self.stats["weight_updates"], "weight_update_s": self.stats["weight_update_s"],
+            **_servers_up(self.run_dir),
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
             # per sample, where its prompt ends (`launch report`'s trajectory view; a list: not a metric)

@@ -1,0 +1,184 @@
+"""A failed part never ends the job (issue 43), on the real localhost Slurm with the real roles.
+
+- vLLM's engine core is SIGKILLed mid-run: the inference role notices, withdraws its server record (the
+  router marks the server down at once and holds the requests), exits, and the batch script's supervisor
+  starts the same srun step again after its back-off; the restarted server loads the newest weights and
+  writes a new record, the router takes it back, and the run finishes in the same incarnation (no
+  requeue) with every rollout batch trained exactly once and the trainer never restarted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from test_slurm_rl import FAST, _assert_complete_once, _history, _job_ended, _launch, _wait
+
+from launch import slurm as ls
+from rl.contract.records import ServerRecord
+from rl.metrics import read_metrics
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            out += [int(x) for x in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _engine_core(server_pid: int) -> int | None:
+    """The pid of the vLLM engine core under the API server `server_pid` (its process title names it)."""
+    todo, seen = [server_pid], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            comm = Path(f"/proc/{pid}/comm").read_text()
+        except OSError:
+            continue
+        if pid != server_pid and "EngineCore" in title + comm:
+            return pid
+        todo += _children(pid)
+    return None
+
+
+def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes_without_requeue(slurm, tmp_path):
+    steps = 6
+    run_dir = tmp_path / "run"
+    _launch(f"run_dir={run_dir}", f"trainer.max_steps={steps}", "inference.router=true", *FAST)
+    job = ls.current_job(run_dir)
+    _wait(lambda: len(read_metrics(run_dir)) >= 2, 600, "2 trainer steps", run_dir)
+    first = ServerRecord.read(run_dir, 0)
+    engine = _wait(lambda: _engine_core(first.pid), 60, "the engine core process", run_dir)
+    killed_at = len(read_metrics(run_dir))
+    os.kill(engine, signal.SIGKILL)
+    st = _wait(lambda: _job_ended(job), 900, "the job to finish after the in-place restart", run_dir)
+    assert st["state"] in ("COMPLETED", "GONE"), st
+    _assert_complete_once(run_dir, steps)
+    assert killed_at < steps, "the run ended before the kill: nothing was tested"
+
+    # no requeue: one incarnation, the trainer started once, the inference role twice in it
+    assert json.loads((run_dir / "resume.json").read_text())["restart"] == 0
+    hist = _history(run_dir)
+    assert len([h for h in hist if h["role"] == "trainer"]) == 1
+    inference = [h for h in hist if h["role"] == "inference_0"]
+    assert len(inference) == 2 and {h["slurm_restart_count"] for h in inference} == {0}
+    pids = [h["extra"]["vllm_pid"] for h in inference]
+    assert pids[0] == first.pid and pids[1] != first.pid
+    assert ServerRecord.read(run_dir, 0).pid == pids[1]
+
+    batch_log = (run_dir / "logs" / f"slurm-{job}.out").read_text(errors="replace")
+    assert "inference_0 failed (status 1" in batch_log and "restarting inference_0 in place (1 of " in batch_log, \
+        batch_log[-3000:]
+    assert "requeueing" not in batch_log
+    role_log = (run_dir / "logs" / "inference_0.log").read_text(errors="replace")
+    assert "engine core died" in role_log and "server record withdrawn" in role_log, role_log[-3000:]
+    router_log = (run_dir / "logs" / "router.log").read_text(errors="replace")
+    assert "inference_0" in router_log and "marked down" in router_log and "up again" in router_log, \
+        router_log[-3000:]
+    # the trainer's wait for the restarted server is in its metrics: a step after the kill waited at least
+    # the supervisor's back-off (5 s), which no step of a healthy debug run comes near (measured: < 0.1 s)
+    waits = [m["wait_s"] for m in read_metrics(run_dir) if "wait_s" in m]
+    print(f"trainer wait_s per step: {waits} (engine core killed after step {killed_at - 1})")
+    assert max(waits[killed_at:]) >= 5, waits
+
+
+def _step_of(run_dir: Path, role: str) -> str:
+    """JOB.STEP of the srun step running `role` (from its process's environment). A step of het group g
+    belongs to that component's job id, not the leader's (`scancel LEADER.STEP` cancelled the whole job)."""
+    pid = json.loads((run_dir / "roles" / f"{role}.json").read_text())["pid"]
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    job = env.get(f"SLURM_JOB_ID_HET_GROUP_{env['HETRL_HET_GROUP']}") or env["SLURM_JOB_ID"]
+    return f"{job}.{env['SLURM_STEP_ID']}"
+
+
+def _server_metrics(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["orchestrator/servers_up"]) for m in read_metrics(run_dir) if "orchestrator/servers_up" in m]
+
+
+def test_an_inference_step_cancelled_for_good_leaves_the_run_on_the_other_server(slurm, tmp_path):
+    steps = 6
+    run_dir = tmp_path / "run"
+    _launch(f"run_dir={run_dir}", f"trainer.max_steps={steps}", "inference.router=true", "inference.replicas=2",
+            "cluster.max_role_restarts=0", "cluster.min_inference_fraction=0.5", *FAST)
+    job = ls.current_job(run_dir)
+    _wait(lambda: len(read_metrics(run_dir)) >= 2, 900, "2 trainer steps", run_dir)
+    step = _step_of(run_dir, "inference_1")
+    lost_at = len(read_metrics(run_dir))
+    slurm.run("scancel", step)          # Slurm ends the step (TERM, then KILL): the server is gone for good
+    st = _wait(lambda: _job_ended(job), 900, "the job to finish on the remaining server", run_dir)
+    assert st["state"] in ("COMPLETED", "GONE"), st
+    _assert_complete_once(run_dir, steps)
+    assert lost_at < steps, "the run ended before the step was cancelled: nothing was tested"
+    assert json.loads((run_dir / "resume.json").read_text())["restart"] == 0    # no requeue
+    batch_log = (run_dir / "logs" / f"slurm-{job}.out").read_text(errors="replace")
+    assert "given up; going on with 1 of 2 inference servers" in batch_log, batch_log[-3000:]
+    assert ServerRecord.read(run_dir, 1) is None and ServerRecord.read(run_dir, 0) is not None
+    ups = _server_metrics(run_dir)
+    print(f"servers up per step: {ups} (inference_1 cancelled after step {lost_at - 1})")
+    assert ups[0][1] == 2 and ups[-1][1] == 1          # the metrics say so (servers up / planned)
+    assert all(m["orchestrator/servers_planned"] == 2 for m in read_metrics(run_dir) if "orchestrator/servers_planned" in m)
+
+
+def test_a_run_gains_a_server_with_launch_scale_uses_both_and_finishes_after_it_drains(slurm, tmp_path):
+    import subprocess
+    import sys
+    from test_slurm_rl import REPO
+    steps = 10
+    run_dir = tmp_path / "run"
+    _launch(f"run_dir={run_dir}", f"trainer.max_steps={steps}", "inference.router=true", *FAST)
+    job = ls.current_job(run_dir)
+    _wait(lambda: len(read_metrics(run_dir)) >= 1, 900, "the first trainer step", run_dir)
+    # the trainer is held while the extra server starts (vLLM takes 60-90 s here), so the run cannot end
+    # before it joins; the orchestrator goes on up to its off-policy bound meanwhile
+    trainer = json.loads((run_dir / "roles" / "trainer.json").read_text())["pid"]
+    os.kill(trainer, signal.SIGSTOP)
+    try:
+        out = subprocess.run([sys.executable, "-m", "launch", "scale", str(run_dir), "--inference", "+1"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr + out.stdout
+        extra_job = json.loads((run_dir / "inference" / "extra" / "replica_1.json").read_text())["job"]
+        assert extra_job and extra_job != job and f"job {extra_job}" in out.stdout
+        assert ls.current_job(run_dir) == job          # the run's own job is still the one status and cancel mean
+        first_version = _wait(lambda: ServerRecord.read(run_dir, 1), 600, "the extra server's record", run_dir).version
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    joined_at = len(read_metrics(run_dir))
+    _wait(lambda: len(read_metrics(run_dir)) >= joined_at + 3, 600, "3 more steps with both servers", run_dir)
+    out = subprocess.run([sys.executable, "-m", "launch", "scale", str(run_dir), "--inference", "-1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "draining inference_1" in out.stdout, out.stderr + out.stdout
+    extra = _wait(lambda: _job_ended(extra_job), 300, "the extra job to end after draining", run_dir)
+    assert extra["state"] in ("COMPLETED", "GONE"), extra
+    st = _wait(lambda: _job_ended(job), 900, "the run to finish", run_dir)
+    assert st["state"] in ("COMPLETED", "GONE"), st
+    _assert_complete_once(run_dir, steps)
+    # both servers answered requests, and the extra one loaded the versions the others did while it served
+    for i in (0, 1):
+        vlog = (run_dir / "logs" / f"inference_{i}.vllm.log").read_text(errors="replace")
+        assert "POST /inference/v1/generate" in vlog, f"inference_{i} served no request"
+    role_log = (run_dir / "logs" / "inference_1.log").read_text(errors="replace")
+    assert "server record withdrawn (draining)" in role_log and "drained" in role_log, role_log[-2000:]
+    # weight versions in step: the orchestrator loaded new versions into the extra server as into the others
+    reports = [json.loads(p.read_text()) for p in (run_dir / "inference" / "reloads" / "server_1").glob("*.json")]
+    print(f"extra server's last reload reports: {reports}")
+    assert reports and all("error" not in r and r["version"] > first_version for r in reports), reports
+    ups = _server_metrics(run_dir)
+    print(f"servers up per step: {ups}")
+    assert max(u for _, u in ups) == 2 and ups[-1][1] == 1

@@ -1,0 +1,240 @@
+"""Servers that fail, restart in place, join and leave a running job (issue 43), without Slurm or vLLM:
+the router in run-directory mode against fake servers whose records come and go as the inference role
+writes and withdraws them, and the extra replica rows `launch scale` writes (rl.contract.elastic)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from builders import make_run_dir
+from test_router_http import FakeServer
+
+from rl.contract import elastic
+from rl.contract.plan import Plan, PlanFormatError
+from rl.contract.records import ServerRecord
+from rl.contract.elastic import server_records as records
+from rl.inference.router import Router
+from rl.inference.routing import RouterConfig
+
+
+class DyingServer(FakeServer):
+    """A fake vLLM whose engine core can die: then /health answers 503 and every request 500, as vLLM's
+    API server does after an EngineDeadError."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.dead = False
+        self.answered = 0
+
+    async def start(self):
+        from aiohttp import web
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def health(self, request):
+        from aiohttp import web
+        return web.Response(status=503 if self.dead else 200)
+
+    async def generate(self, request):
+        from aiohttp import web
+        if self.dead:
+            return web.json_response({"error": "EngineDeadError"}, status=500)
+        self.answered += 1
+        return await super().generate(request)
+
+
+def _run_dir(tmp_path, replicas=1):
+    make_run_dir(tmp_path, "cluster=slurm", "inference.host=127.0.0.1", "inference.router=true",
+                 f"inference.replicas={replicas}", "inference.startup_timeout_s=30")
+    return tmp_path
+
+
+def _record(run_dir, index, url, pid):
+    ServerRecord(url=url, version=0, host=socket.gethostname(), pid=pid, index=index).write(run_dir)
+
+
+def test_a_failed_server_is_routed_around_and_its_restart_takes_the_held_request(tmp_path):
+    run_dir = _run_dir(tmp_path)
+
+    async def case():
+        import aiohttp
+        fake = await DyingServer("inference_0").start()
+        _record(run_dir, 0, fake.url, pid=111)
+        router = Router([("inference_0", fake.url, "mixed")], RouterConfig(poll_interval_s=0.05),
+                        run_dir=run_dir, log=lambda m: None)
+        router.down_wait_s = 30
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                gen = {"token_ids": list(range(40)), "sampling_params": {"max_tokens": 4}}
+                async with http.post(f"{url}/inference/v1/generate", json=gen) as r:
+                    assert r.status == 200
+                fake.dead = True   # the engine core dies; the role has not noticed yet
+                pending = asyncio.create_task(http.post(f"{url}/inference/v1/generate", json=gen))
+                while not router.counts["waits_for_server"]:
+                    await asyncio.sleep(0.02)
+                assert not router.backends["inference_0"].healthy
+                # the role withdraws its record: held down, even though /metrics still answers
+                (run_dir / "inference" / "server_0.json").unlink()
+                while not router.backends["inference_0"].held:
+                    await asyncio.sleep(0.02)
+                fake.dead = False       # the restarted server is up, but has not written its record
+                await asyncio.sleep(2.0)   # many polls and waits (more than the attempts a request has)
+                assert not pending.done() and not router.backends["inference_0"].healthy
+                _record(run_dir, 0, fake.url, pid=222)    # ... now it has: it takes the held request
+                r = await asyncio.wait_for(pending, 20)
+                assert r.status == 200 and r.headers["X-Hetrl-Backend"] == "inference_0"
+                r.release()
+            b = router.backends["inference_0"]
+            assert b.healthy and not b.held and b.pid == 222
+            assert fake.answered == 2     # the held request was answered once, by the restarted server
+            assert router.counts["withdrawn"] == 1 and router.counts["rejoined"] == 1
+            assert router.counts["retries"] == 1
+        finally:
+            await router.stop()
+            await fake.runner.cleanup()
+    asyncio.run(case())
+
+
+def test_a_request_that_fails_on_a_healthy_server_is_answered_not_retried(tmp_path):
+    class Refusing(DyingServer):
+        async def generate(self, request):
+            from aiohttp import web
+            self.calls.append(request.path)
+            return web.json_response({"error": "bad request inside the engine"}, status=500)
+
+    async def case():
+        import aiohttp
+        fake = await Refusing("f0").start()
+        router = Router([("f0", fake.url, "mixed")], RouterConfig(poll_interval_s=60), log=lambda m: None)
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/inference/v1/generate", json={"token_ids": [1, 2]}) as r:
+                    assert r.status == 500
+            assert fake.calls == ["/inference/v1/generate"] and router.backends["f0"].healthy
+        finally:
+            await router.stop()
+            await fake.runner.cleanup()
+    asyncio.run(case())
+
+
+def test_no_server_for_longer_than_the_wait_is_a_503_naming_the_wait(tmp_path):
+    async def case():
+        import aiohttp
+        router = Router([("f0", "http://127.0.0.1:9", "mixed")], RouterConfig(poll_interval_s=60),
+                        log=lambda m: None)
+        router.backends["f0"].healthy = False
+        router.down_wait_s = 0.5
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/inference/v1/generate", json={"token_ids": [1]}) as r:
+                    assert r.status == 503 and "after waiting 0 s" in (await r.json())["error"]
+        finally:
+            await router.stop()
+    asyncio.run(case())
+
+
+def test_extra_rows_copy_a_plan_row_and_are_found_like_planned_ones(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    plan = Plan.read(run_dir)
+    base = plan.replica(0)
+    row = elastic.extra_row(base, 3, base.port + 3)
+    assert (row.index, row.name, row.port) == (3, "inference_3", base.port + 3)
+    cmd = row.vllm_command
+    assert cmd[cmd.index("--port") + 1] == str(base.port + 3)
+    assert row.model_dir.endswith("model3") and row.model_dir in cmd and base.model_dir not in cmd
+    assert row.command[row.command.index("--index") + 1] == "3"
+    assert [a for a in cmd if a not in (str(base.port + 3), row.model_dir)] == \
+        [a for a in base.vllm_command if a not in (str(base.port), base.model_dir)]   # nothing else differs
+    elastic.write_row(run_dir, row, job="77")
+    assert elastic.replica_row(plan, run_dir, 3) == row and elastic.row_job(run_dir, 3) == "77"
+    assert elastic.server_indexes(plan, run_dir) == [0, 3]
+    with pytest.raises(PlanFormatError, match="replica 4: not in the plan"):
+        elastic.replica_row(plan, run_dir, 4)
+    # the router finds the extra server by its record, and forgets it once it drains
+    _record(run_dir, 0, "http://127.0.0.1:1", os.getpid())
+    _record(run_dir, 3, "http://127.0.0.1:3", os.getpid())
+    assert sorted(records(run_dir)[0]) == ["inference_0", "inference_3"]
+    elastic.request_drain(run_dir, 3)
+    assert elastic.server_indexes(plan, run_dir) == [0] and sorted(records(run_dir)[0]) == ["inference_0"]
+    (elastic.row_file(run_dir, 5)).write_text("{not json")
+    with pytest.raises(PlanFormatError, match="replica_5.json: not an extra replica row"):
+        elastic.read_row(run_dir, 5)
+
+
+def test_the_scale_jobs_script_passes_shellcheck_and_runs_the_rows(tmp_path):
+    import shutil
+    import subprocess
+
+    from launch import scale
+    run_dir = _run_dir(tmp_path)
+    plan = Plan.read(run_dir)
+    base = scale.template_row(plan)
+    rows = [elastic.extra_row(base, i, base.port + i) for i in (1, 2)]
+    script = scale.scale_script(run_dir, plan, base, rows)
+    assert "#SBATCH --nodes=2 " in script and "#SBATCH --no-requeue" in script
+    for r in rows:
+        assert f"--index {r.index}" in script and f"HETRL_INFERENCE_INDEX={r.index}" in script
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed")
+    (tmp_path / "scale.sbatch").write_text(script)
+    out = subprocess.run(["shellcheck", "-S", "warning", str(tmp_path / "scale.sbatch")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout
+
+
+def test_scale_refuses_a_run_without_the_router_and_bad_deltas(tmp_path):
+    from launch import scale
+    from rl.contract.config import ConfigError
+    make_run_dir(tmp_path, "cluster=slurm", "inference.host=127.0.0.1")
+    with pytest.raises(ConfigError, match="inference.router=false"):
+        scale.scale_up(tmp_path, 1)
+    for bad in ("1", "+0", "-x", "+10000"):
+        with pytest.raises(ConfigError, match="--inference="):
+            scale.parse_delta(bad)
+    assert scale.scale_down(tmp_path, 1) == []
+
+
+def test_a_port_that_keeps_refusing_health_is_a_dead_server(tmp_path):
+    """An API server whose engine core died during a weight load closed its port and hung in its shutdown
+    (a fault trial): REFUSED_LIMIT refused looks in a row end the role; one refused look, then an answer,
+    starts the count again."""
+    import http.server
+    import threading
+
+    from rl.inference.server import REFUSED_LIMIT, check_engine_alive
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    log, refused = tmp_path / "inference_0.vllm.log", [0]
+    log.write_text("")
+    check_engine_alive(url, "inference_0", log, refused)
+    srv.shutdown()
+    srv.server_close()
+    for _ in range(REFUSED_LIMIT - 1):
+        check_engine_alive(url, "inference_0", log, refused)     # refused: not yet
+    assert refused == [REFUSED_LIMIT - 1]
+    with pytest.raises(RuntimeError, match=rf"inference_0\): server dead: its port refused /health {REFUSED_LIMIT} "
+                                           rf"times in a row"):
+        check_engine_alive(url, "inference_0", log, refused)
