@@ -1,5 +1,5 @@
 """The simulated world of benchmarks/async_rollouts.py: a toy policy over digits served by a stand-in
-server whose generation costs time per token, the agentic latency model (turns of generation and tool
+server whose generation costs time per token and more under load, the agentic latency model (turns of generation and tool
 calls with heavy-tailed times), and a trainer that takes real Adam steps on the toy policy with the
 configured off-policy correction (`trainer.mismatch`, rl.trainer.corrections).
 
@@ -9,9 +9,19 @@ perturbation is one fixed random direction of the logits per run (a systematic n
 not fresh noise each step, which would average out), scaled for every version so that the exact mean
 KL(served || trainer) per answer token, over positions and target digits, equals `mismatch_kl`.
 
-Also `predict`: launch.simulate fed the component times a run measured. Kept apart from the benchmark's
-measuring and reporting so each reads on its own; the orchestrator,
-its pool and the run directory the world drives are the product's own (rl.orchestrator), unchanged.
+The server's cost depends on its load (`Decoder`): a decode step serves every running sequence and takes
+tok_s while at most `knee` of them run, then grows in proportion (memory-bound decode: the weights are
+read once per step whatever the batch, until the batch's compute and KV reads take over). So the
+server's tokens per second saturate at knee / tok_s: a wasted or over-sampled token takes time from a
+useful one, as on a real engine; knee 0 is the old flat rate (every request at tok_s whatever the load).
+The running requests share the steps exactly (processor sharing, re-timed whenever one starts or ends),
+so the event loop's lag costs once per finished request, not once per token.
+
+Also `pilot` and `predict`: what one run measured (launch.calibrate's `Pilot`) and launch.calibrate's
+prediction of another configuration from it, out of sample. Kept apart from the benchmark's measuring and
+reporting so each reads on its own; the orchestrator, its pool and the run directory the world drives are
+the product's own (rl.orchestrator), unchanged, except that the world writes the plan.json and
+config.yaml a launcher would and answers the weight watcher's server-record checks for its one server.
 """
 from __future__ import annotations
 
@@ -119,11 +129,80 @@ class World:
         return v
 
 
-class SimServer:
-    """An inference server: a token per tok_s per request; reloads in flight; the toy policy's tokens."""
+class _Job:
+    def __init__(self, n: int, fut):
+        self.n, self.left, self.fut = n, float(n), fut
 
-    def __init__(self, world: World, turn_tokens: int):
+
+class Decoder:
+    """The server's decode steps shared by its running requests: step time tok_s * max(1, b / knee) at
+    b requests (knee 0: tok_s at any b); `run(n)` returns when n tokens of this request are out."""
+
+    def __init__(self, tok_s: float, knee: int = 0):
+        self.tok_s, self.knee = tok_s, knee
+        self.jobs: set[_Job] = set()
+        self.t = time.monotonic()
+        self.changed = asyncio.Event()
+        self.task = None
+        self.busy_s, self.load_area = 0.0, 0.0   # seconds with a request running, and b over them
+
+    def step_s(self, b: int) -> float:
+        return self.tok_s * max(1.0, b / self.knee) if self.knee > 0 else self.tok_s
+
+    def _advance(self) -> None:
+        now, b = time.monotonic(), len(self.jobs)
+        if b:
+            d = (now - self.t) / self.step_s(b)
+            for j in self.jobs:
+                j.left -= d
+            self.busy_s += now - self.t
+            self.load_area += b * (now - self.t)
+        self.t = now
+
+    async def _manage(self) -> None:
+        while self.jobs:
+            self.changed.clear()
+            nxt = max(min(j.left for j in self.jobs), 0.0) * self.step_s(len(self.jobs))
+            try:
+                async with asyncio.timeout(nxt):
+                    await self.changed.wait()
+            except TimeoutError:
+                pass
+            self._advance()
+            for j in [j for j in self.jobs if j.left <= 1e-9]:
+                self.jobs.discard(j)
+                if not j.fut.done():
+                    j.fut.set_result(None)
+        self.task = None
+
+    def _kick(self) -> None:
+        self.changed.set()
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._manage())
+
+    async def run(self, n: int, on_cancel) -> None:
+        """n tokens of one request; cancelled, `on_cancel(tokens out before the abort)` is called first."""
+        self._advance()
+        job = _Job(n, asyncio.get_running_loop().create_future())
+        self.jobs.add(job)
+        self._kick()
+        try:
+            await job.fut
+        except asyncio.CancelledError:
+            self._advance()
+            self.jobs.discard(job)
+            self._kick()
+            on_cancel(min(n, int(n - max(job.left, 0.0))))
+            raise
+
+
+class SimServer:
+    """An inference server: a toy policy's tokens at the `Decoder`'s load-dependent rate; reloads land in
+    flight (every token carries the version current when it was produced)."""
+
+    def __init__(self, world: World, turn_tokens: int, knee: int = 0):
         self.w, self.turn_tokens = world, turn_tokens
+        self.decoder = Decoder(world.tok_s, knee)
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, request_id=None, **kw):
         from rl.orchestrator import accounting as pool
@@ -132,20 +211,19 @@ class SimServer:
         multi = self.turn_tokens > 0
         n_tok = min(self.turn_tokens if multi else toy.n + 1, max_tokens)
         t0 = time.monotonic()
-        try:
-            await asyncio.sleep(n_tok * w.tok_s)
-        except asyncio.CancelledError:
-            part = min(n_tok, int((time.monotonic() - t0) / w.tok_s))
+
+        def cancelled(part: int) -> None:
             w.count(part)
             pool.count_generated(part)  # the orchestrator never sees a cancelled request's tokens
-            raise
+        await self.decoder.run(n_tok, cancelled)
+        t1 = time.monotonic()
         w.count(n_tok)
-        w.gen_s, w.gen_tokens = w.gen_s + time.monotonic() - t0, w.gen_tokens + n_tok
+        w.gen_s, w.gen_tokens = w.gen_s + t1 - t0, w.gen_tokens + n_tok
         rng = np.random.default_rng(seed)
         tg = toy.targets(prompt_ids)
         ids, lps, vers = [], [], []
-        for j in range(n_tok):
-            v = w.version_at(t0 + (j + 1) * w.tok_s)
+        for j in range(n_tok):   # token j came out at its share of the request's time (rates vary)
+            v = w.version_at(t0 + (j + 1) * (t1 - t0) / n_tok)
             vers.append(v)
             if j < toy.n:
                 logits = w.served(v)[j, tg[j]]
@@ -319,7 +397,24 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0
     if model == "agentic":
         orch.sampler.env, orch.sampler.multi_turn = AgenticEnv(n_digits, a), True
         orch.sampler.env.world = world
-    orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0)]
+    # The world's one server has no launcher: plan.json is written as `launch run` would (the orchestrator
+    # reads it for the servers it reports), and the server, which has no record, is always up and never
+    # scaled, so the watcher's checks of both (rl/orchestrator/loop.py) are answered here.
+    from launch.plan import make_plan
+    from rl.contract import paths
+    import yaml
+    from omegaconf import OmegaConf
+
+    from rl.contract.atomic import atomic_write_json, atomic_write_text
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    atomic_write_json(paths.plan_file(run_dir), make_plan(plain, check_memory=False).to_dict())
+    atomic_write_text(paths.config_file(run_dir), yaml.safe_dump(plain, sort_keys=False))   # launch.calibrate reads it
+    import rl.orchestrator.loop as loop_mod
+    if hasattr(loop_mod, "_server_up"):
+        loop_mod._server_up = lambda run_dir, index: True
+    if hasattr(orch, "_scaled_in"):
+        orch._scaled_in = dict
+    orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0, getattr(a, "decode_knee", 0))]
     orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
     steps = int(cfg.trainer.max_steps)
     exchange.publish(run_dir, "weights", 0, lambda d: (d / "w").write_text("toy"), producer="trainer")
@@ -336,41 +431,58 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0
         orch.watcher.cancel()
         trainer.cancel()
         await asyncio.gather(orch.watcher, trainer, return_exceptions=True)
+    d = orch.sampler.clients[0].decoder
+    world.decode_load = d.load_area / d.busy_s if d.busy_s else 0.0   # requests decoding, over the busy time
     return {"server_generated": world.generated, "by_group": world.by_group, "by_rollout": world.by_rollout, "env": orch.sampler.env,
             "max_lag_trainer": max_lag, "world": world, "t_start": t_start}
 
 
-def predict(run_dir: Path, cfg, out: dict, model: str, a) -> dict:
-    """launch.simulate's steps/h for this mode, fed the component times this run measured: the trainer's
-    busy seconds per step (metrics.jsonl), the server's seconds per generated token and the tool calls'
-    actual / planned seconds (the event loop's lag on a loaded machine), the multi-turn driver's seconds
-    per turn outside generation and tools; episodes are the latency model's own, group by group."""
-    from launch.simulate import SimConfig, Turn, simulate
+def pilot(run_dir: Path, cfg, out: dict, a):
+    """What a run measured, as launch.calibrate's `Pilot`: the trainer's busy seconds per step (p10, median,
+    p90 from metrics.jsonl), the server's seconds per generated token as its requests saw them (the
+    decoder's load included, its queue not) and the time-averaged number decoding; and, for the episodes
+    `predict` replays, the tool calls' actual / planned seconds (the event loop's lag on a loaded
+    machine) and the multi-turn driver's seconds per turn outside generation and tools."""
+    from launch.calibrate import Pilot, _pct
     from rl.metrics import read_metrics
     ms = read_metrics(run_dir)
-    busy = [m1["time"] - m0["time"] - m1["wait_s"] for m0, m1 in zip(ms, ms[1:])]
-    train_s = statistics.median(busy) if busy else a.train_s
-    w, env = out["world"], out["env"]
-    token_s = w.gen_s / w.gen_tokens if w.gen_tokens else a.tok_ms / 1000
-    stretch = w.tool_s / w.tool_planned if w.tool_planned else 1.0
+    busy = [m1["time"] - m0["time"] - m1["wait_s"] for m0, m1 in zip(ms, ms[1:])] or [a.train_s]
+    w = out["world"]
+    tok = w.gen_s / w.gen_tokens if w.gen_tokens else a.tok_ms / 1000
     turns = sum(m.get("orchestrator/turns_total", 0) for m in ms)
     outside = sum(m.get("orchestrator/episode_s_mean", 0) * m.get("orchestrator/episodes", 0)
                   - m.get("orchestrator/turn_gen_s", 0) - m.get("orchestrator/turn_env_s", 0) for m in ms)
-    per_turn = max(outside / turns, 0.0) if turns else 0.0
+    p = Pilot(source=str(run_dir), train_s=(_pct(busy, 0.1), statistics.median(busy), _pct(busy, 0.9)),
+              token_s=(tok, tok, tok), load=max(w.decode_load, 1.0), tokens_per_turn=0, turns_mean=0, turns_sigma=0,
+              env_s=max(outside / turns, 0.0) if turns else 0.0, env_sigma=0,
+              steps_per_hour=(len(ms) - 1) / max(ms[-1]["time"] - ms[0]["time"], 1e-9) * 3600, steps=len(ms))
+    p.stretch = w.tool_s / w.tool_planned if w.tool_planned else 1.0
+    return p
+
+
+def predict(cfg, p, env, model: str, a, pilot_cfg=None) -> dict:
+    """launch.calibrate's prediction of this mode's steps/h from another run's measurements (`p`, the
+    pilot: `pilot` of the same seed's sync run, `pilot_cfg` its config), out of sample: nothing of the
+    run it predicts goes in.
+    Episodes are the latency model's own, group by group, their tool seconds stretched as the pilot's were."""
+    from launch.calibrate import predict_target
+    from launch.simulate import Turn
     G, P = int(cfg.orchestrator.group_size), int(cfg.orchestrator.prompts_per_step)
     n_digits = int(cfg.env.digits.n_digits)
 
-    def source(key: str):
+    def source(key: str):   # (the same for the pilot: tasks depend on the seed and the key alone)
         part = key.split("-")
         if part[0] == "group":   # the pool's task of group g; batch mode's task j of (step, attempt)
             task = env.sample_tasks(1, random.Random(f"{cfg.seed}-group-{part[1]}"))[0]
         else:
             task = env.sample_tasks(P, random.Random(f"{cfg.seed}-{part[1]}-{part[2]}"))[int(part[3])]
         if model == "agentic":
-            return [[Turn(min(a.turn_tokens, int(cfg.orchestrator.max_tokens)), x * stretch + per_turn)
+            return [[Turn(min(a.turn_tokens, int(cfg.orchestrator.max_tokens)), x * p.stretch + p.env_s)
                      for x in env.plan(task, i)] for i in range(G)]
-        return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * stretch + per_turn)] for _ in range(G)]
-    r = simulate(SimConfig.from_config(cfg, train_s=train_s, token_s=token_s), source)
-    return {"steps_per_hour": r.steps_per_hour, "trainer_idle": r.trainer_idle, "train_s": train_s,
-            "token_s": token_s, "wasted_fraction": r.wasted_fraction, "waiting_fraction": r.waiting_fraction,
-            "sibling_wait_s": r.sibling_wait_s}
+        return [[Turn(n_digits + 1, task.get("latency_s", 0.0) * p.stretch + p.env_s)] for _ in range(G)]
+    r = predict_target(cfg, p, pilot_cfg=pilot_cfg, source=source, steps=int(cfg.trainer.max_steps),
+                       pilot_source=source)
+    m = r.results["mid"]
+    return {"steps_per_hour": r.mid, "low": r.low, "high": r.high, "trainer_idle": m.trainer_idle,
+            "train_s": r.train_s, "token_s": r.token_s, "wasted_fraction": m.wasted_fraction, "pilot_error": r.pilot_error,
+            "waiting_fraction": m.waiting_fraction, "sibling_wait_s": m.sibling_wait_s}

@@ -9,9 +9,11 @@ they can get there; steps/h and waste are rates and shares, unaffected.
 Backends:
 - `sim` (the default; minutes on two cores): the real orchestrator (rl/orchestrator: the pool, batch mode,
   the group sampler, the multi-turn driver, batch assembly, the weight watcher and VersionTracker) on a
-  real run directory, with the inference server and the trainer simulated in process. The server
-  generates a token every `--tok-ms` ms per request (reloads land mid-generation: every token carries
-  the version current when it was produced) from a toy policy, a softmax table W[position, digit, token]
+  real run directory, with the inference server and the trainer simulated in process. The server's
+  decode step takes `--tok-ms` ms while at most `--decode-knee` requests run and grows in proportion
+  beyond (memory-bound decode: its tokens/s saturate, so wasted and over-sampled tokens take time from
+  useful ones; 0: flat, every request at --tok-ms whatever the load); reloads land mid-generation (every
+  token carries the version current when it was produced); its tokens come from a toy policy, a softmax table W[position, digit, token]
   that really learns: the trainer reads each published batch (RolloutBatch.load), computes the real loss
   (rl/trainer/loss.py pg_loss, importance ratio against the server's logprobs, its loss mask as the
   trainer's loss input, with the run's `trainer.mismatch` correction) with Adam, spends `--train-s` per
@@ -35,8 +37,8 @@ Latency models (both run by default; their parameters are printed):
   times as long. The reward is the mean digit score over the turns: a multi-turn environment that learns.
 
 Fair comparison: every mode has the same server, request concurrency (`max_concurrency`), environment
-concurrency (`env_concurrency`: grading and tool calls hold a slot: delays cost, they are not free
-sleeps), timeouts, latency model, trainer and the same budget of open rollouts (`max_inflight =
+concurrency (`env_concurrency`, 48 by default, below the open budget of 192 rollouts, so it binds:
+grading and tool calls hold a slot, delays cost, they are not free sleeps), timeouts, latency model, trainer and the same budget of open rollouts (`max_inflight =
 prompts_per_step * group_size * (max_off_policy + 1)`, rollouts); only the schedule and the policy differ.
 The seed changes with every `--repeat` (base seed + r) and is the same for every mode of one repeat.
 
@@ -78,10 +80,13 @@ The last line is machine-readable: `key=value ...`, first `time_to_reward_vs_syn
 the default stale policy (`default_policy`), the
 agentic model (the grading model's with a `grading_` prefix), per-mode medians for drop and the default
 side by side, and the checks, paired medians over seeds with their `_min`/`_max`:
-`continuous_vs_sync`, `continuous_vs_oversample` (the default's steps/h over the baseline's),
+`continuous_vs_sync`, `continuous_vs_oversample` (the default's steps/h over the baseline's; the
+over-sampling baseline has bound 0) and `continuous_vs_pipelined` (over batch_pipelined at the same bound),
 `reward_vs_drop` and `policy_reward_vs_drop` (the default's minus drop's, with `_wins` = seeds where
-it is >= 0), and `max_trained_lag`; with the sim backend also, per mode, `sim_ratio_<mode>` (launch.simulate's
-steps/h fed this run's component times, over the measured) and `sim_sibling_wait_waste_<mode>` (the
+it is >= 0), and `max_trained_lag`; with the sim backend also, per mode, `sim_ratio_<mode>` (launch.calibrate's
+mid steps/h, fed the component times of the same seed's sync run only, over the measured: out of sample
+for every other mode), `sim_in_range_<mode>` (seeds whose measured steps/h lay in the predicted range) and
+`sim_sibling_wait_waste_<mode>` (the
 simulator's share of tokens masked in rollouts that had already finished and waited for a sibling: a
 group is trained whole, so its short rollouts age while its longest one runs).
 """
@@ -103,7 +108,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _async_world import predict, sim_config, sim_run  # noqa: E402  (the simulated world: toy policy, servers, trainer)
+from _async_world import pilot, predict, sim_config, sim_run  # noqa: E402  (the simulated world: toy policy, servers, trainer)
 from _time_to_reward import add_times, report, variant_label, variant_list  # noqa: E402
 
 MODES = ("sync", "sync_oversample", "batch_pipelined", "drop", "mask", "admit", "release")
@@ -320,7 +325,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--env-concurrency", type=int, default=192)
+    ap.add_argument("--env-concurrency", type=int, default=48, help="environment slots (below the open budget, "
+                    "max_inflight, so they bind: rollouts wait for a tool slot)")
+    ap.add_argument("--decode-knee", type=int, default=16, help="sim: requests a decode step serves at --tok-ms; "
+                    "beyond, the step grows in proportion (the server's tokens/s saturate; 0: flat)")
     ap.add_argument("--train-s", type=float, default=1.5, help="sim: the trainer's compute per step")
     ap.add_argument("--lr", type=float, default=0.1, help="sim: the toy policy's Adam learning rate")
     ap.add_argument("--tok-ms", type=float, default=2.0, help="sim: ms per generated token per request")
@@ -383,6 +391,7 @@ def main(argv=None) -> int:
                 if a.backend == "embedded" and model != "grading":
                     continue
                 # odd repeats run the modes in reverse: a drift in the machine's load falls on every mode
+                runs = {}   # label -> (cfg, out, result): the simulator's check, once every mode has run
                 for label, mode, corr, kl in (variants if r % 2 == 0 else variants[::-1]):
                     run_dir = Path(tmp) / f"{model}_{label}_{r}"
                     steps = a.steps if mode == "sync" else round(a.steps * a.async_steps)
@@ -394,11 +403,7 @@ def main(argv=None) -> int:
                         run_dir.mkdir(parents=True, exist_ok=True)
                         out = asyncio.run(sim_run(run_dir, cfg, model, a, tok, mismatch_kl=kl))
                         res = measure(run_dir, cfg, out, model, a, time.monotonic() - t0)
-                        pred = predict(run_dir, cfg, out, model, a)
-                        res["predicted_steps_per_hour"] = pred["steps_per_hour"]
-                        res["sim_ratio"] = pred["steps_per_hour"] / max(res["steps_per_hour"], 1e-9)
-                        res["sim_wasted"], res["sim_sibling_wait_waste"] = pred["wasted_fraction"], pred["waiting_fraction"]
-                        res["sim_sibling_wait_s"] = pred["sibling_wait_s"]
+                        runs[label] = (cfg, out, res, run_dir)
                     else:
                         res = run_embedded(mode, ov, run_dir, a)
                     results.setdefault((model, label), []).append(res)
@@ -423,13 +428,23 @@ def main(argv=None) -> int:
                         print(f"{'':25s} correction {corr}: masked share {res['masked_share']:.1%} (samples "
                               f"{res['seq_masked_share']:.1%}), k3 KL(inference || trainer) {res['mismatch_k3']:.2e} "
                               f"over loss tokens (staleness and mismatch), mismatch set {kl:g}", flush=True)
-                    if "predicted_steps_per_hour" in res:
-                        print(f"{'':25s} launch.simulate: {res['predicted_steps_per_hour']:.0f} steps/h predicted, "
-                              f"{res['steps_per_hour']:.0f} measured (ratio {res['sim_ratio']:.3f}); wasted "
-                              f"{res['sim_wasted']:.1%} predicted, {res['sim_sibling_wait_waste']:.1%} of the tokens "
-                              f"masked in rollouts that had finished and waited for a sibling"
-                              f"{' (release is simulated as mask)' if mode == 'release' else ''} (waits median "
-                              f"{res['sim_sibling_wait_s'][0]:.2f} s, p90 {res['sim_sibling_wait_s'][1]:.2f} s)", flush=True)
+                if runs:   # out of sample: every mode predicted from the same seed's sync run (the pilot)
+                    base = "sync" if "sync" in runs else next(iter(runs))
+                    pl = pilot(runs[base][3], runs[base][0], runs[base][1], a)
+                    for label, (cfg, out, res, _) in runs.items():
+                        pred = predict(cfg, pl, out["env"], model, a, pilot_cfg=runs[base][0])
+                        res["predicted_steps_per_hour"] = pred["steps_per_hour"]
+                        res["sim_ratio"] = pred["steps_per_hour"] / max(res["steps_per_hour"], 1e-9)
+                        res["sim_in_range"] = float(pred["low"] <= res["steps_per_hour"] <= pred["high"])
+                        res["sim_wasted"], res["sim_sibling_wait_waste"] = pred["wasted_fraction"], pred["waiting_fraction"]
+                        res["sim_sibling_wait_s"] = pred["sibling_wait_s"]
+                        print(f"{model:8s} {label:16s} launch.calibrate from {base}: {pred['steps_per_hour']:.0f} steps/h "
+                              f"predicted (range {pred['low']:.0f}-{pred['high']:.0f}), {res['steps_per_hour']:.0f} "
+                              f"measured (ratio {res['sim_ratio']:.3f}{'' if label != base else ', in sample'}); "
+                              f"wasted {res['sim_wasted']:.1%} predicted, {res['wasted_token_fraction']:.1%} measured; "
+                              f"{res['sim_sibling_wait_waste']:.1%} of the tokens masked in rollouts that had finished "
+                              f"and waited for a sibling (waits median {res['sim_sibling_wait_s'][0]:.2f} s, p90 "
+                              f"{res['sim_sibling_wait_s'][1]:.2f} s)", flush=True)
     add_times(results, a.reward_level)
     med = {key: {f: statistics.median(x[f] for x in rs) for f in rs[0] if isinstance(rs[0][f], (int, float))}
            for key, rs in results.items()}
@@ -458,7 +473,7 @@ def main(argv=None) -> int:
                 if ds:
                     pairs[f"{pre}{name}_{mode}_vs_drop"] = ds
                     print(f"  {model:8s} {name:13s} {mode} - drop: {' '.join(f'{x:+.4f}' for x in ds)}  -> {spread(ds)}")
-        for base in ("sync", "sync_oversample"):
+        for base in ("sync", "sync_oversample", "batch_pipelined"):
             rs = paired(results, model, head, base, "steps_per_hour", ratio=True)
             if rs:
                 pairs[f"{pre}continuous_vs_{base}"] = rs
@@ -473,7 +488,8 @@ def main(argv=None) -> int:
             continue
         line += [f"{pre}wasted_token_fraction={d['wasted_token_fraction']:.4f}",
                  f"{pre}length_ratio={d['length_ratio']:.4f}"]
-        for base, name in (("sync", "continuous_vs_sync"), ("sync_oversample", "continuous_vs_oversample")):
+        for base, name in (("sync", "continuous_vs_sync"), ("sync_oversample", "continuous_vs_oversample"),
+                           ("batch_pipelined", "continuous_vs_pipelined")):
             rs = pairs.get(f"{pre}continuous_vs_{base}")
             if rs:
                 line += [f"{pre}{name}={statistics.median(rs):.3f}", f"{pre}{name}_min={min(rs):.3f}",
@@ -490,6 +506,8 @@ def main(argv=None) -> int:
     line.append(f"max_trained_lag={max(int(m['max_trained_lag']) for m in med.values())}")
     line += [f"{'' if model == 'agentic' else model + '_'}sim_ratio_{mode}={m['sim_ratio']:.3f}"
              for (model, mode), m in med.items() if "sim_ratio" in m]
+    line += [f"{'' if model == 'agentic' else model + '_'}sim_in_range_{mode}={sum(x['sim_in_range'] for x in rs):.0f}/"
+             f"{len(rs)}" for (model, mode), rs in results.items() if "sim_in_range" in rs[0]]
     line += [f"{'' if model == 'agentic' else model + '_'}sim_sibling_wait_waste_{mode}={m['sim_sibling_wait_waste']:.4f}"
              for (model, mode), m in med.items() if "sim_sibling_wait_waste" in m]
     print(" ".join(line))

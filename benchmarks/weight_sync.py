@@ -29,7 +29,8 @@ not absolute times across runs.
                                       --vocab 2048 --repeats 5 --delta-lr 1e-5 --dir /tmp]
 
 The last line is `publish_vs_raw=.. publish_vs_bf16=.. blocked_fraction=.. read_amplification=..
-ranks_speedup=..` followed by further key=value pairs.
+ranks_speedup=..` followed by further key=value pairs, the timing ratios' medians over the repeats and,
+as `<ratio>_min` / `<ratio>_max`, their range over the repeats (each paired within its repeat).
 """
 from __future__ import annotations
 
@@ -446,7 +447,22 @@ def final_line(times: dict, reads: dict, delta: dict) -> str:
             "delta_publish_vs_full": med(times[f"publish_{DELTA_POOL}"], "s") / pub[4],
             "delta_bytes_vs_full": med(times[f"publish_{DELTA_POOL}"], "bytes")
             / med(times["publish_4rank"], "bytes")}
+    for k, (lo, hi) in spreads(times).items():   # the timing ratios per repeat: their min and max
+        keys[f"{k}_min"], keys[f"{k}_max"] = lo, hi
     return " ".join(f"{k}={v:.4f}" for k, v in keys.items())
+
+
+def spreads(times: dict) -> dict[str, tuple[float, float]]:
+    """(min, max) over the repeats of each timing ratio of the last line, paired within a repeat (every
+    method ran once per repeat, interleaved): a busy machine moves them between repeats and runs, and the
+    spread says by how much."""
+    n = len(times["raw"])
+    s = lambda name, i: times[name][i]["s"] if isinstance(times[name][i], dict) else times[name][i]  # noqa: E731
+    per = {"publish_vs_raw": [s("publish_4rank", i) / min(s("raw", i), s("raw_4threads", i)) for i in range(n)],
+           "publish_vs_bf16": [s("publish_4rank", i) / s("bf16", i) for i in range(n)],
+           "ranks_speedup": [s("publish_1rank", i) / s("publish_4rank", i) for i in range(n)],
+           "delta_publish_vs_full": [s(f"publish_{DELTA_POOL}", i) / s("publish_4rank", i) for i in range(n)]}
+    return {k: (min(v), max(v)) for k, v in per.items() if v}
 
 
 def parse() -> tuple[argparse.Namespace, dict]:

@@ -135,7 +135,9 @@ def _print_perf(console, cfg: dict, ns) -> None:
     from launch import perf
     assume = dict(a.split("=", 1) if "=" in a else (a, "") for a in getattr(ns, "assume", None) or [])
     metrics = getattr(ns, "metrics", None)
-    pred = perf.predict(cfg, perf.Workload.from_metrics(metrics) if metrics else None, assume)
+    from launch import calibrate   # the step as low / mid / high over stated coefficient ranges; mid: the table's
+    rng = calibrate.ranges(cfg, perf.Workload.from_metrics(metrics) if metrics else None, assume)
+    pred = rng.mid
     t = Table(title="predicted seconds per step (estimate; docs/perf.md; overlapped terms in parentheses)")
     rows = perf.table_rows(pred)
     for col in rows[0]:
@@ -148,6 +150,9 @@ def _print_perf(console, cfg: dict, ns) -> None:
     warn = pred.warning(cfg["cluster"].get("target_step_s"))
     if warn:
         print(f"warning: {warn}")
+    print("\n".join(f"perf: {x}" for x in calibrate.range_lines(rng)))
+    if getattr(ns, "calibrate", None):
+        print("\n".join(f"calibrate: {x}" for x in calibrate.calibrate_lines(cfg, ns.calibrate)))
     if getattr(ns, "simulate", False):
         r = perf.simulate_plan(cfg, pred, metrics)
         print(f"simulated ({r.steps} steps): {r.result.steps_per_hour:.1f} steps/h, trainer idle "
@@ -268,6 +273,11 @@ def cmd_doctor(ns) -> int:
     return run(ns)
 
 
+def cmd_scale(ns) -> int:
+    from launch.scale import run
+    return run(ns)
+
+
 # (one-line help in `python -m launch --help`, description in `python -m launch CMD --help`)
 COMMANDS = {
     "run": ("compose, validate, plan, then run here (cluster=local) or submit to Slurm (cluster=slurm)",
@@ -292,6 +302,9 @@ COMMANDS = {
                "Write a checkpoint of RUN_DIR as a Hugging Face checkpoint directory (docs/export.md)."),
     "report": ("one self-contained HTML page about a run (docs/report.md)",
                "Write one self-contained HTML page about the run in RUN_DIR (docs/report.md)."),
+    "scale": ("add (+N) or drain (-N) inference servers of a running run",
+              "Add N inference servers to the running run in RUN_DIR as a separate job (copies of its first "
+              "replica, joining through the run directory), or drain the N newest of those (launch/scale.py)."),
     "doctor": ("check packages, devices, kernels, filesystem and Slurm (docs/doctor.md)",
                "Check packages, devices, kernels, the shared filesystem and Slurm against the config the "
                "overrides compose; --gpu runs the trainer and publisher paths (docs/doctor.md)."),
@@ -347,6 +360,8 @@ def main(argv=None) -> int:
             s.add_argument("--assume", action="append", metavar="KEY=VALUE",
                            help="workload: rollout_tokens, decode_tokens, turns, env_s")
             s.add_argument("--metrics", metavar="METRICS_JSONL", help="workload from a finished run's metrics.jsonl")
+            s.add_argument("--calibrate", metavar="RUN_DIR", help="predict steps/h from a finished pilot run's "
+                           "measured trainer, token and tool times (launch/calibrate.py)")
             s.add_argument("--search", action="store_true",
                            help="rank trainer/prefill/decode splits and trainer layouts of the same total nodes")
     s = sub.add_parser("resume", **_texts("resume"))
@@ -364,7 +379,7 @@ def main(argv=None) -> int:
     s.add_argument("role", help="trainer, inference, orchestrator, router, ... (the names in RUN_DIR/logs)")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
     import importlib
-    for name in ("export", "report", "doctor"):
+    for name in ("export", "report", "doctor", "scale"):
         s = sub.add_parser(name, **_texts(name))
         if wanted == name:   # their arguments need their modules: imported for that command only (plan stays fast)
             importlib.import_module(f"launch.{name}").add_arguments(s)
@@ -412,7 +427,7 @@ def main(argv=None) -> int:
         return cmd_show(ns) if show else {
             "run": cmd_run, "plan": cmd_plan, "resume": cmd_resume, "status": cmd_status,
             "cancel": cmd_cancel, "logs": cmd_logs, "export": cmd_export,
-            "report": cmd_report, "doctor": cmd_doctor}[ns.cmd](ns)
+            "report": cmd_report, "doctor": cmd_doctor, "scale": cmd_scale}[ns.cmd](ns)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

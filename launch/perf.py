@@ -16,7 +16,9 @@ The asynchronous design overlaps the trainer, the rollouts and the publish, so a
 of the three; what does not overlap is said per term: the trainer's blocking copy-out, the all-to-alls
 it waits for, the CPU optimizer step, the servers' pause while they load a version, and, with
 max_off_policy k, the pipeline bound (train + sync + one episode) / (k + 1). launch.simulate refines the
-rollout side with the episode distribution (stragglers, the staleness policy).
+rollout side with the episode distribution (stragglers, the staleness policy). A point from assumed
+coefficients is not a number to size a job with: launch.calibrate varies them (`predict`'s `coeffs`) into
+a low / mid / high range and calibrates the model on a finished pilot run.
 """
 from __future__ import annotations
 
@@ -28,19 +30,20 @@ from launch import dataplane
 from launch.simulate import SimConfig, SimResult, from_metrics, lognormal_source, read_jsonl, simulate
 from rl.contract.config import Config, ConfigError, typed
 
-# Per-GPU figures (GB/s, TFLOP/s dense) and per-node ones, sources in docs/perf.md. The last four are
-# assumptions, not datasheet values: set the site's in cluster.hardware.
+# Per-GPU figures (GB/s, TFLOP/s dense) and per-node ones, sources in docs/perf.md. The filesystem rates
+# and the last three are assumptions, not datasheet values: set the site's in cluster.hardware (their
+# ranges are launch.calibrate's). checksum_gbps is sha256 as this repository measured it (1.2 GiB/s).
 PRESETS = {
     "h100": dict(bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gbps=3350.0, nvlink_gbps=450.0, nic_gbps=50.0,
                  pcie_gbps=50.0, host_mem_gbps=450.0, fs_read_gbps=17.7, fs_write_gbps=8.0, fs_total_gbps=100.0,
-                 checksum_gbps=2.0, mfu=0.3, inference_mfu=0.4, hbm_efficiency=0.7),
+                 checksum_gbps=1.29, mfu=0.3, inference_mfu=0.4, hbm_efficiency=0.7),
     "h200": dict(bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gbps=4800.0, nvlink_gbps=450.0, nic_gbps=50.0,
                  pcie_gbps=50.0, host_mem_gbps=450.0, fs_read_gbps=17.7, fs_write_gbps=8.0, fs_total_gbps=100.0,
-                 checksum_gbps=2.0, mfu=0.3, inference_mfu=0.4, hbm_efficiency=0.7),
+                 checksum_gbps=1.29, mfu=0.3, inference_mfu=0.4, hbm_efficiency=0.7),
 }
 G = 1e9
 ADAMW_BYTES = 28          # per fp32 parameter: read+write p, m, v (24) and read the gradient (4)
-DELTA_FRACTION = 0.011    # a sparse delta version / a full one (docs/weight-sync.md: 0.8-1.3%)
+DELTA_FRACTION = 0.011    # a sparse delta version's bytes / a full one's (docs/weight-sync.md: 0.8-1.3%)
 EP_LATENCY_S = 20e-6      # one dispatch or combine at decode batch sizes, besides its bytes (assumed)
 FP8_BLOCK = 128
 
@@ -209,7 +212,7 @@ def token_flops(s, p, keys: float, train: bool = True) -> float:
 
 
 # -- trainer ----------------------------------------------------------------------------------------
-def _trainer(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int) -> list[Term]:
+def _trainer(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int, a2a_overlap: float = 0.0) -> list[Term]:
     t = cfg.trainer
     gpn = max(t.gpus_per_node, 1)
     world, ep, cp, dp = t.nodes * gpn, t.parallel.ep, t.parallel.cp, t.parallel.dp_shard
@@ -249,7 +252,9 @@ def _trainer(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int) -> lis
     local = tokens / (dp * ep * cp)                        # tokens one rank runs per step
     if ep > 1 and s.moe_layers:
         a2a = passes * s.moe_layers * local * s.top_k * s.dim * cb * (ep - 1) / ep / bw(ep * cp)
-        terms.append(Term("trainer", f"EP all-to-all, {s.moe_layers} MoE layers", a2a, False,
+        a2a *= 1.0 - a2a_overlap            # the share hidden behind expert compute (0: none, the default)
+        terms.append(Term("trainer", f"EP all-to-all, {s.moe_layers} MoE layers"
+                          + (f" ({1 - a2a_overlap:.0%} exposed)" if a2a_overlap else ""), a2a, False,
                           "a smaller trainer.parallel.ep (all-to-all over the NICs)"))
     if cp > 1:
         if s.hybrid:
@@ -370,9 +375,12 @@ def _inference(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int, paus
 
 
 # -- weight sync ------------------------------------------------------------------------------------
-def sync_times(cfg: Config, s, p, hw: Hardware, version_bytes: float | None = None) -> dict:
+def sync_times(cfg: Config, s, p, hw: Hardware, version_bytes: float | None = None, delta: bool = False) -> dict:
     """Publish (trainer ranks write and hash their share) and load (each inference node reads, hashes and
-    copies in what its GPUs serve) of one version of `version_bytes` (default: a full one)."""
+    copies in what its GPUs serve) of one version of `version_bytes` (default: a full one). A delta
+    version (`delta`) writes and loads its own bytes, but its publish rebuilds every FP8 tensor, compares
+    it with the kept previous one and hashes it whole (rl/exchange/deltas.py): benchmarks/weight_sync.py
+    measured a delta publish at 1.81x a full one, so it is charged the full hash plus that comparison."""
     t, i = cfg.trainer, cfg.inference
     full, experts, rest = _fp8_bytes(p, s)
     frac = (version_bytes if version_bytes is not None else full) / full
@@ -381,6 +389,8 @@ def sync_times(cfg: Config, s, p, hw: Hardware, version_bytes: float | None = No
     out = full * frac
     write = max(out / tn / (hw.fs_write_gbps * G), out / (hw.fs_total_gbps * G))
     hash_w = out / (tn * tg) / (hw.checksum_gbps * G)
+    if delta:   # every rebuilt tensor hashed, and compared with the previous one (two reads over host memory)
+        hash_w = full / (tn * tg) / (hw.checksum_gbps * G) + 2 * full / tn / (hw.host_mem_gbps * G)
     node = (experts * min(1.0, ig / i.ep) if i.ep > 1 else experts) + rest    # the union its GPUs serve
     node *= frac
     read = max(node / (hw.fs_read_gbps * G), node * inn / (hw.fs_total_gbps * G))
@@ -391,11 +401,25 @@ def sync_times(cfg: Config, s, p, hw: Hardware, version_bytes: float | None = No
                 load=read + hash_r + h2d, total=write + hash_w + read + hash_r + h2d, bytes=out, node_bytes=node)
 
 
-def predict(cfg, workload: Workload | None = None, assume: dict | None = None) -> Prediction:
-    """The step-time prediction of the composed config `cfg` (dict, DictConfig or Config)."""
+# The coefficients launch.calibrate varies, at their assumed values (`predict`'s `coeffs` overrides them).
+COEFFS = dict(mfu=None, a2a_overlap=0.0, fs_scale=1.0)
+
+
+def predict(cfg, workload: Workload | None = None, assume: dict | None = None,
+            coeffs: dict | None = None) -> Prediction:
+    """The step-time prediction of the composed config `cfg` (dict, DictConfig or Config). `coeffs`:
+    mfu (the trainer's), a2a_overlap (the share of the EP all-to-all hidden), fs_scale (every shared
+    filesystem rate times this); the assumed values where left out."""
+    import dataclasses
+
     from launch import memory
     cfg = typed(cfg)
     hw = Hardware.from_cfg(cfg)
+    co = {**COEFFS, **(coeffs or {})}
+    if co["mfu"] is not None or co["fs_scale"] != 1.0:
+        f = co["fs_scale"]
+        hw = dataclasses.replace(hw, mfu=co["mfu"] or hw.mfu, fs_read_gbps=hw.fs_read_gbps * f,
+                                 fs_write_gbps=hw.fs_write_gbps * f, fs_total_gbps=hw.fs_total_gbps * f)
     w = workload or Workload.from_cfg(cfg, assume)
     s = memory.Shape.from_cfg(cfg.model)
     p = memory.count_params(s)
@@ -403,10 +427,10 @@ def predict(cfg, workload: Workload | None = None, assume: dict | None = None) -
     rollouts = o.prompts_per_step * o.group_size
     full = sync_times(cfg, s, p, hw)
     k_full = cfg.trainer.weights_full_every
-    avg = 1.0 if k_full <= 1 else 1 / k_full + (1 - 1 / k_full) * DELTA_FRACTION
-    mean = sync_times(cfg, s, p, hw, _fp8_bytes(p, s)[0] * avg)
-    delta = sync_times(cfg, s, p, hw, _fp8_bytes(p, s)[0] * DELTA_FRACTION)
-    terms = _trainer(cfg, s, p, hw, w, rollouts)
+    delta = sync_times(cfg, s, p, hw, _fp8_bytes(p, s)[0] * DELTA_FRACTION, delta=True)
+    share = 0.0 if k_full <= 1 else 1 - 1 / k_full          # of the versions, deltas
+    mean = {k: (1 - share) * full[k] + share * delta[k] for k in full}
+    terms = _trainer(cfg, s, p, hw, w, rollouts, co["a2a_overlap"])
     inf_terms, inf = _inference(cfg, s, p, hw, w, rollouts, mean["load"])
     terms += inf_terms
     terms += [Term("sync", f"publish: write {mean['bytes'] / G:.0f} GB (mean version) + sha256 per rank",
@@ -459,7 +483,7 @@ def table_rows(pred: Prediction) -> list[tuple[str, str, str]]:
              ("", "rollouts per hour (inference capacity)", f"{pred.rollouts_per_hour:.0f}"),
              ("", f"decode: {pred.decode_batch:.1f} sequences per GPU, tokens/s per GPU", f"{pred.decode_tok_s_gpu:.0f}"),
              ("sync", "weight sync, full version (publish + load)", f"{pred.sync_full_s:.1f}"),
-             ("sync", f"weight sync, delta version ({DELTA_FRACTION:.1%})", f"{pred.sync_delta_s:.1f}")]
+             ("sync", f"weight sync, delta version ({DELTA_FRACTION:.1%} of the bytes; publish hashes all)", f"{pred.sync_delta_s:.1f}")]
     return rows + (dataplane.table_rows(pred.data) if pred.data else [])
 
 
