@@ -417,7 +417,7 @@ def test_masked_stale_tokens_never_reach_the_trainers_loss(tmp_path, monkeypatch
 def test_stale_policy_and_max_inflight_in_rollouts_are_checked(tmp_path):
     from rl.contract.config import ConfigError
     assert compose_cfg(tmp_path, "orchestrator.stale_policy=admit")["orchestrator"]["stale_policy"] == "admit"
-    with pytest.raises(ConfigError, match="must be drop, mask, admit or release"):
+    with pytest.raises(ConfigError, match="must be one of drop, mask, admit, release"):
         compose_cfg(tmp_path, "orchestrator.stale_policy=keep")
     with pytest.raises(ConfigError, match="counts rollouts"):  # an old value in groups below group_size
         compose_cfg(tmp_path, "orchestrator.group_size=8", "orchestrator.max_inflight=4")
