@@ -88,10 +88,10 @@ def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes_without_req
         batch_log[-3000:]
     assert "requeueing" not in batch_log
     role_log = (run_dir / "logs" / "inference_0.log").read_text(errors="replace")
-    # the role sees the death either way round: vLLM's log names the engine core's death, or the API server
-    # went with its engine first and its port refused /health three times (a CI run saw the second)
-    assert ("engine core died" in role_log or "server dead: its port refused /health" in role_log) \
-        and "server record withdrawn" in role_log, role_log[-3000:]
+    # the role sees the death whichever way vLLM goes (each seen in CI runs): its log names the engine core's
+    # death, its API server exits after the engine, or the API server's port refuses /health three times
+    causes = ("engine core died", "vLLM (inference_0) exited with status", "server dead: its port refused /health")
+    assert any(c in role_log for c in causes) and "server record withdrawn" in role_log, role_log[-3000:]
     router_log = (run_dir / "logs" / "router.log").read_text(errors="replace")
     assert "inference_0" in router_log and "marked down" in router_log and "up again" in router_log, \
         router_log[-3000:]
