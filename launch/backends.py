@@ -20,7 +20,7 @@ import importlib
 from types import ModuleType
 
 from rl.contract import backends
-from rl.contract.config import ClusterConfig, ConfigError
+from rl.contract.config import ClusterConfig
 
 INTERFACE = ("submit_run", "cancel_command", "job_status", "plan_text")
 
@@ -29,10 +29,7 @@ def row(cfg_or_name) -> backends.Backend:
     """The backend row of a composed config (or of a name); an unknown one is a one-line ConfigError."""
     name = cfg_or_name if isinstance(cfg_or_name, str) else (
         (cfg_or_name.get("cluster") or {}).get("backend", ClusterConfig.backend))
-    b = backends.BY_NAME.get(name)
-    if b is None:
-        raise ConfigError(f"cluster.backend={str(name)[:40]!r}: not one of {', '.join(backends.NAMES)}")
-    return b
+    return backends.row(name)
 
 
 def executor(cfg_or_name) -> ModuleType:

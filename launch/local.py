@@ -28,11 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from launch.procs import LOCK, Recorded, process_start_time, start_ticks
+from launch.procs import LOCK, Recorded
 from launch.rundir import check_run_dir_choice, freeze_run_dir
 from rl.contract import paths, safefs
 from rl.contract.config import ConfigError
 from rl.contract.plan import Plan
+from rl.contract.procs import start_ticks, start_time
 from rl.contract.records import LocalLauncher, RoleRecord
 
 LAUNCHER_ENV = "HETRL_LAUNCHER"   # rl.runtime.LAUNCHER_ENV: the launcher a role stops without (pid:start ticks)
@@ -346,7 +347,7 @@ def _run_local(cfg: dict, plan: Plan, run_dir: Path, detached: bool = False) -> 
             os.close(log)
     LocalLauncher(host=socket.gethostname(), pid=me, started=time.time(),
                   roles={r: p.pid for r, p in procs.items()},
-                  proc_started=process_start_time(me), detached=detached).write(run_dir)
+                  proc_started=start_time(me), detached=detached).write(run_dir)
     print("roles: " + ", ".join(f"{r} (pid {p.pid})" for r, p in procs.items()) + f"; logs in {logs}", flush=True)
     if detached:
         print(f"detached: the roles run on without this launcher. Watch: python -m launch status {run_dir} "

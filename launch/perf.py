@@ -184,25 +184,10 @@ class Prediction:
 
 # -- FLOPs ------------------------------------------------------------------------------------------
 def attention_flops(s, keys: float, train: bool) -> float:
-    """Forward FLOPs of one token's attention over `keys` keys, summed over the attention layers; Mamba-2
-    layers add their chunked scan (SSD) and conv. GLM-5's DSA attends to its top-k keys and scores all of
-    them with the indexer. Decode with MLA runs absorbed (scores in the kv_lora_rank latent)."""
-    h = s.n_heads
-    if s.mla:
-        sel = min(keys, s.index_topk) if s.index_topk else keys
-        per = (2 * h * (s.qk_nope_head_dim + s.qk_rope_head_dim + s.v_head_dim) * sel if train
-               else 2 * h * (2 * s.kv_lora_rank + s.qk_rope_head_dim) * sel)
-        if s.index_n_heads:
-            per += 2 * s.index_n_heads * s.index_head_dim * keys
-    else:
-        per = 4 * h * s.head_dim * keys
-    total = per * s.layers_of("attention")
-    y = s.hybrid
-    if y:
-        q = y.chunk_size if train else 1     # decode updates the state once per token
-        scan = 2 * q * y.n_groups * y.ssm_state + 2 * q * y.d_inner + 4 * y.d_inner * y.ssm_state
-        total += (scan + 2 * y.conv_dim * y.conv_kernel) * s.layers_of("mamba")
-    return total
+    """Forward FLOPs of one token beyond its matmuls over the weights, summed over the layers (each row's
+    calculators, rl.models.layers): attention over `keys` keys (GLM-5's DSA attends to its top-k keys and
+    scores all of them with the indexer; decode with MLA runs absorbed), Mamba-2's chunked scan and conv."""
+    return s.over_layers(lambda x: x.flops(keys, train))
 
 
 def token_flops(s, p, keys: float, train: bool = True) -> float:
@@ -256,16 +241,8 @@ def _trainer(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int, a2a_ov
         terms.append(Term("trainer", f"EP all-to-all, {s.moe_layers} MoE layers"
                           + (f" ({1 - a2a_overlap:.0%} exposed)" if a2a_overlap else ""), a2a, False,
                           "a smaller trainer.parallel.ep (all-to-all over the NICs)"))
-    if cp > 1:
-        if s.hybrid:
-            y = s.hybrid
-            per_tok = 2 * (y.d_inner + y.conv_dim + y.mamba_heads) * s.layers_of("mamba")
-            per_tok += 2 * s.n_kv_heads * s.head_dim * s.layers_of("attention")
-        elif s.mla:
-            per_tok = (s.n_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim + s.v_head_dim)
-                       + s.index_head_dim) * s.layers_of("attention")
-        else:
-            per_tok = 2 * s.n_kv_heads * s.head_dim * s.layers_of("attention")
+    if cp > 1:                 # what each layer all-gathers (attention K/V, Mamba's projections)
+        per_tok = s.over_layers(lambda x: x.cp_elems())
         cpx = (2 + recompute) * local * (cp - 1) * per_tok * cb / bw(cp)
         terms.append(Term("trainer", "CP exchange (K/V all-gather)", cpx, False, "a smaller trainer.parallel.cp"))
     if t.cpu_offload:
@@ -286,26 +263,15 @@ def _fp8_bytes(p, s) -> tuple[float, float, float]:
     an fp32 scale per 128x128 block, bf16 embeddings, LM head, routers, norms and Mamba parameters."""
     q = 1 + 4 / FP8_BLOCK ** 2
     experts = p.experts_total * q
-    rest = p.linear * q + 2 * (2 * p.embed + s.moe_layers * p.router + p.norms + s.layers_of("mamba") * p.mamba_other)
+    rest = p.linear * q + 2 * (2 * p.embed + p.other)
     return experts + rest, experts, rest
 
 
 def kv_read_bytes(s, ctx: float, tp: int) -> float:
-    """KV cache bytes one decode step reads for one sequence at context `ctx` (bf16 KV), on one GPU;
-    hybrid: plus the Mamba conv and SSM state, read and written."""
-    a = s.layers_of("attention")
-    if s.mla:
-        sel = min(ctx, s.index_topk) if s.index_topk else ctx
-        per = sel * (s.kv_lora_rank + s.qk_rope_head_dim) * 2 * a
-        if s.index_n_heads:
-            per += ctx * (s.index_head_dim + 4 * math.ceil(s.index_head_dim / FP8_BLOCK)) * a
-    else:
-        per = ctx * 2 * math.ceil(s.n_kv_heads / tp) * s.head_dim * 2 * a
-    y = s.hybrid
-    if y:
-        per += 2 * s.layers_of("mamba") * ((y.conv_kernel - 1) * y.conv_dim * 2
-                                          + y.mamba_heads * y.mamba_head_dim * y.ssm_state * y.ssm_cache_bytes) / tp
-    return per
+    """Cache bytes one decode step reads for one sequence at context `ctx` (bf16 KV), on one GPU: each
+    layer's KV (its top-k keys under DSA, plus the indexer's keys), a Mamba layer's conv and SSM state,
+    read and written."""
+    return s.over_layers(lambda x: x.kv_read(ctx, tp))
 
 
 def decode_step_s(cfg: Config, s, p, hw: Hardware, b: float, ctx: float) -> float:

@@ -31,7 +31,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from rl.contract import families, paths
+from rl.contract import backends, families, paths
 from rl.contract.config import Config, PlanError, resolve_ports, typed
 from rl.contract.validation import validate
 from rl.contract.plan import (PLAN_VERSION, SERVED_MODEL_NAME, Command, Group, InferencePlan, Plan, Replica, Role,
@@ -162,14 +162,14 @@ def _inference(cfg: Config, run_dir: str, python: str, local_dir: str, host: str
     # On Slurm the node-local paths are per node and incarnation (rl.contract.paths.node_dir), which only
     # the node knows: `${HETRL_NODE_DIR}`, which rl.inference sets before it expands the plan's argv and
     # env. The local backend runs one incarnation at a time on one host and keeps the run's directory.
-    slurm = cfg.cluster.backend == "slurm"
-    node_dir = f"${{{paths.NODE_DIR_VAR}}}" if slurm else local_dir
+    where = backends.row(cfg.cluster.backend)
+    node_dir = f"${{{paths.NODE_DIR_VAR}}}" if where.node_dirs_per_incarnation else local_dir
     # Routed expert ids come back only from vLLM's GPU MoE kernels (0.32 refuses the flag on the CPU).
     capture = cfg.trainer.router_replay and gpn > 0
     env_common = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, weight versions
     if not gpn:
         env_common["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(i.kv_cache_gb))))
-    if cfg.cluster.backend == "local":
+    if not where.binds_all_interfaces:
         env_common["VLLM_HOST_IP"] = host
     for pool, count, pool_nodes in layout:
         node_span = max(1, size // gpn) if gpn else 1
@@ -314,11 +314,10 @@ def make_plan(cfg, check_memory: bool = True) -> Plan:
     cl = cfg.cluster
     python = cl.python or sys.executable
     rid = run_id(run_dir)
-    backend = cl.backend
     local_dir = paths.node_local_dir(cl.node_local_dir, run_dir)
     grace = cl.signal_grace_s
     # Servers on Slurm must be reachable from the other het group; locally nothing else needs them.
-    host = cfg.inference.host or ("0.0.0.0" if backend == "slurm" else "127.0.0.1")
+    host = cfg.inference.host or ("0.0.0.0" if backends.row(cl.backend).binds_all_interfaces else "127.0.0.1")
     trainer = _trainer(cfg, run_dir, python)
     inf = _inference(cfg, run_dir, python, local_dir, host)
     _check_ports(inf, cfg)
@@ -348,7 +347,7 @@ def make_plan(cfg, check_memory: bool = True) -> Plan:
                             sbatch={"partition": sbx.partition, "account": sbx.account, "gres": None,
                                     "constraint": None}))
     plan = Plan(
-        version=PLAN_VERSION, experiment=cfg.experiment or "run", backend=backend,
+        version=PLAN_VERSION, experiment=cfg.experiment or "run", backend=cl.backend,
         run_dir=run_dir, run_id=rid,
         python=python, workdir=str(REPO), node_local_dir=local_dir,
         signal_grace_s=grace, exit_preempted=paths.EXIT_PREEMPTED,

@@ -5,8 +5,9 @@ after a reboot, or on another host sharing the filesystem, or once the process e
 reused its number, signalling it hits an unrelated process. So a record counts as a live process only
 if it was written on this host and the process with that pid started no later than the record was
 written (a reused pid started after the record existed). The start time comes from /proc/<pid>/stat
-(field 22, clock ticks since boot) plus the boot time from /proc/stat, so it needs Linux; elsewhere no
-record is ever taken for alive, which errs on the side of signalling nothing.
+(field 22, clock ticks since boot) plus the boot time from /proc/stat (rl.contract.procs, which the roles
+use too), so it needs Linux; elsewhere no record is ever taken for alive, which errs on the side of
+signalling nothing.
 
 A record is data anyone with write access to the run directory can craft (a shared filesystem, a copied
 run directory), and its own time can say anything. So the process itself must also show it belongs to
@@ -31,35 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.contract import safefs
+# process_start_time: the name benchmarks/_fault_inject.py imports from here
+from rl.contract.procs import start_time as process_start_time
 
 # A record is written a moment after its process starts; the clock-tick start time is rounded to ticks.
 _SLACK_S = 2.0
-
-
-def start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22): exact, so
-    (pid, ticks) names one process for the machine's uptime. None if there is no such process, it has
-    exited (a zombie), or there is no /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may contain spaces and parentheses: fields count from the last ')'
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped (a container's init may never reap orphans)
-        return None
-    return int(fields[19])
-
-
-def process_start_time(pid: int) -> float | None:
-    """Unix time at which process `pid` started, or None if there is no such process (or no /proc)."""
-    ticks = start_ticks(pid)
-    try:
-        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                    if ln.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 LOCK = "launcher.lock"   # held open by a local launcher for its whole life (launch.local)

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from rl import faults
 from rl.contract import config as _config
 from rl.contract import paths
+from rl.contract.procs import start_ticks
 from rl.contract.plan import Plan
 from rl.contract.records import RecordError, ResumeState, RoleRecord
 from rl.contract.atomic import atomic_write_json
@@ -244,18 +245,6 @@ class waiting_for:
 LAUNCHER_ENV = "HETRL_LAUNCHER"   # "PID:START_TICKS" of the local launcher a role stops without
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot at which the process started): with the pid, an
-    identity no later process has. None when there is no such process, or it has exited (a zombie).
-    launch.procs reads the same field; rl does not import the launcher, hence the second copy."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()   # the command name may hold spaces and ')'
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
 def launcher_identity(value: str) -> tuple[int, int]:
     """(pid, start ticks) from HETRL_LAUNCHER's value; anything else is a ValueError naming it."""
     pid, _, ticks = value.partition(":")
@@ -275,7 +264,7 @@ class LauncherWatch:
         threading.Thread(target=self._watch, name=f"{role}-launcher-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        while process_start_ticks(self.pid) == self.ticks:
+        while start_ticks(self.pid) == self.ticks:
             time.sleep(self.poll_s)
         log(self.role, f"the launcher (pid {self.pid}) is gone: stopping at the next step boundary "
                        f"(python -m launch run --detach runs roles that outlive their launcher)")

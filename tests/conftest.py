@@ -1,12 +1,13 @@
-"""Shared pytest fixtures. The Slurm part (a real localhost cluster) lives in tests/slurm_cluster.py."""
+"""Shared pytest fixtures. The Slurm part (a real localhost cluster) lives in tests/slurm_cluster.py.
+
+tests/ itself, the repository root and benchmarks/ are on sys.path through setup.cfg's `pythonpath`
+(shared helpers: tests/helpers)."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pytest
 
-from slurm_cluster import slurm, slurm_cluster  # noqa: E402,F401  (fixtures)
-
-import pytest  # noqa: E402
+from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +52,8 @@ def usr1_requeued_run(slurm_cluster, tmp_path_factory):
     after 2 steps (the roles checkpoint, the job requeues), awaited until it ended:
     {run_dir, job, out, state}. Made once per session and only read by its users
     (tests/integration/test_slurm_rl.py, test_report.py): each such run costs about two minutes here."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))
+    # its users are tests/integration's, so pytest has put that directory on sys.path (rootdir-less
+    # test directories are, in its default import mode) and imported test_slurm_rl under this name
     from test_slurm_rl import FAST, _job_ended, _launch, _wait
 
     from launch import slurm as ls

@@ -2,11 +2,12 @@
 
 One table, read by config validation (`FAMILIES`), the checkpoint reader (rl.contract.hf: which
 config.json `model_type` is which family, which model fields come from it), the tiny twins
-(rl.model.twins, rl.model.tiny), the memory estimate (launch.memory), the plan (launch.plan: vLLM's CPU
-arguments) and the launcher's servability check (launch.__main__.check_servable). The network itself
-(torchtitan builder, sharding, state-dict adapter) lives in the family's folder `rl/models/<package>/`,
-found through the registry in rl/models/__init__.py; tests/unit/test_families.py checks that every row
-here has a builder there, a twin and a memory shape.
+(rl.model.twins, rl.model.tiny), the plan (launch.plan: vLLM's CPU arguments) and the launcher's
+servability check (launch.__main__.check_servable). The network itself (torchtitan builder, sharding,
+state-dict adapter) lives in the family's folder `rl/models/<package>/`, found through the registry in
+rl/models/__init__.py, and so does its torch-free `args.py`: the sizes as rows of layer calculators
+(rl.models.layers) that the plan arithmetic (rl.plan_math, launch.perf) sums over; tests/unit/test_families.py
+checks that every row here has a builder there, a twin and args.
 
 Adding a family: one row here, one folder in rl/models (docs/internals.md, "Where to add").
 Torch-free and importing nothing else of rl: the launcher reads it on a login node.
@@ -63,7 +64,6 @@ class Family:
     twin: dict = field(default_factory=dict)        # tiny twin sizes (rl.model.twins)
     twin_extra: dict = field(default_factory=dict)  # config.json keys added to transformers' output
     twin_drop: tuple[str, ...] = ()                 # config.json keys removed from it
-    qk_norm: bool = False                  # per-head RMSNorm on q and k (launch.memory counts them)
     cpu_unservable: str | None = None      # why vLLM's CPU build cannot serve it (None: it can)
     vllm_cpu_args: tuple[str, ...] = ()    # vLLM arguments on the CPU
     vllm_cpu_eager_args: tuple[str, ...] = ()   # ... and with inference.enforce_eager
@@ -88,7 +88,7 @@ class Family:
 
 ROWS = (
     Family("qwen3", "qwen3", "gqa", ("qwen3_moe",), hf_config_class="Qwen3MoeConfig",
-           hf_model_class="Qwen3MoeForCausalLM", qk_norm=True,
+           hf_model_class="Qwen3MoeForCausalLM",
            twin=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                      head_dim=32, moe_intermediate_size=64, intermediate_size=64, num_experts=4,
                      num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,

@@ -23,13 +23,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.contract import families, offpolicy, sandbox_runtimes
+from rl.contract import backends, families, offpolicy, sandbox_runtimes
 from rl.contract.config import FAMILIES, Config, ConfigError, structured
 from rl.contract.typed_tree import build
 
 _CHOICES = {
     "model.family": FAMILIES,
-    "cluster.backend": ("local", "slurm"),
+    "cluster.backend": backends.NAMES,
     "trainer.dtype": ("float32", "bfloat16"),
     "trainer.mismatch": ("mask", "truncate", "none", "is", "seq_truncate", "seq_mask", "geo_mask", "m2po"),
     "trainer.activation_checkpointing": ("none", "selective", "full"),
@@ -336,7 +336,8 @@ def validate(cfg: DictConfig | dict) -> None:
         # On Slurm the orchestrator reads it on its node: a site filesystem this host does not mount at
         # all (/datasets/... on a laptop) is left to it; a missing path on a mounted one is a typo here.
         t = Path(e.swe.tasks)
-        visible = cfg.cluster.backend != "slurm" or not t.is_absolute() or Path(*t.parts[:2]).exists()
+        visible = (backends.row(cfg.cluster.backend).roles_on_launch_host or not t.is_absolute()
+                   or Path(*t.parts[:2]).exists())
         need(not visible or t.exists(), "env.swe.tasks",
              "file or directory not found (nor a shipped set: builtin, builtin_swebench)")
     need(e.swe.format in ("auto", "swe_bench", "swe_smith", "swe_rebench", "r2e_gym"), "env.swe.format",
@@ -425,9 +426,10 @@ def validate(cfg: DictConfig | dict) -> None:
     for k in ("mfu", "inference_mfu", "hbm_efficiency"):
         need(hw[k] is None or 0 < hw[k] <= 1, f"cluster.hardware.{k}", "must be in (0, 1] (or null: the preset's)")
     need(c.target_step_s is None or c.target_step_s > 0, "cluster.target_step_s", "must be positive (or null)")
-    if c.backend == "local":
-        need(p.dp_shard * p.ep * p.cp <= 2 or t.gpus_per_node > 0, "trainer.parallel",
-             "the local backend runs at most 2 CPU ranks")
+    cap = backends.row(c.backend).max_cpu_ranks
+    if cap is not None:
+        need(p.dp_shard * p.ep * p.cp <= cap or t.gpus_per_node > 0, "trainer.parallel",
+             f"the {c.backend} backend runs at most {cap} CPU ranks")
 
 
 def _other_python(cfg) -> bool:

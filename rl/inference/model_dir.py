@@ -26,6 +26,7 @@ import socket
 import time
 from pathlib import Path
 
+from rl.contract import procs
 from rl.contract.atomic import atomic_write_json
 from rl.exchange import MANIFEST, quant_holder
 
@@ -73,16 +74,6 @@ def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> d
     return q
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def claim(local_dir: Path, run_dir: Path, role: str) -> Path:
     """Record that this process uses `local_dir` (one owner record per role process: several replicas,
     or several nodes of one replica sharing a host's disk, own the same run directory)."""
@@ -117,7 +108,7 @@ def clean_stale(base: Path, keep: str) -> list[str]:
         if not owners:
             continue
         if all(isinstance(o, dict) and "run_dir" in o and o.get("host") == host
-               and isinstance(o.get("pid"), int) and not _alive(o["pid"]) for o in owners):
+               and procs.is_pid(o.get("pid")) and not procs.alive(o["pid"]) for o in owners):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d.name)
     return gone

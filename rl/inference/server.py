@@ -61,7 +61,7 @@ import httpx
 
 import rl
 from rl import exchange, runtime
-from rl.contract import elastic, paths, safefs
+from rl.contract import backends, elastic, paths, procs, safefs
 from rl.contract.secret import secret_or_none
 from rl.contract.plan import Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
@@ -290,8 +290,8 @@ def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
         log(f"removed stale node-local dirs of earlier runs: {', '.join(gone)}")
     # On Slurm: this node's directory of this incarnation (the batch script made it and removed the
     # node's earlier ones); the plan's node-local paths name it as ${HETRL_NODE_DIR}.
-    node_dir = (Path(paths.node_dir_from_env(plan.node_local_dir, os.environ)) if plan.backend == "slurm"
-                else local)
+    node_dir = (Path(paths.node_dir_from_env(plan.node_local_dir, os.environ))
+                if backends.row(plan.backend).node_dirs_per_incarnation else local)
     base_env = {**os.environ, paths.NODE_DIR_VAR: str(node_dir)}
     claim(node_dir, run_dir, name)
     dtype = torch_dtype(str(cfg.inference.dtype), json.loads(exchange.read_in_step(assets, "config.json")))
@@ -392,19 +392,9 @@ def withdraw_dead_record(run_dir: Path, index: int) -> bool:
         rec = ServerRecord.read(run_dir, index)
     except (OSError, RecordError):
         return False
-    if rec is None or rec.host != socket.gethostname() or _alive(rec.pid):
+    if rec is None or rec.host != socket.gethostname() or procs.alive(rec.pid):
         return False
     return withdraw_record(run_dir, index, rec.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def withdraw_record(run_dir: Path, index: int, pid: int, why: str = "the server failed") -> bool:

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from rl.faults import crash_point
-from rl.contract import safefs
+from rl.contract import procs, safefs
 from rl.contract.http import ROUTED_PATHS, ROUTER_RESET_INDEX, SESSION_HEADER
 from rl.contract.plan import SERVED_MODEL_NAME as MODEL_NAME
 
@@ -376,16 +376,6 @@ def router_client_class():
     return RouterClient
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return pid > 0
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> str | None:
     """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE."""
     from rl import runtime
@@ -395,7 +385,7 @@ async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> s
     while True:
         try:
             rec = json.loads(path.read_text())
-            stale = rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid") or 0))
+            stale = rec.get("host") == socket.gethostname() and not procs.alive(int(rec.get("pid") or 0))
             if not stale:   # a record left by an earlier incarnation on this node names a dead pid
                 return rec["url"]
         except (OSError, json.JSONDecodeError, KeyError, ValueError):

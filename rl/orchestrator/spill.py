@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.contract import safefs
+from rl.contract import procs, safefs
 from rl.contract.batch import expert_ids
 
 PREFIX = "hetrl-spill-"
@@ -64,23 +64,13 @@ def default_parent() -> str:
     return os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or tempfile.gettempdir()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def clean_stale(parent: str | Path) -> list[str]:
     """Remove the spill directories under `parent` left by dead orchestrators of this host (their pid
     runs no more); returns their names. Directories of other hosts (a shared $TMPDIR) are left alone."""
     removed, host = [], _host()
     for name, _mode in safefs.scandir(parent):
         m = _NAME.match(name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not procs.alive(int(m["pid"])):
             safefs.remove(Path(parent) / name)
             removed.append(name)
     return removed

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from rl.plan_math.activations import trainer_acts
-from rl.plan_math.shape import Params, Shape, count_params
+from rl.plan_math.shape import Params, Shape, count_params, family_args  # noqa: F401 (re-exported)
 from rl.contract.config import Config, typed
 from rl.contract.plan import InferencePlan, Plan, TrainerPlan
 
@@ -140,13 +140,8 @@ def _trainer(cfg: Config, tp: TrainerPlan, p: Params, s: Shape) -> RoleMemory:
         terms.append(("backward: loss head", acts.head_bwd))
     else:
         terms.append(("backward: one layer" + (" recomputed" if ac != "none" else ""), acts.layer_bwd))
-    if world > 1 and s.hybrid:               # one FSDP unit per block (the frozen MTP units are not run)
-        unit = max([p.embed] + [p.unit(k, ep) for k in set(s.hybrid.kinds)])
-    if world > 1 and not s.hybrid:
-        moe_unit = (p.attn_linear + p.shared + p.router + 2 * s.dim
-                    + (s.num_experts // ep) * p.expert) if s.moe_layers else 0
-        unit = max(p.embed, moe_unit, p.attn_linear + p.dense_ffn if s.n_dense_layers else 0)
-    if world > 1:
+    if world > 1:                            # one FSDP unit per block (the frozen MTP units are not run)
+        unit = p.unit(ep)
         ws = unit * (2 * cb + cb + 4) + (unit if t.fp8 else 0)
         terms.append(("FSDP unsharded buffers", ws))
     if gpus:
@@ -180,26 +175,14 @@ def _weight_bytes(cfg: Config, gpus: int) -> tuple[float, float]:
 
 def kv_bytes_per_token(s: Shape, tp: int, kvb: int) -> int:
     """KV cache bytes of one token, all layers, on one GPU of a tensor-parallel group of `tp`."""
-    if s.mla:
-        per = (s.kv_lora_rank + s.qk_rope_head_dim) * kvb
-        if s.index_n_heads:
-            per += s.index_head_dim + 4 * math.ceil(s.index_head_dim / FP8_BLOCK)
-    else:
-        per = 2 * math.ceil(s.n_kv_heads / tp) * s.head_dim * kvb
-    return per * s.layers_of("attention")       # hybrid: the attention layers only
+    return s.over_layers(lambda x: x.kv_bytes(tp, kvb))
 
 
 def state_bytes_per_seq(s: Shape, tp: int, wb: int) -> int:
-    """Hybrid: the recurrent state of one sequence, all Mamba layers, on one GPU of a tensor-parallel group
-    of `tp` (heads and groups split over tp), constant in its length: the conv state, the last
-    conv_kernel-1 inputs of xBC (compute dtype), and the SSM state, heads x head_dim x ssm_state
-    (mamba_ssm_cache_dtype). 0 for networks without Mamba layers."""
-    y = s.hybrid
-    if not y:
-        return 0
-    conv = (y.conv_kernel - 1) * math.ceil(y.conv_dim / tp) * wb
-    ssm = math.ceil(y.mamba_heads / tp) * y.mamba_head_dim * y.ssm_state * y.ssm_cache_bytes
-    return (conv + ssm) * s.layers_of("mamba")
+    """The recurrent state of one sequence, all layers, on one GPU of a tensor-parallel group of `tp`,
+    constant in its length (Mamba-2: the last conv_kernel-1 conv inputs and the SSM state); 0 for networks
+    without recurrent layers."""
+    return s.over_layers(lambda x: x.state_bytes(tp, wb))
 
 
 def _inference(cfg: Config, inf: InferencePlan, p: Params, s: Shape) -> list[RoleMemory]:
@@ -218,8 +201,7 @@ def _inference(cfg: Config, inf: InferencePlan, p: Params, s: Shape) -> list[Rol
         tp, dp, ep = r.tp, r.dp, r.ep
         split_e = ep if ep > 1 else tp
         experts = p.experts_total / split_e * qb
-        dense = p.linear / tp * qb + (2 * p.embed / tp + s.moe_layers * p.router + p.norms
-                                      + s.layers_of("mamba") * p.mamba_other) * wb
+        dense = p.linear / tp * qb + (2 * p.embed / tp + p.other) * wb
         fp8 = " fp8" if qb < 2 else ""
         terms = [(f"weights: experts 1/{split_e}{fp8}", int(experts)),
                  (f"weights: dense 1/{tp}{fp8}", int(dense))]
@@ -241,16 +223,13 @@ def _inference(cfg: Config, inf: InferencePlan, p: Params, s: Shape) -> list[Rol
         seqs = 1 if pool == "prefill" else math.ceil(math.ceil(concurrency / serving) / dp)
         kv = seqs * max_len * kv_bytes_per_token(s, tp, wb)
         terms.append((f"KV cache: {seqs} x {max_len} tokens", int(kv)))
-        if s.hybrid:
-            terms.append((f"Mamba state: {seqs} sequences (conv + SSM)", seqs * state_bytes_per_seq(s, tp, wb)))
+        state = state_bytes_per_seq(s, tp, wb)
+        if state:
+            label, what = next(x.state_label for x in s.layers if x.state_label[0])
+            terms.append((f"{label}: {seqs} sequences ({what})", seqs * state))
         batch = 16384 if cfg.cluster.gpu_memory_gib >= 160 else 8192
-        attn = (s.n_heads / tp) * ((2 * (s.qk_nope_head_dim + s.qk_rope_head_dim) + s.v_head_dim) if s.mla else 3 * s.head_dim)
-        if s.hybrid:                   # the widest mixer: Mamba's projections or the latent experts
-            y = s.hybrid
-            hidden = 6 * s.dim + attn + max(2 * (y.d_inner + y.conv_dim) / tp,
-                                            s.top_k * (2 * s.moe_hidden_dim + (y.latent or s.dim)))
-        else:
-            hidden = 6 * s.dim + attn + s.top_k * (3 * s.moe_hidden_dim + s.dim)
+        # hidden states, the attention's width and the widest other mixer or the experts' intermediates
+        hidden = 6 * s.dim + max(x.ws_attn(tp) for x in s.layers) + max(x.ws_mix(tp) for x in s.layers)
         ws = batch * hidden * wb + 2 * VLLM_MAX_SEQS * s.vocab_size / tp * 4
         terms.append((f"workspace: {batch}-token forward", int(ws)))
         terms.append(("CUDA graphs, NCCL" + (", DeepEP" if ep > 1 else ""),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from _trainer_helpers import publish_batches, tiny_cfg
+from helpers.trainer import publish_batches, tiny_cfg
 from rl.contract.batch import ShardPlan
 from rl.metrics import read_metrics
 from rl.trainer.loop import run

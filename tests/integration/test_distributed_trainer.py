@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from _trainer_helpers import publish_batches, tiny_cfg
+from helpers.trainer import publish_batches, tiny_cfg
 from rl.contract.batch import ShardPlan
 from rl import exchange
 from rl.exchange import weights as wire
@@ -104,7 +104,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_rank(tmp_path, single):
 def _publish_routed_batches(run_dir, steps, layers, experts, top_k):
     """Synthetic batches carrying engine routing (random distinct experts per token and layer)."""
     import numpy as np
-    from _trainer_helpers import synthetic_batch
+    from helpers.trainer import synthetic_batch
     for n in steps:
         b = synthetic_batch(n)
         rng = np.random.default_rng(100 + n)

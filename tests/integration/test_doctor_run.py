@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.doctor import expected_checks
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -19,16 +21,6 @@ def doctor(tmp_path: Path, *args: str, timeout: float = 600):
                         "--json", str(out), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     report = json.loads(out.read_text()) if out.is_file() else None
     return r, report
-
-
-def expected_checks() -> set[str]:
-    from rl.contract import families
-    from rl.doctor import gpu_checks
-    return {"python", "package torch", "package vllm", "package torchtitan", "package transformers", "config",
-            "torch build", "CUDA devices", "FP8 capability (>= 8.9)", "kernel deep_ep", "kernel deep_gemm",
-            "kernel mamba_ssm", "kernel causal_conv1d", "filesystem write+fsync", "filesystem read",
-            "weight sync on this filesystem", "slurm: sbatch --test-only of the plan",
-            *gpu_checks(families.FAMILIES)}
 
 
 def last_line(stdout: str) -> dict:

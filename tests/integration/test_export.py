@@ -54,8 +54,7 @@ def trained(tmp_path_factory):
         key = (family, bool(extra))
         if key in made:
             return made[key]
-        sys.path.insert(0, str(REPO / "tests" / "integration"))
-        from _trainer_helpers import synthetic_batch
+        from helpers.trainer import synthetic_batch
         from builders import make_run_dir
         from rl.contract import config
         from rl.model.twins import write_twin

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from _trainer_helpers import publish_batches
+from helpers.trainer import publish_batches
 from builders import compose_cfg
 from rl import exchange
 from rl.exchange import layout

@@ -16,12 +16,7 @@ beside another trial (two hetjob incarnations; a requeue alone waits ~20 s), whi
 the test past its ~4 minute budget."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 KINDS = ["crash_point", "sigstop", "second_launcher", "bitflip", "kill_all"]
 

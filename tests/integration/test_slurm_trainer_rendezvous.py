@@ -39,8 +39,7 @@ def standin(name: str) -> int:
     run_dir = Path(os.environ["HETRL_RUN_DIR"])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if name == "orchestrator":
-        sys.path.insert(0, str(Path(THIS).parent))
-        from _trainer_helpers import publish_batches
+        from helpers.trainer import publish_batches   # tests/ is on the stand-in's PYTHONPATH
         from rl import exchange
         limit = STOP_AT if restart == 0 else STEPS  # prepare discarded what the checkpoint did not cover
         publish_batches(run_dir, [n for n in range(limit)
@@ -86,7 +85,7 @@ def test_two_node_trainer_rendezvous_checkpoints_requeues_and_resumes_the_same_w
     for r in plan["roles"]:
         if r["name"] != "trainer":
             r["command"] = [sys.executable, THIS, r["name"]]
-        r["env"]["PYTHONPATH"] = plan["workdir"]
+        r["env"]["PYTHONPATH"] = os.pathsep.join([plan["workdir"], str(Path(plan["workdir"]) / "tests")])
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "_overrides"}))
     (run_dir / "plan.json").write_text(json.dumps(plan))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from _trainer_helpers import publish_batches, tiny_cfg
+from helpers.trainer import publish_batches, tiny_cfg
 from rl import exchange
 from rl.metrics import read_metrics
 from rl.runtime import EXIT_PREEMPTED, is_done

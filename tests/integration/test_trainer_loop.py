@@ -6,7 +6,7 @@ import json
 import torch
 
 from rl.contract.batch import batch_digest, shard_file
-from _trainer_helpers import examples, publish_batches, synthetic_batch, tiny_cfg
+from helpers.trainer import examples, publish_batches, synthetic_batch, tiny_cfg
 from rl import exchange, fp8
 from rl.exchange import retention
 from rl.exchange.deltas import stored_tensors

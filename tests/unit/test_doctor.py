@@ -78,8 +78,7 @@ def test_launch_doctor_reports_every_row_and_ends_with_key_values(tmp_path):
                         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    sys.path.insert(0, str(REPO / "tests" / "integration"))
-    from test_doctor_run import expected_checks
+    from helpers.doctor import expected_checks
     rows = {x["check"]: x for x in report["rows"]}
     assert set(rows) == expected_checks(), set(rows) ^ expected_checks()
     from rl.contract import families

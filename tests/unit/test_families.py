@@ -189,6 +189,8 @@ def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
         m = dict(hf.model_fields(cfg, row.name), family=row.name, max_seq_len=512)
         shape = memory.Shape.from_cfg(m, hf=cfg)     # hybrid: the layer pattern and Mamba sizes from cfg
         assert memory.count_params(shape).total > 0, row.name
-        assert (shape.hybrid is not None) == (row.attention == "hybrid"), row.name
+        # the family's torch-free args: config.json read once, the same rows as the composed model group's
+        args = memory.family_args(row.name)
+        assert tuple(args.from_hf(cfg).layers()) == shape.layers and len(shape.layers) == m["n_layers"], row.name
         assert (shape.kv_lora_rank > 0) == (row.attention in ("mla", "dsa")), row.name
         assert (shape.index_n_heads > 0) == (row.attention == "dsa"), row.name

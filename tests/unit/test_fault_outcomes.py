@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import fault_trials  # noqa: E402
-from _fault_checks import landed_after  # noqa: E402
-from _fault_trial import LANDED, NEUTRALISED, NOT_INJECTED, Trial, launch, note_resume  # noqa: E402
+import fault_trials   # benchmarks/ is on sys.path under pytest (setup.cfg's pythonpath)
+from _fault_checks import landed_after
+from _fault_trial import LANDED, NEUTRALISED, NOT_INJECTED, Trial, launch, note_resume
 
 G = 8  # rollouts per group
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ from rl.trainer import fp8 as fp8_training
 from rl.trainer.loop import run
 from rl.trainer.train import Trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from _trainer_helpers import examples, fp8_hf_names, publish_batches, synthetic_batch, tiny_cfg  # noqa: E402
+from helpers.trainer import examples, fp8_hf_names, publish_batches, synthetic_batch, tiny_cfg
 
 
 def test_fp8_gemm_is_the_block_quantized_product_with_straight_through_grads():

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from launch.procs import Recorded, process_start_time, signal_recorded
+from launch.procs import Recorded, signal_recorded
+from rl.contract.procs import start_time as process_start_time
 from rl.contract.records import LocalLauncher
 
 LAUNCH = [sys.executable, "-m", "launch"]

@@ -129,7 +129,8 @@ def test_context_parallel_splits_the_row_and_ac_keeps_less():
     assert acts["full", 4].kept == pytest.approx(acts["full", 1].kept / 4, rel=1e-3)
     # the cp ranks all-gather k and v: per local token, attention keeps more than without cp
     s = memory.Shape.from_cfg(KIMI_K2)
-    with_cp, without = (activations.layer_acts(s, True, 2, cp, 16, False, 131072).saved for cp in (4, 1))
+    moe = s.layers[-1]                          # an MLA + MoE block
+    with_cp, without = (activations.layer_acts(moe, 2, cp, 16, False, 131072).saved for cp in (4, 1))
     assert with_cp > without
 
 
@@ -138,7 +139,7 @@ def test_inference_splits_experts_over_the_replica_and_dense_over_tp():
     r = report_of(GPU).role("inference")
     fp8 = 1 + 4 / 128**2
     assert r.term("weights: experts") == int(p.experts_total / 32 * fp8)
-    dense = p.linear * fp8 + (2 * p.embed + p.shape.moe_layers * p.router + p.norms) * 2
+    dense = p.linear * fp8 + (2 * p.embed + p.other) * 2        # routers and norms in bf16
     assert r.term("weights: dense") == int(dense)
     bf16 = report_of(merged(GPU, inference__fp8_load="dequantize")).role("inference")
     assert bf16.term("weights: experts") == int(p.experts_total / 32 * 2)
@@ -230,30 +231,37 @@ def nemotron_shape() -> memory.Shape:
     return memory.Shape.from_cfg(m)
 
 
-def test_nemotron_ultra_counts_match_param_counts():
+def test_nemotron_ultra_counts_are_the_model_card_and_param_counts():
+    """The estimate's counts and the family's `param_counts` are one sum over the same rows
+    (rl.models.nemotron_h.args.layers), pinned to the Ultra card's 549.6B / 55.0B active (+10.8B MTP)."""
+    from rl.models.layers import GQA, LatentMoE, Mamba2
     from rl.models.nemotron_h.args import param_counts
     ref = param_counts(json.loads((NEMOTRON_CARD / "config.json").read_text()))
     p = memory.count_params(nemotron_shape())
-    for got, want in ((p.total, ref["total"]), (p.active, ref["active"]), (p.frozen, ref["mtp_total"]),
-                      (p.frozen_active, ref["mtp_active"])):
-        assert abs(got - want) <= 0.02 * want, (got, want)
+    assert (p.total, p.active, p.frozen, p.frozen_active) == (549569260032, 55034604032, 10777305600, 886612480)
+    assert (ref["total"], ref["active"], ref["mtp_total"], ref["mtp_active"]) == (
+        p.total, p.active, p.frozen, p.frozen_active)
     assert abs(p.total - 550e9) <= 0.02 * 550e9 and abs(p.active - 55e9) <= 0.02 * 55e9   # the model card
     s = p.shape
-    assert (s.layers_of("mamba"), s.layers_of("attention"), s.moe_layers, s.dense_layers) == (50, 8, 50, 0)
-    assert p.expert == 2 * 2048 * s.moe_hidden_dim          # non-gated experts at the latent width (2048)
+    kinds = [type(x.parts[0]) for x in s.layers]
+    assert (kinds.count(Mamba2), kinds.count(GQA), kinds.count(LatentMoE), s.moe_layers) == (50, 8, 50, 50)
+    moe = next(x.parts[0] for x in s.layers if isinstance(x.parts[0], LatentMoE))
+    assert moe.params().expert == 2 * 2048 * s.moe_hidden_dim    # non-gated experts at the latent width (2048)
 
 
 def test_nemotron_kv_only_for_attention_layers_and_constant_mamba_state():
+    from rl.models.layers import Mamba2
     s = nemotron_shape()
     assert memory.kv_bytes_per_token(s, tp=1, kvb=2) == 2 * 2 * 128 * 2 * 8     # 8 attention layers of 108
-    y = s.hybrid
-    ssm = y.mamba_heads * y.mamba_head_dim * y.ssm_state * 4
+    row = next(x for x in s.layers if isinstance(x.parts[0], Mamba2))
+    y = row.parts[0]
+    ssm = y.heads * y.head_dim * y.ssm_state * 4
     conv = (y.conv_kernel - 1) * y.conv_dim * 2
     assert memory.state_bytes_per_seq(s, tp=1, wb=2) == 50 * (ssm + conv)
     assert memory.state_bytes_per_seq(memory.Shape.from_cfg(KIMI_K2), tp=1, wb=2) == 0
     # training: a Mamba layer keeps the chunked scan's states, heads x head_dim x state per chunk
-    a = activations.hybrid_layer_acts(s, "mamba", 2, 1, False, 8192)
-    assert a.saved > 2 * y.mamba_heads * y.mamba_head_dim * y.ssm_state * 4 / y.chunk_size
+    a = activations.layer_acts(row, 2, 1, 1, False, 8192)
+    assert a.saved > 2 * y.heads * y.head_dim * y.ssm_state * 4 / y.chunk_size
     acts = activations.trainer_acts(s, tokens=65536, cb=2, cp=8, ep=1, ac="full", cpu=False)
     assert acts.kept == pytest.approx((108 * s.dim * 2 + 8 + 3 * s.dim * 2 + 4) * 8192, rel=1e-6)
 

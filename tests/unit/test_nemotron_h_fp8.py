@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rl.trainer import fp8 as fp8_training
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from _trainer_helpers import fp8_hf_names, synthetic_batch  # noqa: E402
+from helpers.trainer import fp8_hf_names, synthetic_batch
 
 FAMILY = "nemotron_h"
 # the twin's HF modules run as FP8 GEMMs (docs/models.md): Mamba in/out_proj, routed + shared experts, the

@@ -48,7 +48,6 @@ def test_the_row_the_registry_and_the_twin_sizes_agree():
     assert families.BY_MODEL_TYPE["nemotron_h"] == FAMILY
     assert models.family_module(FAMILY).__name__ == "rl.models.nemotron_h"
     assert "is_act_and_mul=False is supported only for CUDA" in row.cpu_unservable
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
     from test_nemotron_h import SIZES  # the parity config: the twin is that network
     assert {k: v for k, v in SIZES.items() if k not in ("vocab_size", "tie_word_embeddings")} == \
         {k: v for k, v in row.twin.items() if k != "max_position_embeddings"}
@@ -129,8 +128,7 @@ def test_trainer_trains_checkpoints_and_publishes_fp8_shards_transformers_reads(
     transformers' NemotronH loaded from the served directory; the checkpoint holds the trained weights."""
     from omegaconf import OmegaConf
     from builders import compose_cfg
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    from _trainer_helpers import publish_batches
+    from helpers.trainer import publish_batches
     from rl import exchange
     from rl.exchange import layout
     from rl.exchange.weights import iter_tensors
@@ -206,8 +204,7 @@ def test_expert_parallel_trainer_with_fp8_and_replay_equals_one_process(tmp_path
     import numpy as np
     from omegaconf import OmegaConf
     from builders import compose_cfg
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    from _trainer_helpers import synthetic_batch
+    from helpers.trainer import synthetic_batch
     from rl import exchange
     from rl.exchange.shard_reader import ShardReader, _bytes
     from rl.metrics import read_metrics

@@ -373,7 +373,8 @@ def test_cancel_signals_nothing_through_a_planted_lock(run, tmp_path):
 
 
 def test_a_recorded_start_time_must_match_the_process(run):
-    from launch.procs import Recorded, process_start_time
+    from launch.procs import Recorded
+    from rl.contract.procs import start_time as process_start_time
     launcher = _holder(run / "launcher.lock", lock=True)
     try:
         started = process_start_time(launcher.pid)

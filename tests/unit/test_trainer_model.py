@@ -68,10 +68,7 @@ def test_backward_reaches_every_parameter():
 def test_activation_checkpointing_wraps_blocks_and_keeps_the_step():
     """trainer.activation_checkpointing (what the memory estimate assumes) is applied, and a checkpointed
     step computes the same loss and update as the plain one."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from _trainer_helpers import synthetic_batch, tiny_cfg
+    from helpers.trainer import synthetic_batch, tiny_cfg
     from rl.trainer.train import Trainer
     out = {}
     for mode in ("none", "full", "selective"):
@@ -88,13 +85,10 @@ def test_activation_checkpointing_wraps_blocks_and_keeps_the_step():
 def test_bf16_compute_keeps_fp32_masters_so_a_tiny_lr_step_changes_them(tmp_path):
     """trainer.dtype=bfloat16 is the compute dtype; parameters and AdamW states stay fp32. At lr=1e-6 a
     bf16 master would keep almost none of the update (its spacing near 0.02 is ~1e-4)."""
-    import sys
-    from pathlib import Path
     from omegaconf import OmegaConf
     from builders import compose_cfg
     from rl.trainer.train import Trainer
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from _trainer_helpers import synthetic_batch
+    from helpers.trainer import synthetic_batch
 
     cfg = OmegaConf.create(compose_cfg(tmp_path, "trainer.dtype=bfloat16", "trainer.lr=1e-6",
                                        "trainer.warm_start.steps=0"))

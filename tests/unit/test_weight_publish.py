@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,8 +108,7 @@ def test_two_ranks_publish_what_one_rank_publishes_byte_for_byte(tmp_path):
 
 
 _KILLED_RANK = """
-import os, sys, torch
-sys.path[:0] = [{root!r}, {root!r} + "/tests/unit"]
+import os, torch
 from rl.exchange import shard_reader as rd
 from rl.exchange import shards
 from rl.exchange.publisher import WeightPublisher
@@ -126,8 +126,10 @@ WeightPublisher({run!r}, rank=1, world=2, token="t1", background=False).publish(
 def test_a_rank_killed_mid_publish_leaves_no_complete_step(tmp_path):
     run = tmp_path / "run"
     parts, _ = split_like_ep(moe_state(), 2)
-    p = subprocess.run([sys.executable, "-c", _KILLED_RANK.format(root=str(ROOT), run=str(run))],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # the child imports this file's helpers by its name: the repository and tests/unit on its path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "unit")])}
+    p = subprocess.run([sys.executable, "-c", _KILLED_RANK.format(run=str(run))],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 9, p.stderr[-2000:]
     rank0 = WeightPublisher(run, rank=0, world=2, token="t1", commit_timeout_s=2)
     rank0.publish(5, parts[0])

@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from rl import runtime
-from rl.contract import paths
+from rl.contract import backends, paths
 from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe import trees
@@ -264,13 +264,13 @@ async def serve(run_dir: str, index: int) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    slurm = cfg.cluster.backend == "slurm"
+    remote = backends.row(cfg.cluster.backend).binds_all_interfaces  # orchestrators on other nodes call it
     runner = web.AppRunner(svc.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "0.0.0.0" if slurm else "127.0.0.1", 0)  # port: any free one, recorded
+    site = web.TCPSite(runner, "0.0.0.0" if remote else "127.0.0.1", 0)  # port: any free one, recorded
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    url = f"http://{socket.gethostname() if slurm else '127.0.0.1'}:{port}"
+    url = f"http://{socket.gethostname() if remote else '127.0.0.1'}:{port}"
     paths.sandboxes_dir(run_dir).mkdir(parents=True, exist_ok=True)
     SandboxServiceRecord(url=url, host=socket.gethostname(), node=node, pid=os.getpid(), index=index,
                          runtime=env.config.runtime["name"], time=time.time(),

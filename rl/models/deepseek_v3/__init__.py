@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rl.models import common, cpu
+# rl.models.common / cpu import torch: imported where used, so that this package's torch-free
+# `args` (the plan arithmetic's) imports without them
 
 # the torchtitan module whose CP step (`apply_cp_to_forward`) the parallelize function uses
 CP_PARALLELIZE_MODULE = "torchtitan.models.deepseek_v3.parallelize"
@@ -20,6 +21,7 @@ CP_PARALLELIZE_MODULE = "torchtitan.models.deepseek_v3.parallelize"
 
 def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
     """DeepSeek-V3 / Kimi text tower (torchtitan's DeepSeekV3Model) for HF config `h`."""
+    from rl.models import common
     from rl.contract.hf import model_fields
     from torchtitan.models import deepseek_v3 as ds
     from torchtitan.models.common import Embedding, Linear, RMSNorm
@@ -71,6 +73,7 @@ def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
 
 def parallelize(model, **kwargs):
     """torchtitan's `parallelize_deepseekv3` (FSDP2 x EP x CP, AC), CP on DenseAttention by rl.models.cpu."""
+    from rl.models import cpu
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     with cpu.patch_cp_for_dense_attention(CP_PARALLELIZE_MODULE):
         return parallelize_deepseekv3(model, **kwargs)

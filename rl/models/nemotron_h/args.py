@@ -5,13 +5,19 @@
 `mamba_n_groups`, `mamba_d_conv`, ...). Anything the trainer's network would compute differently from
 transformers is refused by `check()` with a one-line ValueError naming the config key.
 
-`param_counts(config_dict)` gives total and active (per token) parameters, main network and MTP layers
-separately, so a config card can be checked against a model card's "550B total / 55B active".
+`NemotronHArgs.layers()` / `mtp_layers()` are the blocks as rows of rl.models.layers' calculators (Mamba-2,
+GQA without positional embedding, LatentMoE, non-gated MLP; the MTP layers frozen, with their fusion
+projection and norms), the rows the plan arithmetic (rl.plan_math, launch.perf) sums; `from_model` reads
+them for a composed `model` group from its checkpoint's config.json. `param_counts(config_dict)` sums the
+same rows into total and active (per token) parameters, main network and MTP layers separately, so a config
+card can be checked against a model card's "550B total / 55B active".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from rl.models import layers as L
 
 NAME = "nemotron_h"
 HF_CONFIG_CLASS = "NemotronHConfig"
@@ -97,6 +103,14 @@ class NemotronHArgs:
         """The physical MTP layers: num_nextn_predict_layers steps of the MTP pattern each."""
         return tuple(self.mtp_layer_types) * int(self.num_nextn_predict_layers)
 
+    def layers(self) -> "tuple[L.Layer, ...]":
+        """One row per block of the main network (rl.models.layers), in `layer_types` order."""
+        return _layers(self)
+
+    def mtp_layers(self) -> "tuple[L.Layer, ...]":
+        """The frozen MTP layers' rows."""
+        return _mtp_layers(self)
+
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "NemotronHArgs":
         h = dict(hf)
@@ -129,8 +143,7 @@ class NemotronHArgs:
 
 
 def from_hf(hf: Mapping[str, Any]) -> NemotronHArgs:
-    """`NemotronHArgs.from_hf`, by the name torch-free readers of a hybrid family's sizes call
-    (launch.memory reads `rl.models.<package>.args.from_hf` for attention kind "hybrid")."""
+    """`NemotronHArgs.from_hf`, by the name every family's args module offers (rl.plan_math.shape)."""
     return NemotronHArgs.from_hf(hf)
 
 
@@ -167,46 +180,58 @@ def check(a: NemotronHArgs) -> None:
         bad("scoring_func", "transformers' NemotronH router is sigmoid only")
 
 
-# -- parameter counts ----------------------------------------------------------------------------------
-def _layer_params(a: NemotronHArgs, kind: str) -> tuple[int, int]:
-    """(total, active per token) parameters of one block, its pre-norm included."""
-    d, norm = a.hidden_size, a.hidden_size
+# -- the layers the plan arithmetic sums over (rl.models.layers) ---------------------------------------
+def _part(a: NemotronHArgs, kind: str):
+    """The calculator of one block of config.json layer type `kind`."""
+    d = a.hidden_size
     if kind == "linear_attention":
-        di, proj = a.mamba_intermediate, a.mamba_intermediate + a.conv_dim + a.mamba_num_heads
-        n = (d * proj + (proj if a.use_bias else 0) + a.conv_dim * a.conv_kernel
-             + (a.conv_dim if a.use_conv_bias else 0) + 3 * a.mamba_num_heads + di + di * d
-             + (d if a.use_bias else 0))
-        return n + norm, n + norm
-    if kind == "full_attention":
-        hd = a.head_dim
-        n = d * hd * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
-        return n + norm, n + norm
+        ssm = str(a.extra.get("mamba_ssm_cache_dtype") or "float32")   # vLLM's SSM state dtype
+        return L.Mamba2(dim=d, heads=a.mamba_num_heads, head_dim=a.mamba_head_dim, n_groups=a.n_groups,
+                        ssm_state=a.ssm_state_size, conv_kernel=a.conv_kernel, chunk_size=a.chunk_size,
+                        conv_bias=a.use_conv_bias, bias=a.use_bias, ssm_cache_bytes=4 if "32" in ssm else 2)
+    if kind == "full_attention":          # no positional embedding (HF never applies its RoPE helpers)
+        return L.GQA(dim=d, n_heads=a.num_attention_heads, n_kv_heads=a.num_key_value_heads,
+                     head_dim=a.head_dim, rope=False)
     if kind == "mlp":
-        n = 2 * d * a.intermediate_size + ((a.intermediate_size + d) if a.mlp_bias else 0)
-        return n + norm, n + norm
-    lat, f = a.latent, a.moe_intermediate_size
-    expert = 2 * lat * f
-    shared = 2 * d * a.moe_shared_expert_intermediate_size
-    latent_proj = (2 * d * lat + ((lat + d) if a.mlp_bias else 0)) if a.moe_latent_size else 0
-    router = a.n_routed_experts * d + a.n_routed_experts
-    common = shared + latent_proj + router + norm
-    return common + a.n_routed_experts * expert, common + a.num_experts_per_tok * expert
+        return L.MLP(dim=d, hidden=a.intermediate_size, gated=False, bias=a.mlp_bias)
+    return L.LatentMoE(dim=d, hidden=a.moe_intermediate_size, n_experts=a.n_routed_experts,
+                       top_k=a.num_experts_per_tok, latent=int(a.moe_latent_size or 0),
+                       shared_hidden=a.moe_shared_expert_intermediate_size, bias=a.mlp_bias)
+
+
+def _layers(a: NemotronHArgs) -> tuple[L.Layer, ...]:
+    """One row per block of the main network, in order (`layer_types`)."""
+    return tuple(L.Layer(a.hidden_size, (_part(a, t),)) for t in a.layer_types)
+
+
+def _mtp_layers(a: NemotronHArgs) -> tuple[L.Layer, ...]:
+    """The MTP layers (frozen): the same blocks, plus per step the fusion projection eh_proj and its two
+    norms on the first layer of the step and a final norm on its last."""
+    d, n = a.hidden_size, len(a.mtp_layer_types)
+    return tuple(L.Layer(d, (_part(a, t),), frozen=True,
+                         extra=(2 * d + 2 * d * d if i % n == 0 else 0) + (d if i % n == n - 1 else 0))
+                 for i, t in enumerate(a.mtp_types))
+
+
+def from_model(m, hf: Mapping[str, Any] | None = None) -> NemotronHArgs:
+    """The args of the typed `model` group `m`: the layer pattern, Mamba-2, LatentMoE and MTP sizes have
+    no ModelConfig fields, so they come from `hf` (a config.json) or the checkpoint's (`m.hf_path`)."""
+    from rl.contract import hf as hfc
+    if hf is None:
+        if not m.hf_path:
+            raise ValueError(f"model.family={m.family}: its layer pattern and Mamba-2 sizes are in a "
+                             f"config.json; set model.hf_path")
+        hf = hfc.read_config(m.hf_path)
+    return NemotronHArgs.from_hf(hfc.text_config(hf))
 
 
 def param_counts(hf: Mapping[str, Any] | NemotronHArgs) -> dict[str, int]:
     """Total and active parameters of a NemotronH config: `total`, `active` (main network: embeddings,
     blocks, final norm, LM head), and `mtp_total` / `mtp_active` (the MTP layers, their fusion
-    projections and norms; the embeddings and LM head they share are not counted again)."""
+    projections and norms; the embeddings and LM head they share are not counted again). Sums over
+    `layers()` / `mtp_layers()`, the rows the plan arithmetic reads."""
     a = hf if isinstance(hf, NemotronHArgs) else NemotronHArgs.from_hf(hf)
-    d = a.hidden_size
-    total = active = 2 * a.vocab_size * d + d
-    for t in a.layer_types:
-        tt, aa = _layer_params(a, t)
-        total, active = total + tt, active + aa
-    mt = ma = 0
-    pat = a.mtp_layer_types
-    for i, t in enumerate(a.mtp_types):
-        tt, aa = _layer_params(a, t)
-        extra = (2 * d + 2 * d * d if i % len(pat) == 0 else 0) + (d if i % len(pat) == len(pat) - 1 else 0)
-        mt, ma = mt + tt + extra, ma + aa + extra
-    return dict(total=total, active=active, mtp_total=mt, mtp_active=ma)
+    head = 2 * a.vocab_size * a.hidden_size + a.hidden_size
+    main, mtp = a.layers(), a.mtp_layers()
+    return dict(total=head + sum(x.params() for x in main), active=head + sum(x.active() for x in main),
+                mtp_total=sum(x.params() for x in mtp), mtp_active=sum(x.active() for x in mtp))

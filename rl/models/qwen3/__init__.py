@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rl.models import common, cpu
+# rl.models.common / cpu import torch: imported where used, so that this package's torch-free
+# `args` (the plan arithmetic's) imports without them
 
 # the torchtitan module whose CP step (`apply_cp_to_forward`) the parallelize function uses
 CP_PARALLELIZE_MODULE = "torchtitan.models.qwen3.parallelize"
@@ -27,6 +28,7 @@ CP_PARALLELIZE_MODULE = "torchtitan.models.qwen3.parallelize"
 
 def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
     """torchtitan qwen3 flavor function (attn_backend, moe_comm_backend) -> Qwen3Model.Config for HF `h`."""
+    from rl.models import common
     from rl.contract.hf import model_fields, rope_scaling, rope_theta
     from torchtitan.models import qwen3 as q3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -59,6 +61,7 @@ def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
 
 def parallelize(model, **kwargs):
     """torchtitan's `parallelize_qwen3` (FSDP2 x EP x CP, AC), CP on DenseAttention by rl.models.cpu."""
+    from rl.models import cpu
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     with cpu.patch_cp_for_dense_attention(CP_PARALLELIZE_MODULE):
         return parallelize_qwen3(model, **kwargs)
