@@ -15,10 +15,14 @@ import statistics
 import time
 from pathlib import Path
 
+import _rehearsal_memory as mem
 from _rehearsal_engine import prompt_key as _key   # the engine's hash of a request's prompt ids
 
+# glm5_seed (conf/experiment/glm5_seed.yaml): 16 x 16 rollouts, max_inflight 2048, max_off_policy 8, its 3
+# replicas behind the router (one client, so one bound on answers read at once: InferenceClient.READ_BODIES);
+# 50 turns is the plan's workload assumption (launch.perf), which sizes a turn's answer
 SEED = {"rollouts": 256, "mean_tokens": 65536, "max_tokens": 131072, "layers": 75, "top_k": 8, "experts": 256,
-        "trainer_ranks": 128, "data_ranks": 16, "inflight": 2048}
+        "trainer_ranks": 128, "data_ranks": 16, "inflight": 2048, "off_policy": 8, "servers": 1, "turns": 50}
 GIB = 2 ** 30
 
 
@@ -144,11 +148,12 @@ def plan_prediction(a, m: dict, work: Path):
     vol = dataplane.Volume(rollouts=a.rollouts_per_step, mean_tokens=m["tokens_mean"],
                            max_tokens=float(m["budget"]), moe_layers=a.layers, top_k=a.top_k,
                            n_experts=a.experts, data_ranks=a.data_ranks, trainer_ranks=a.data_ranks,
-                           inflight=a.inflight, turns=max(m["turns_mean"], 1.0), router_replay=True)
+                           inflight=a.inflight, turns=max(m["turns_mean"], 1.0), router_replay=True, off_policy=1)
     seed = dataplane.Volume(rollouts=SEED["rollouts"], mean_tokens=SEED["mean_tokens"],
                             max_tokens=SEED["max_tokens"], moe_layers=SEED["layers"], top_k=SEED["top_k"],
                             n_experts=SEED["experts"], data_ranks=SEED["data_ranks"],
-                            trainer_ranks=SEED["trainer_ranks"], inflight=SEED["inflight"], turns=50,
+                            trainer_ranks=SEED["trainer_ranks"], inflight=SEED["inflight"], turns=SEED["turns"],
+                            off_policy=SEED["off_policy"],
                             router_replay=True)
     return (dataplane.predict(vol, rates), dataplane.predict(seed, rates), rates), None
 
@@ -201,34 +206,33 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     scale = SEED["inflight"] * SEED["mean_tokens"] / (a.inflight * m["tokens_mean"])
     seed_rss_batch = base + (peak - base) * seed_tokens / tokens
     anon = t["anon_peak"]
-    # Anonymous memory between builds = rest + per episode x episodes in flight + per token x tokens in
-    # flight (an episode in flight is on average half-way: T = I x mean tokens / 2); while a step is written
-    # the shard being built comes on top (`build`, which scales with a data rank's share of the batch).
-    # The two probe runs (seed_rehearsal.main) change one term each: a quarter of the episodes, episodes a
-    # quarter as long. File-backed pages (libraries; one sample's mapped routes while it is copied,
-    # rl.contract.batch_files._drop_pages) come on top as measured.
+    # Anonymous memory between builds, a sum of parts each scaled to the seed by its own driver (fixed,
+    # rest, episodes in flight, tokens in flight, the largest answer, finished samples waiting for their
+    # batch): benchmarks/_rehearsal_memory.py. While a step is written the shard being built comes on top
+    # (`build`, scaled by a data rank's share of the batch). File-backed pages (libraries; one sample's
+    # mapped routes while it is copied, rl.contract.batch_files._drop_pages) come on top as measured.
     probes = t.get("probes") or {}
     idle = t.get("anon_idle") or anon
-    mean = m["tokens_mean"]
-    t_main = a.inflight * mean / 2
-    if "inflight" in probes and "length" in probes and probes["length"]["anon_idle"] and probes["inflight"]["anon_idle"]:
-        pl, pi = probes["length"], probes["inflight"]
-        t_len = pl["inflight"] * mean * pl["tokens"] / a.tokens_per_episode / 2
-        mem_token = max(0.0, (idle - pl["anon_idle"]) / max(t_main - t_len, 1.0))
-        t_inf = pi["inflight"] * mean / 2
-        per_episode = max(0.0, (idle - pi["anon_idle"] - mem_token * (t_main - t_inf)) / max(a.inflight - pi["inflight"], 1))
-        how = (f"probes: {pi['anon_idle'] / GIB:.2f} GiB with {pi['inflight']} in flight, {pl['anon_idle'] / GIB:.2f} "
-               f"GiB with episodes of {pl['tokens']} tokens")
-    else:
-        mem_token, per_episode = max(0.0, idle - t["fixed_anon"]) / max(t_main, 1.0), 0.0
-        how = "no probe runs: all growth charged to tokens in flight"
-    rest = max(0.0, idle - t["fixed_anon"] - per_episode * a.inflight - mem_token * t_main)
     build = max(0.0, anon - idle)
     seed_share = seed_batch / SEED["data_ranks"]
-    seed_inflight_tokens = SEED["inflight"] * SEED["mean_tokens"] / 2
-    seed_anon = (t["fixed_anon"] + rest + per_episode * SEED["inflight"] + mem_token * seed_inflight_tokens
-                 + build * seed_share / max(share, 1.0))
-    slope = mem_token
+    largest = max((r["resp_bytes"] for r in t["engine_stats"]), default=0)
+    main_run = mem.Run(a.inflight, m["tokens_mean"], max(m["turns_mean"], 1.0), largest, idle)
+    seed_vol = mem.SeedVolume(SEED["inflight"], SEED["mean_tokens"], SEED["turns"], SEED["rollouts"],
+                              SEED["off_policy"], SEED["servers"])
+    servers_here = t["servers"]
+    if all(probes.get(k, {}).get("anon_idle") for k in ("inflight", "length", "turn")):
+        runs = {"main": main_run, **{k: mem.Run(p["inflight"], p["mean_tokens"], p["turns"], p["largest_answer"],
+                                                p["anon_idle"]) for k, p in probes.items()}}
+        fit = mem.fit(runs["main"], runs["inflight"], runs["length"], runs["turn"], t["fixed_anon"])
+        how = "three probe runs, each part by its own driver"
+    else:
+        runs = {"main": main_run}
+        fit = mem.Fit(t["fixed_anon"], 0.0, max(0.0, idle - t["fixed_anon"]) / max(main_run.tokens_inflight, 1.0),
+                      0.0, 0.0)
+        how = "no probe runs: all growth charged to tokens in flight"
+    parts = mem.at_seed(fit, main_run, seed_vol, servers_here, build, seed_share / max(share, 1.0))
+    seed_anon = parts["anon"]
+    mem_token, per_episode = fit.per_token, fit.per_episode
     one_sample_routes = SEED["max_tokens"] * SEED["layers"] * SEED["top_k"]
     seed_rss = seed_anon + max(0, base - t["fixed_anon"]) + one_sample_routes
     http_tok = m["http_bytes_all"] / max(m["generated_all"], 1)
@@ -249,19 +253,16 @@ def report(a, t: dict, m: dict, work: Path) -> str:
           f"rank's share replayed after the run on an idle machine, as a rank with cores of its own)")
     print(f"  orchestrator CPU {seed_cpu:.0f} s per step = {cpu:.1f} s (per batch over the run) x {seed_tokens / tokens:.0f} (tokens per step, "
           f"at {m['turns_mean']:.0f} turns per episode)")
-    print(f"  orchestrator memory: RssAnon {idle / GIB:.2f} GiB with {a.inflight} in flight between builds, "
-          f"{anon / GIB:.2f} GiB at its peak while a step was written; {how}; fixed {t['fixed_anon'] / GIB:.2f} "
-          f"GiB: {per_episode / 2**20:.2f} MiB per episode in flight + {mem_token:.1f} B per token in flight "
-          f"(T = in flight x mean tokens / 2) + {rest / GIB:.2f} GiB; build {build / GIB:.2f} GiB for a "
-          f"{share / 1e6:.0f} MB share")
-    print(f"  orchestrator RSS {seed_rss / GIB:.1f} GiB = anonymous {seed_anon / GIB:.2f} (fixed "
-          f"{t['fixed_anon'] / GIB:.2f} + {rest / GIB:.2f} + {per_episode / 2**20:.2f} MiB x {SEED['inflight']} episodes "
-          f"+ {mem_token:.1f} B x {seed_inflight_tokens / 1e6:.0f} M in-flight tokens "
-          f"({SEED['inflight']} x {SEED['mean_tokens']} / 2) + build x {seed_share / max(share, 1):.1f} (share "
-          f"{seed_share / 1e9:.2f} GB)) + file-backed {max(0, base - t['fixed_anon']) / GIB:.2f} + one sample's "
-          f"mapped routes {one_sample_routes / GIB:.2f}; measured here: HWM {peak / GIB:.2f} GiB (fixed "
-          f"{base / GIB:.2f}); scaling all growth by tokens in flight instead: "
-          f"{(base + (peak - base) * scale) / GIB:.1f} GiB, by tokens per batch {seed_rss_batch / GIB:.1f} GiB")
+    print(f"  orchestrator memory ({how}): RssAnon {idle / GIB:.2f} GiB with {a.inflight} in flight between "
+          f"builds, {anon / GIB:.2f} GiB at its peak while a step was written (build {build / GIB:.2f} GiB for a "
+          f"{share / 1e6:.0f} MB share, x {seed_share / max(share, 1):.1f} at the seed)")
+    for ln in mem.describe(fit, parts, seed_vol, runs):
+        print(ln)
+    print(f"  orchestrator RSS {seed_rss / GIB:.1f} GiB = anonymous {seed_anon / GIB:.2f} + file-backed "
+          f"{max(0, base - t['fixed_anon']) / GIB:.2f} (libraries, as measured) + one sample's mapped routes "
+          f"{one_sample_routes / GIB:.2f}; measured here: HWM {peak / GIB:.2f} GiB (fixed {base / GIB:.2f}); "
+          f"cruder, all growth scaled by tokens in flight {(base + (peak - base) * scale) / GIB:.1f} GiB, by "
+          f"tokens per batch {seed_rss_batch / GIB:.1f} GiB (neither counts samples waiting)")
     pred, why = plan_prediction(a, m, work)
     plan_vs, plan_cpu_vs, plan_vs_alone = float("nan"), float("nan"), float("nan")
     if pred is None:
@@ -288,7 +289,11 @@ def report(a, t: dict, m: dict, work: Path) -> str:
         "plan_vs_rehearsal_live": plan_vs, "seed_critical_path_alone_s": seed_alone,
         "seed_orchestrator_rss_batch_scaled_gib": seed_rss_batch / GIB,
         "seed_orchestrator_anon_gib": seed_anon / GIB, "orch_bytes_per_inflight_token": mem_token,
-        "orch_mib_per_inflight_episode": per_episode / 2**20, "orch_anon_peak_gib": anon / GIB,
+        "orch_kib_per_inflight_episode": per_episode / 2**10, "orch_answers_held": fit.per_answer,
+        "orch_anon_rest_gib": fit.rest / GIB, "orch_anon_fixed_gib": fit.fixed / GIB,
+        "seed_rss_tokens_gib": parts["tokens"] / GIB, "seed_rss_episodes_gib": parts["episodes"] / GIB,
+        "seed_rss_answers_gib": parts["answers"] / GIB, "seed_rss_waiting_gib": parts["waiting"] / GIB,
+        "seed_rss_build_gib": parts["build"] / GIB, "orch_anon_peak_gib": anon / GIB,
         "plan_vs_rehearsal_orch_cpu": plan_cpu_vs, "seed_orchestrator_cpu_s": seed_cpu,
         "seed_batch_gb": seed_batch / 1e9, "critical_path_s": crit, "critical_path_alone_s": alone, "batch_bytes": int(batch_b),
         "share_bytes": int(share), "rank_read_bytes_max": int(rank_read),

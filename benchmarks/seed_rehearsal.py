@@ -40,14 +40,16 @@ the same shard; 2048 episodes in flight), each stated where printed: batch bytes
 per token at the seed's route width; the critical path linear in the bytes the slowest rank reads (every
 rank at the per-rank rate measured here, the filesystem delivering it to all); orchestrator CPU linear in
 tokens per step at the rehearsal's turns per episode; orchestrator memory as a sum of parts, each
-measured here and scaled by what it grows with: the fixed part (a process doing only the orchestrator's
-start-up, measured apart), a part per episode in flight and a part per token in flight (RssAnon between
-builds in the main run and in two one-step probe runs, one with a quarter of the episodes in flight and
-one with episodes a quarter as long; an episode in flight is on average half-way through its tokens), the
+measured here and scaled by what it grows with (benchmarks/_rehearsal_memory.py says how): the fixed part
+(a process doing only the orchestrator's start-up, measured apart), a part per episode in flight, per token
+in flight and per byte of the largest answer (RssAnon between builds in the main run and in three one-step
+probe runs: a quarter of the episodes in flight; episodes a quarter as long in a quarter of the turns;
+episodes as long in a quarter of the turns, so answers four times as large), the rest as measured, the
 shard being built (RssAnon's peak while a step is written, less the level between builds; scaled by a
-data rank's share of the batch), and file-backed pages as measured (one sample's mapped routes at the
-seed's longest episode while it is copied). The cruder scalings of all growth by tokens in flight or by
-tokens per batch are printed beside it.
+data rank's share of the batch), the finished samples waiting for their batch (max_off_policy batches of
+13 B/token arrays, added at the seed: the rehearsal runs max_off_policy 1), and file-backed pages as
+measured (one sample's mapped routes at the seed's longest episode while it is copied). The cruder
+scalings of all growth by tokens in flight or by tokens per batch are printed beside it.
 The plan's formulas (launch.dataplane.predict) are evaluated at the rehearsal's own volume with rates
 measured in the same run (`measure_rates`): plan_vs_rehearsal = predicted critical path / the slowest
 rank's share replayed alone (a rank with a core of its own, as the plan assumes); the live ratio, four
@@ -55,7 +57,7 @@ ranks sharing two cores with the orchestrator and the engines, is printed as pla
 
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
-took about 2 minutes, plus about 2 for the two probe runs (`--no-probe` skips them), and under 10 GB
+took about 2 minutes, plus about 3 for the three probe runs (`--no-probe` skips them), and under 10 GB
 on the 2-core development machine; `--fraction F` sizes rollouts and
 tokens per episode to F of the seed's tokens per step instead (each by the square root of F). More than
 2 data ranks: the config says `trainer.gpus_per_node` = data ranks, since the local backend refuses more
@@ -151,8 +153,9 @@ def args_(argv=None):
                    help="run the orchestrator under tracemalloc; at its exit write the peak of what Python and "
                         "numpy allocated and the largest holders at that moment's end (to compare with RSS)")
     p.add_argument("--no-probe", action="store_true",
-                   help="skip the two one-step probe runs (a quarter of the episodes in flight; episodes a quarter "
-                        "as long) that separate the orchestrator's memory per episode and per token in flight")
+                   help="skip the three one-step probe runs (a quarter of the episodes in flight; episodes a "
+                        "quarter as long in a quarter of the turns; as long in a quarter of the turns) that "
+                        "separate the orchestrator's memory per episode, per token in flight and per answer byte")
     a = p.parse_args(argv)
     if a.fraction is not None:
         if not 0 < a.fraction <= 1:
@@ -363,9 +366,21 @@ def run(a, work: Path) -> dict:
         raise RuntimeError(f"the replay of the ranks' shares failed: {rp.stdout[-1500:]}{rp.stderr[-1500:]}")
     t["replay"] = [json.loads(ln) for ln in (out / "replay.jsonl").read_text().splitlines()]
     t["ranks"] = [json.loads(ln) for r in range(a.data_ranks) for ln in (out / f"rank_{r}.jsonl").read_text().splitlines()]
-    t["cfg"], t["run_dir"] = cfg, run_dir
+    t["cfg"], t["run_dir"], t["servers"] = cfg, run_dir, len(plan.inference.replicas)
     t["startup_cpu"], t["fixed_rss"], t["fixed_anon"] = fixed_part(run_dir, env)
     return t
+
+
+def run_shape(t: dict) -> dict:
+    """A run's mean episode tokens (its first batch), turns per episode and largest generate answer (the
+    engine's records: requests over first turns; the largest response body)."""
+    from rl import exchange
+    from rl.contract.batch import RolloutBatch
+    b = RolloutBatch.load(exchange.step_dir(t["run_dir"], "rollouts", 0))
+    recs = t["engine_stats"]
+    firsts = sum(r["start"] == 0 for r in recs)
+    return {"mean_tokens": len(b.tokens) / max(b.num_samples, 1), "turns": len(recs) / max(firsts, 1),
+            "largest_answer": max((r["resp_bytes"] for r in recs), default=0)}
 
 
 def main(argv=None) -> int:
@@ -376,23 +391,30 @@ def main(argv=None) -> int:
     try:
         t = run(a, work)
         if not a.no_probe:
-            # Two one-step runs that change one thing each: a quarter of the episodes in flight (same length),
-            # and episodes a quarter as long (as many in flight). Between builds the orchestrator's anonymous
-            # memory is fixed + per episode x in flight + per token x tokens in flight: the three runs
-            # separate the two rates (what scales with episodes, what with their length).
+            # Three one-step runs that each change one driver of the orchestrator's memory (the parts are
+            # benchmarks/_rehearsal_memory.py's): a quarter of the episodes in flight; episodes a quarter as
+            # long in a quarter of the turns (fewer tokens in flight, turns as large); episodes as long in a
+            # quarter of the turns (answers four times as large, as many tokens).
             import copy
             t["probes"] = {}
-            for name, inflight, tokens in (("inflight", max(a.inflight // 4, a.group_size), a.tokens_per_episode),
-                                           ("length", a.inflight, max(a.tokens_per_episode // 4, 4 * a.turns))):
+            quarter = max(a.turns // 4, 1)
+            for name, inflight, tokens, turns in (
+                    ("inflight", max(a.inflight // 4, a.group_size), a.tokens_per_episode, a.turns),
+                    ("length", a.inflight, max(a.tokens_per_episode // 4, 8 * quarter), quarter),
+                    ("turn", a.inflight, a.tokens_per_episode, quarter)):
                 pa = copy.copy(a)
-                pa.inflight, pa.tokens_per_episode, pa.steps, pa.profile = inflight, tokens, 1, None
+                pa.inflight, pa.tokens_per_episode, pa.turns, pa.steps, pa.profile = inflight, tokens, turns, 1, None
                 pa.tracemalloc = None
                 pt = run(pa, work / f"probe_{name}")
                 t["probes"][name] = {"inflight": inflight, "tokens": tokens, "anon_peak": pt["anon_peak"],
-                                     "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0)}
-                print(f"probe run ({name}): {inflight} in flight, {tokens} tokens per episode: RssAnon between "
-                      f"builds {pt.get('anon_idle', 0) / 2**30:.2f} GiB, HWM {pt['end'].get('hwm', 0) / 2**30:.2f} GiB",
-                      flush=True)
+                                     "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0),
+                                     **run_shape(pt)}
+                print(f"probe run ({name}): {inflight} in flight, {tokens} tokens per episode in {turns} turns: "
+                      f"RssAnon between builds {pt.get('anon_idle', 0) / 2**30:.3f} GiB, HWM "
+                      f"{pt['end'].get('hwm', 0) / 2**30:.2f} GiB, largest answer "
+                      f"{t['probes'][name]['largest_answer'] / 1e6:.2f} MB", flush=True)
+                if not a.keep and not a.work_dir:
+                    shutil.rmtree(work / f"probe_{name}", ignore_errors=True)
         t["wall_s"] = time.monotonic() - t0
         m = analyse(a, t)
         m["budget"] = int(t["cfg"].inference.max_model_len)

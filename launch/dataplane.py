@@ -42,8 +42,16 @@ INDEX_SAMPLE_BYTES = 8 + 4 + 4 + 4 + 8 + 8 + 8   # the index: offsets, rewards, 
 NPY_HEADER = 128                 # numpy's .npy v1 header of a 3-d array (padded to 64 B: 128 for any shape here)
 META_BASE_BYTES = 2048           # meta.json's fixed keys (estimate)
 META_SAMPLE_BYTES = 64           # per sample: entries, prompt_tokens, snapshots, the shards' indices (estimate)
-RESIDENT_TOKEN_BYTES = 20        # an in-flight token in the orchestrator: 13 B of growing arrays at a mean
-#                                  1.5x capacity (rl/orchestrator/spill.py bounds it by 32); routes are spilled
+# The orchestrator's memory, in the parts benchmarks/seed_rehearsal.py measures apart (its _rehearsal_memory.py;
+# docs/perf.md, "Data plane at the seed's volume"):
+RESIDENT_TOKEN_BYTES = 75        # per token in flight, an episode counted half-way, as the rehearsal measured
+#                                  it (74-76 B at its default size): 13 B of growing arrays at up to 1.25x
+#                                  capacity, the rest not attributed (docs/perf.md)
+EPISODE_BYTES = 32 * 2 ** 10     # per episode in flight: a request's own objects (httpx, h11, its task: 24 kB in
+#                                  tests/unit/test_client_memory.py) and the episode's; below the rehearsal's noise
+ANSWERS_HELD = 8                 # generate answers' worth being read and parsed at once, per server
+#                                  (rl.orchestrator.client.READ_BODIES bodies, each ~2x while parsed)
+ANSWER_TOKEN_BYTES = 40          # an answer's JSON per generated token besides the routes (ids, logprobs)
 ORCH_BASE_BYTES = 1 * GIB        # the orchestrator without episodes: interpreter, tokenizer, clients (assumed)
 PACK_TOKEN_BYTES = 8 + 8 + 4 * 4 + 4 * 3  # packing.pack's output: tokens, positions int64; mask, lp_inf, adv,
 #                                           lag float32; the trainer's mask/lag/adv inputs built first
@@ -83,7 +91,9 @@ class Volume:
     """What one step moves: `rollouts` episodes of `mean_tokens` (at most `max_tokens`) in `turns` turns,
     routed experts of `moe_layers` x `top_k` ids among `n_experts` when `router_replay`, `data_ranks`
     shards (trainer.parallel.dp_shard x ep) read by `trainer_ranks` ranks, `inflight` episodes held by
-    the orchestrator at once. Keyword-constructible (benchmarks build their own)."""
+    the orchestrator at once, finished samples waiting up to `off_policy` batches ahead
+    (orchestrator.max_off_policy), `servers` the orchestrator reads answers from (one through the router).
+    Keyword-constructible (benchmarks build their own)."""
     rollouts: int
     mean_tokens: float
     max_tokens: float
@@ -95,11 +105,14 @@ class Volume:
     inflight: int = 0
     turns: float = 1.0
     router_replay: bool = True
+    off_policy: int = 0
+    servers: int = 1
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            zero = f.name in ("inflight", "moe_layers", "top_k", "n_experts")   # a dense model, none in flight
+            # a dense model, none in flight, no batch waiting
+            zero = f.name in ("inflight", "moe_layers", "top_k", "n_experts", "off_policy")
             if f.name != "router_replay" and not (isinstance(v, (int, float)) and math.isfinite(v)
                                                   and (v >= 0 if zero else v > 0)):
                 raise ValueError(f"Volume.{f.name}={v!r}: must be a finite number {'>= 0' if zero else '> 0'}")
@@ -129,7 +142,8 @@ class Volume:
                    max_tokens=float(o.max_rollout_tokens or c.inference.max_model_len),
                    moe_layers=s.moe_layers, top_k=s.top_k, n_experts=s.num_experts,
                    data_ranks=p.dp_shard * p.ep, trainer_ranks=world, inflight=inflight, turns=w.turns,
-                   router_replay=bool(t.router_replay and c.inference.gpus_per_node > 0 and s.moe_layers))
+                   router_replay=bool(t.router_replay and c.inference.gpus_per_node > 0 and s.moe_layers),
+                   off_policy=int(o.max_off_policy), servers=1 if c.inference.router else int(c.inference.replicas))
 
     # -- bytes ------------------------------------------------------------------------------------
     @property
@@ -251,6 +265,24 @@ class DataPlane:
     fs_write_bytes: float
 
 
+def answer_bytes(v: Volume) -> float:
+    """A mean generate answer: a turn's routes as base64 and its tokens' JSON."""
+    per_turn = v.mean_tokens / v.turns
+    return v.http_route_bytes() / (v.rollouts * v.turns) + per_turn * ANSWER_TOKEN_BYTES
+
+
+def orchestrator_rss(v: Volume) -> float:
+    """The orchestrator's peak resident bytes: the base, the episodes in flight (each half-way on average,
+    and what each holds whatever its length), the answers being parsed (bounded per server), finished
+    samples waiting up to `off_policy` batches ahead (13 B/token arrays; their routes are mapped files),
+    the batch's 13 B/token arrays while it is cut, and one shard at a time: its arrays and the spilled rows
+    it was read from (mapped pages count in RSS). The episodes in flight and the batches waiting are both
+    taken at their maxima: an upper bound (the pool's room caps them together)."""
+    return (ORCH_BASE_BYTES + v.inflight * (EPISODE_BYTES + v.mean_tokens / 2 * RESIDENT_TOKEN_BYTES)
+            + ANSWERS_HELD * v.servers * answer_bytes(v) + (v.off_policy + 1) * v.tokens * TOKEN_BYTES
+            + 2 * v.shard_bytes())
+
+
 def predict(volume: Volume, rates: Rates | None = None, fs: SharedFS | None = None) -> DataPlane:
     """The data plane of one step of `volume` at `rates`. With `fs` (launch plan: the cluster's shared
     filesystem) the trainer ranks' read and the orchestrator's write are bounded by it. The trainer's
@@ -275,10 +307,7 @@ def predict(volume: Volume, rates: Rates | None = None, fs: SharedFS | None = No
     build = batch / r.build
     hash_ = batch / r.sha256
     write_s = batch / write
-    # the episodes in flight, the batch's 13 B/token arrays while it is cut, and one shard at a time: its
-    # arrays and the spilled rows it was read from (mapped pages count in RSS)
-    rss = (ORCH_BASE_BYTES + v.inflight * v.mean_tokens * RESIDENT_TOKEN_BYTES + v.tokens * TOKEN_BYTES
-           + 2 * v.shard_bytes())
+    rss = orchestrator_rss(v)
     return DataPlane(volume=v, rates=r, batch_bytes=batch, rank_read_bytes=share,
                      rank_read_max_bytes=share + v.max_tokens * v.token_bytes, route_bytes=routes,
                      http_route_bytes=http, verify_s=verify, load_s=load, pack_s=pack,
@@ -303,7 +332,8 @@ def table_rows(d: DataPlane) -> list[tuple[str, str, str]]:
         ("data", "trainer critical path (verify + load + pack + fixed, serial, GPUs idle)", f"{d.critical_path_s:.2f}"),
         ("data", f"orchestrator CPU: decode {d.http_route_bytes / G:.1f} GB base64, spill, build, hash, write "
                  f"{d.fs_write_bytes / G:.1f} GB", f"{d.orchestrator_cpu_s:.1f}"),
-        ("data", f"orchestrator RSS: {v.inflight} episodes in flight (routes spilled)",
+        ("data", f"orchestrator RSS: {v.inflight} episodes in flight, samples up to {v.off_policy} batches "
+                 "ahead (routes spilled)",
          f"{d.orchestrator_rss_bytes / GIB:.1f} GiB"),
     ]
 

@@ -30,7 +30,7 @@ import contextvars
 import io
 import itertools
 import json
-import os
+import math
 import shutil
 import socket
 import time
@@ -95,12 +95,34 @@ def decode_routed_experts(b64: str | None):
     if b64 is None:
         return None
     import numpy as np
-    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+    raw = base64.b64decode(b64)
+    # the array is a read-only view of the decoded bytes (np.load would copy them: one more turn-sized
+    # buffer per response being parsed); the header is read as np.load reads it, objects refused
+    f = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = header(f)
+    except ValueError as e:
+        raise InferenceError(f"routed_experts is not a .npy array ({e})") from None
+    if dtype.hasobject:
+        raise InferenceError(f"routed_experts has dtype {dtype}: object arrays are refused")
+    count = math.prod(shape)
+    if len(raw) - f.tell() != count * dtype.itemsize:
+        raise InferenceError(f"routed_experts: {len(raw) - f.tell()} data bytes for shape {shape} of {dtype}")
+    return np.frombuffer(raw, dtype, count, f.tell()).reshape(shape, order="F" if fortran else "C")
 
 
 def token_list(ids) -> list[int]:
     """Token ids as plain ints for JSON: a list, or a numpy array (a multi-turn episode's context)."""
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+async def _sent_once(data: bytes):
+    """A request body httpx sends and then lets go: the request keeps this spent generator, not the bytes
+    (with `content=bytes` httpx's Request holds them until the response is done, which for a request
+    waiting on generation is the whole turn: its context as JSON, ~7 bytes a token)."""
+    yield data
 
 
 def json_body(body: dict) -> bytes:
@@ -119,7 +141,7 @@ class Completion:
     versions: list[int] | None = None    # per token, when the server reported spans
     prompt_ids: list[int] | None = None
     routed_experts: object | None = None  # numpy [prompt+completion-1-start, layers, top_k] when enabled
-    raw: dict = field(default_factory=dict, repr=False)
+    raw: dict = field(default_factory=dict, repr=False)   # the answer's JSON, less the routes' base64
 
 
 class InferenceClient:
@@ -131,6 +153,13 @@ class InferenceClient:
     # spends time quadratic in them: profiled in benchmarks/seed_rehearsal.py with 128 episodes in flight,
     # 31 of the orchestrator's 113 CPU seconds. Requests are dealt round robin over clients of this many.
     SHARD_CONNECTIONS = 16
+    # Response bodies read and parsed at once per server. A generate response carries a turn's routes as
+    # base64 (~1 MB at the seed's turn sizes); httpx reads a body as its bytes arrive, so with the event loop
+    # busy every answered request of hundreds in flight accumulated its whole body at once, and held it until
+    # parsed. Reading under this bound leaves the rest in the socket (the kernel's buffers, then the server
+    # waits): the orchestrator holds at most this many bodies and their parsed routes per server, whatever
+    # the number in flight (tests/unit/test_client_memory.py).
+    READ_BODIES = 4
 
     def __init__(self, url: str, secret: str | None = None, timeout: float = 300.0,
                  max_connections: int = 256):
@@ -141,6 +170,7 @@ class InferenceClient:
         self._shards = max(1, -(-max_connections // self.SHARD_CONNECTIONS))
         self._pool = [self._new_client(min(max_connections, self.SHARD_CONNECTIONS))]
         self._next = itertools.count()
+        self._reading = asyncio.Semaphore(self.READ_BODIES)
 
     def _new_client(self, connections: int) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=self._timeout,
@@ -176,23 +206,38 @@ class InferenceClient:
         await self.aclose()
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None,
-                    headers: dict | None = None, attempts: int = 4, content: bytes | None = None) -> dict:
+                    headers: dict | None = None, attempts: int = 4, content=None, parse=None):
+        """POST and return the parsed JSON answer, or `parse(answer)` (run while the body is held, so what it
+        keeps is all that stays of a large answer). `content`: the body already encoded (bytes), or a
+        function making it, called once per attempt: then no copy of it is held after it is sent."""
         # A pooled keep-alive connection may be closed by the server just as it is reused (uvicorn
         # closes idle connections after 5 s): the request never reached the engine, so send it again.
         http = self._client()
         for attempt in range(attempts):
             try:
                 if content is not None:  # a body already encoded (json_body)
-                    r = await http.post(path, content=content, params=params,
-                                        headers={"Content-Type": "application/json", **(headers or {})})
+                    body = content() if callable(content) else content
+                    hdr = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
+                    req = http.build_request("POST", path, content=_sent_once(body), params=params, headers=hdr)
+                    del body
                 else:
-                    r = await http.post(path, json=json, params=params, headers=headers)
+                    req = http.build_request("POST", path, json=json, params=params, headers=headers)
+                r = await http.send(req, stream=True)
+                try:
+                    async with self._reading:
+                        await r.aread()   # the whole body; httpx closes the response once it is read
+                        out = self._answer(r, path, parse)
+                finally:
+                    await r.aclose()      # cancelled or failed before that: the connection goes back
                 break
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError) as e:
                 if attempt == attempts - 1:
                     raise InferenceError(f"POST {self.url}{path}: {type(e).__name__} after {attempts} attempts "
                                          f"(is the server up? see its log)") from e
                 await asyncio.sleep(0.2 * 2 ** attempt)
+        return out
+
+    def _answer(self, r: httpx.Response, path: str, parse):
         if r.status_code == 401:
             raise InferenceError(f"POST {self.url}{path} -> 401: " + (
                 "the server refused the run's secret (is it another run's server?)" if self._sends_secret else
@@ -203,9 +248,9 @@ class InferenceClient:
         # httpx's Response and its stream refer to each other, so a response (its body: a turn's routes as
         # base64, ~0.3-1 MB) waited for the cyclic garbage collector: under tracemalloc in the seed
         # rehearsal 432 bodies (149 MiB) were alive with 128 episodes in flight. Replacing the spent stream
-        # breaks the cycle and the body goes when `r` does.
-        r.stream = httpx.ByteStream(b"")
-        return data
+        # and the read body breaks the cycle and frees the body now.
+        r.stream, r._content = httpx.ByteStream(b""), b""
+        return parse(data) if parse is not None else data
 
     async def health(self) -> bool:
         try:
@@ -233,31 +278,43 @@ class InferenceClient:
         sp = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {}), **(extra or {})}
         if endpoint == "generate":
-            body = json_body({"request_id": request_id, "token_ids": token_list(prompt_ids),
-                              "sampling_params": sp, "model": MODEL_NAME, **prio})
-            data = await self._post("/inference/v1/generate", content=body)
-            ch = data["choices"][0]
-            ids = ch["token_ids"] or []
-            lps = [c["logprob"] for c in (ch.get("logprobs") or {}).get("content") or []]
-            spans = ch.get("weight_versions")
-            versions = versions_from_spans(spans, len(ids)) if spans is not None else None
-            key = generate_key(request_id)
+            # the body is made per attempt from the context (a view nothing appends to while the request is
+            # out) and not kept once sent
+            def body():
+                return json_body({"request_id": request_id, "token_ids": token_list(prompt_ids),
+                                  "sampling_params": sp, "model": MODEL_NAME, **prio})
+
+            def parse(data):
+                ch = data["choices"][0]
+                ids = ch["token_ids"] or []
+                lps = [c["logprob"] for c in (ch.get("logprobs") or {}).get("content") or []]
+                spans = ch.get("weight_versions")
+                versions = versions_from_spans(spans, len(ids)) if spans is not None else None
+                return data, ch, ids, lps, versions
+            path, key = "/inference/v1/generate", generate_key(request_id)
         elif endpoint == "completions":
-            body = json_body({"model": MODEL_NAME, "prompt": token_list(prompt_ids), "return_token_ids": True,
-                              "request_id": request_id, **sp, **prio})
-            data = await self._post("/v1/completions", content=body)
-            ch = data["choices"][0]
-            ids = ch["token_ids"] or []
-            lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
-            versions = None
-            key = completion_key(request_id)
+            def body():
+                return json_body({"model": MODEL_NAME, "prompt": token_list(prompt_ids), "return_token_ids": True,
+                                  "request_id": request_id, **sp, **prio})
+
+            def parse(data):
+                ch = data["choices"][0]
+                return data, ch, ch["token_ids"] or [], (ch.get("logprobs") or {}).get("token_logprobs") or [], None
+            path, key = "/v1/completions", completion_key(request_id)
         else:
             raise ValueError(f"endpoint must be 'generate' or 'completions', got {endpoint!r}")
-        if len(lps) != len(ids):
-            raise InferenceError(f"{key}: {len(ids)} tokens but {len(lps)} logprobs")
-        return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason"),
-                          request_id=key, versions=versions, prompt_ids=ch.get("prompt_token_ids"),
-                          routed_experts=decode_routed_experts(ch.get("routed_experts")), raw=data)
+
+        def completion(data):
+            # built while the body is held (InferenceClient.READ_BODIES): the routes' base64 text is decoded
+            # and dropped here, so it is never alive outside that bound, nor kept in `raw`
+            data, ch, ids, lps, versions = parse(data)
+            if len(lps) != len(ids):
+                raise InferenceError(f"{key}: {len(ids)} tokens but {len(lps)} logprobs")
+            routed = decode_routed_experts(ch.pop("routed_experts", None))
+            return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason"),
+                              request_id=key, versions=versions, prompt_ids=ch.get("prompt_token_ids"),
+                              routed_experts=routed, raw=data)
+        return await self._post(path, content=body, parse=completion)
 
     async def chat(self, messages: list[dict], max_tokens: int, temperature: float = 1.0,
                    top_p: float = 1.0, seed: int | None = None, request_id: str | None = None,
@@ -367,11 +424,11 @@ SESSION = contextvars.ContextVar("hetrl_router_session", default=None)
 def router_client_class():
     """InferenceClient that tags its requests with the session in SESSION (set it per rollout task)."""
     class RouterClient(InferenceClient):
-        async def _post(self, path, json=None, params=None, headers=None, attempts=4, content=None):
+        async def _post(self, path, json=None, params=None, headers=None, attempts=4, content=None, parse=None):
             sid = SESSION.get()
             if sid is not None and path in ROUTED_PATHS:
                 headers = {**(headers or {}), SESSION_HEADER: str(sid)}
-            return await super()._post(path, json, params, headers, attempts, content)
+            return await super()._post(path, json, params, headers, attempts, content, parse)
 
     return RouterClient
 

@@ -24,14 +24,15 @@ while every id fits, else uint16; a turn that first needs uint16 after uint8 row
 the file once as uint16.
 
 Memory bound. Per in-flight token the orchestrator holds the rollout's compact arrays (int32 id, uint8
-loss mask, float32 logprob, int32 version: 13 bytes, at most 26 with the arrays' amortised doubling;
-rl.orchestrator.multiturn.Rollout), while the episode's request is out its context as compact JSON bytes
-(~7 bytes a token, rl.orchestrator.client.json_body), and no route bytes at all: routes cost
-`layers x top_k x (1 or 2)` bytes of spill disk per token and none of memory. So the rollout state is
-<= 32 bytes per in-flight token whatever the routes' shape, <= 40 with a request out
-(tests/unit/test_orchestrator_memory.py measures both), and the peak RSS is about
-`base + 34 B x max_inflight x mean episode tokens` (2048 x 32k: 2.1 GiB) plus one turn's transient
-arrays per response being decoded. docs/internals.md, "Orchestrator memory".
+loss mask, float32 logprob, int32 version: 13 bytes, at most 16.25 with the arrays' spare capacity;
+rl.orchestrator.rollout.Rollout) and no route bytes at all: routes cost `layers x top_k x (1 or 2)` bytes
+of spill disk per token and none of memory. A request's context is encoded to JSON when it is sent and
+not kept after (rl.orchestrator.client), and the responses being read and parsed, a turn's routes each,
+are bounded per server (`InferenceClient.READ_BODIES`), not per episode. So the rollout state is <= 32
+bytes per in-flight token whatever the routes' shape, with a request out as well
+(tests/unit/test_orchestrator_memory.py, tests/unit/test_client_memory.py). What else the process holds
+(per episode, per turn being parsed, finished samples waiting for their batch, start-up) is measured by
+benchmarks/seed_rehearsal.py and summed in docs/perf.md, "Data plane at the seed's volume".
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ class RouteSpill:
             self.dtype = rows.dtype
         elif rows.dtype.itemsize > self.dtype.itemsize:
             self._widen(rows.dtype)
-        safefs.append_bytes(path, np.ascontiguousarray(rows, dtype=self.dtype).tobytes(), fsync=False)
+        # the array's own buffer, not a bytes copy of it: one turn-sized buffer less per response
+        safefs.append_bytes(path, memoryview(np.ascontiguousarray(rows, dtype=self.dtype)).cast("B"), fsync=False)
         self.rows += len(rows)
 
     def _widen(self, dtype: np.dtype) -> None:

@@ -149,6 +149,8 @@ def test_volume_from_the_seed_config():
     v = perf.data_volume(c)
     assert (v.rollouts, v.data_ranks, v.trainer_ranks, v.moe_layers, v.top_k, v.n_experts) == (256, 32, 128, 75, 8, 256)
     assert v.router_replay and v.mean_tokens == 65536 and v.max_tokens == 131072 and v.inflight == 2048
+    inf = c["inference"]
+    assert v.off_policy == 8 and v.servers == (1 if inf["router"] else inf["replicas"])   # the RSS term's drivers
     assert perf.data_volume(c, {"rollout_tokens": "32768"}).mean_tokens == 32768
     (off,) = compose_points([*GLM, "trainer.router_replay=false", "run_dir=/tmp/hetrl-dataplane-test"], multirun=False)
     assert perf.data_volume(off).route_token_bytes == 0
@@ -165,3 +167,23 @@ def test_launch_plan_prints_the_data_plane_for_the_seed_and_warns():
                   "orchestrator CPU", "orchestrator RSS", "perf: warning: the trainer's data-plane critical path"):
         assert words in text, words
     assert text.index("predicted seconds per step") < text.index("trainer critical path") < text.index("#!/bin/bash")
+
+
+def test_orchestrator_rss_counts_each_part_by_its_driver():
+    """The RSS term's parts (benchmarks/seed_rehearsal.py measures them apart): finished samples waiting
+    max_off_policy batches cost their 13 B/token arrays, episodes in flight cost per episode and per token
+    half-way, answers being parsed cost per server, whatever the episodes in flight."""
+    seed = {**SMALL, "rollouts": 256, "mean_tokens": 65536, "moe_layers": 75, "top_k": 8, "n_experts": 256,
+            "data_ranks": 16, "trainer_ranks": 128, "inflight": 2048, "turns": 50}
+    base = dp.orchestrator_rss(dp.Volume(**seed))
+    assert dp.orchestrator_rss(dp.Volume(**seed, off_policy=8)) - base == pytest.approx(8 * 256 * 65536 * 13)
+    assert (dp.orchestrator_rss(dp.Volume(**{**seed, "inflight": 1024})) - base ==
+            pytest.approx(-1024 * (dp.EPISODE_BYTES + 65536 / 2 * dp.RESIDENT_TOKEN_BYTES)))
+    v = dp.Volume(**seed)
+    answers = dp.orchestrator_rss(dp.Volume(**seed, servers=3)) - base
+    assert answers == pytest.approx(2 * dp.ANSWERS_HELD * dp.answer_bytes(v))
+    assert 1.0e6 < dp.answer_bytes(v) < 1.2e6    # a turn of 1311 tokens: 75 x 8 routes as base64, ids and logprobs
+    assert dp.predict(v).orchestrator_rss_bytes == base
+    with pytest.raises(ValueError, match=r"^Volume.servers=0: must be a finite number > 0$"):
+        dp.Volume(**seed, servers=0)
+
