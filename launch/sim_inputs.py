@@ -45,7 +45,7 @@ class SimConfig:
     pool_tick_s: float = 0.2
     trainer_poll_s: float = 0.01
     version_poll_s: float = 0.05        # batch mode's wait for the version it needs
-    decode_knee: int = 0                # sequences a decode step serves at token_s (0: any number)
+    decode_knee: float = 0              # sequences a decode step serves at token_s (0: any number)
 
     @classmethod
     def from_config(cls, cfg, **times) -> "SimConfig":
@@ -80,6 +80,10 @@ class SimResult:
     sibling_wait_s: tuple = (0.0, 0.0)
     waiting_fraction: float = 0.0       # masked_waiting over the tokens wasted_fraction counts against
     admit_waits: int = 0                # times admit held the next group (orchestrator/admit_waits_total)
+    # seconds per generated token as the finished requests saw them (their decode seconds over their
+    # tokens, the load they ran at included): what a run measures as its servers' seconds per token
+    gen_token_s: float = 0.0
+    decode_load: float = 0.0            # requests decoding at once, time-averaged over the servers' busy time
 
     @property
     def lag_mean(self) -> float:

@@ -25,6 +25,8 @@ second saturate at decode_knee / token_s and every wasted token takes time from 
 generation advances one token per decode step (processor sharing), so one clock of tokens per sequence
 (`work`) times them all: a generation ends when the clock has advanced its tokens since it started, and
 only the next end is scheduled, re-timed when the number decoding changes or a reload pauses decoding.
+It reports what a run measures of its servers too (`gen_token_s`, `decode_load`), so that
+launch.calibrate can find the knee under which a replay of a pilot measures what the pilot measured.
 
 Episodes come from a `GroupSource`: a callable from a group's key to its rollouts, each a list of
 `Turn(tokens, env_s)`: generate `tokens`, then hold an environment slot for `env_s` (a tool call, a
@@ -44,41 +46,9 @@ from collections import deque
 from rl.contract import offpolicy
 from launch.sim_inputs import (GroupSource, SimConfig, SimResult, Turn, _median_p90, from_metrics,  # noqa: F401
                                lognormal_sigma, lognormal_source, read_jsonl)
-
-
-class _Rollout:
-    def __init__(self, group, turns, index=0):
-        self.group, self.turns, self.index = group, turns, index
-        self.turn, self.versions, self.done, self.cancelled = 0, {}, False, False
-        self.done_at = None
-        self.gen_start, self.w_end = None, 0.0   # the running generation: its start (None: none), its end on the work clock
-        self.queued = None                       # "gen" | "env" while waiting for a slot
-        self.handle = None                       # the pending event's token (a stale event is ignored)
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.versions.values())
-
-
-class _Group:
-    def __init__(self, gid, version, t, step=-1):
-        self.gid, self.start_version, self.started, self.step = gid, version, t, step
-        self.rollouts: list[_Rollout] = []
-        self.finished, self.oldest = None, version
-        self.released: set[int] = set()          # rollouts trained as parts (release)
-        self.snapshot: set[int] | None = None    # finished at the group's first eligibility for a part
-
-    @property
-    def live(self) -> list[_Rollout]:
-        return [r for r in self.rollouts if r.index not in self.released]
-
-    @property
-    def open(self) -> int:
-        return sum(not r.done for r in self.live)
-
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for r in self.live)
+from launch.sim_state import SimGroup as _Group
+from launch.sim_state import SimRollout as _Rollout
+from launch.sim_state import split_versions
 
 
 class Simulation:
@@ -109,6 +79,7 @@ class Simulation:
         self.step_s, self.version_t = None, 0.0  # admit: the pool's running step time, when v appeared
         self.durations: deque = deque(maxlen=256)
         self.admit_waits = 0
+        self.gen_busy_s, self.gen_done_tokens = 0.0, 0   # finished requests: decode seconds, tokens
 
     # -- the clock ----------------------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> int:
@@ -190,25 +161,14 @@ class Simulation:
         self._schedule_gen()
 
     def _count(self, r: _Rollout, start: float, end: float, n: int) -> None:
-        """Per-token versions: token m = 1..n is produced at start + m (end - start) / n and takes the
-        version the servers had then (a switch at exactly that time counts)."""
-        if n <= 0:
-            return
-        dt, done = max((end - start) / n, 1e-15), 0
-        v = max((vv for tt, vv in self.history if tt <= start + dt), default=0)
-        for ts, nv in self.history:
-            if ts <= start + dt:
-                continue
-            upto = min(n, max(done, math.ceil((ts - start) / dt - 1e-9) - 1))   # tokens before the switch
-            r.versions[v] = r.versions.get(v, 0) + upto - done
-            done, v = upto, nv
-        r.versions[v] = r.versions.get(v, 0) + n - done
-        self.generated += n
+        self.generated += split_versions(r, self.history, start, end, n)
 
     def _gen_done(self, r: _Rollout) -> None:
         if r.cancelled:
             return
         self._count(r, r.gen_start, self.now, r.turns[r.turn].tokens)
+        self.gen_busy_s += self.now - r.gen_start
+        self.gen_done_tokens += r.turns[r.turn].tokens
         r.gen_start = None
         self._release_gen()
         if self.env_active < self.c.env_concurrency:
@@ -525,7 +485,8 @@ class Simulation:
                          wasted_fraction=max(0.0, (self.generated - self.lost - self.trained) / denom),
                          dropped_groups=self.dropped, masked_tokens=self.masked, masked_waiting=self.masked_waiting,
                          sibling_wait_s=_median_p90(self.sibling_waits), waiting_fraction=self.masked_waiting / denom,
-                         admit_waits=self.admit_waits,
+                         admit_waits=self.admit_waits, gen_token_s=self.gen_busy_s / max(self.gen_done_tokens, 1),
+                         decode_load=self.gen_busy_s / max(self.now - gen_idle, 1e-9),
                          step_times=[b - a for a, b in zip(ts, ts[1:])])
 
 

@@ -300,6 +300,11 @@ class Orchestrator:
         }
         if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))
+        elif samples and all("gen_s" in s.info for s in samples):   # single-turn: one turn per episode
+            g, e = [s.info["gen_s"] for s in samples], [s.info["env_s"] for s in samples]
+            meta.update({"episodes": len(samples), "turns_total": len(samples), "turns_per_episode": 1.0,
+                         "tokens_per_turn": n_gen / len(samples), "turn_gen_s": sum(g), "turn_env_s": sum(e),
+                         "episode_s_mean": (sum(g) + sum(e)) / len(samples)})
         return Draft(samples, meta)
 
     def publish_batch(self, step: int, batch: "Draft") -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -137,10 +138,12 @@ class Sampler:
             # one rollout: generation (within max_concurrency), then grading (within env_concurrency, a
             # cost like a tool run, not a free sleep); its slot in the pool frees when it is graded
             accounting.rollout_begin(i)
+            t0 = time.monotonic()   # the seconds of both, slot waits included (launch.calibrate reads them)
             async with self.request_sem:
                 seed = hash((self.cfg.seed, step, attempt, group, i)) & 0x7FFFFFFF
                 c, versions = await self.sample_one(client, ids, seed)
             text = self.tokenizer.decode(c.ids, skip_special_tokens=False)
+            t1 = time.monotonic()
             if ascore is not None:
                 async with self.env_sem:
                     reward = await ascore(task, text)
@@ -149,7 +152,7 @@ class Sampler:
             s = Sample(prompt_ids=ids, completion_ids=list(c.ids), completion_logprobs=list(c.logprobs),
                        completion_versions=versions, reward=float(reward), group=group,
                        routed_experts=routed_per_token(c.routed_experts, len(ids) + len(c.ids)),
-                       info={"finish_reason": c.finish_reason})
+                       info={"finish_reason": c.finish_reason, "gen_s": t1 - t0, "env_s": time.monotonic() - t1})
             accounting.rollout_end(i, s)
             return s
 

@@ -1,8 +1,8 @@
 """launch.calibrate: the plan's step as low / mid / high with the dominant coefficient (cheap enough for
 `launch plan`), the pilot reader's one-line refusals, and, at CI size, `launch plan --calibrate RUN_DIR`
-on a finished run of the benchmark world (the real orchestrator on a real run directory): its printed
-range holds the measured steps/h of a second run with another schedule, max_off_policy, stale policy and
-concurrency."""
+on a finished run of the benchmark world (the real orchestrator on a real run directory, multi-turn and
+single-turn): its printed range holds the measured steps/h of a second run with another schedule,
+max_off_policy, stale policy and concurrency; and the servers' load curve fitted on a pilot."""
 from __future__ import annotations
 
 import asyncio
@@ -71,7 +71,33 @@ def test_a_pilot_without_what_calibrate_reads_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def _world_run(run_dir: Path, overrides: list[str], tok) -> float:
+def test_the_servers_load_curve_is_fitted_on_the_pilot():
+    """A pilot's seconds per token are an average over the loads its requests met, so the knee is not
+    its mean load: a pilot simulated with a known knee (4, 16 or none) is given back as the knee and the
+    seconds per token below it, from the pilot's two numbers alone (its token-weighted seconds per token
+    and its time-averaged load), and the replay then steps as the pilot did (not fitted on that)."""
+    from launch.simulate import SimConfig, lognormal_source, simulate
+    src = lognormal_source(4, turns_median=3, turns_sigma=0.6, tokens_per_turn=16, env_median_s=0.05,
+                           env_sigma=1.0, seed=0)
+    over = ["orchestrator.schedule=batch", "orchestrator.max_off_policy=0", "orchestrator.stale_policy=drop",
+            "orchestrator.prompts_per_step=8", "orchestrator.group_size=4", "orchestrator.max_concurrency=32",
+            "orchestrator.env_concurrency=32", "trainer.max_steps=6"]
+    c = cfg(*over)
+    for knee in (4, 16, 0):
+        sc = SimConfig.from_config(c, train_s=0.5, token_s=0.002, decode_knee=knee)
+        r = simulate(sc, src)
+        assert r.gen_token_s >= 0.002 - 1e-12 and (knee or r.gen_token_s == pytest.approx(0.002, rel=1e-9))
+        p = calibrate.Pilot(source="sim", train_s=(0.5,) * 3, token_s=(r.gen_token_s,) * 3, load=r.decode_load,
+                            tokens_per_turn=16, turns_mean=3, turns_sigma=0.6, env_s=0.05, env_sigma=1.0,
+                            steps_per_hour=r.steps_per_hour, steps=6)
+        tok, fitted, replay = calibrate.fit_server(p, c, src)
+        assert fitted == pytest.approx(knee, rel=0.2) and tok == pytest.approx(0.002, rel=0.05), (knee, fitted, tok)
+        assert replay.steps_per_hour == pytest.approx(r.steps_per_hour, rel=0.02)
+        if knee:   # the former rule, a knee at the mean load, is another curve
+            assert abs(r.decode_load - knee) > 1.0
+
+
+def _world_run(run_dir: Path, overrides: list[str], tok, model: str = "agentic") -> float:
     """A run of benchmarks/async_rollouts.py's world (sim backend): its measured steps/h."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from _async_world import sim_config, sim_run
@@ -80,24 +106,27 @@ def _world_run(run_dir: Path, overrides: list[str], tok) -> float:
     run_dir.mkdir(parents=True)
     c = sim_config(run_dir, overrides)
     t0 = time.monotonic()
-    out = asyncio.run(sim_run(run_dir, c, "agentic", a, tok))
-    return async_rollouts.measure(run_dir, c, out, "agentic", a, time.monotonic() - t0)["steps_per_hour"]
+    out = asyncio.run(sim_run(run_dir, c, model, a, tok))
+    return async_rollouts.measure(run_dir, c, out, model, a, time.monotonic() - t0)["steps_per_hour"]
 
 
-def test_plan_calibrated_on_a_pilot_predicts_another_configuration(tmp_path):
+@pytest.mark.parametrize("model", ["agentic", "grading"])
+def test_plan_calibrated_on_a_pilot_predicts_another_configuration(tmp_path, model):
     """The pilot: batch mode, max_off_policy 0, 8 requests; the target: the continuous pool with release,
-    max_off_policy 2, 16 requests and 24 environment slots. Nothing of the target run goes in."""
+    max_off_policy 2, 16 requests and 24 environment slots. Nothing of the target run goes in. Both
+    latency models: multi-turn episodes, and single-turn rollouts graded after one generation (their
+    metrics.jsonl carries the same per-turn generation seconds)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import async_rollouts
     from rl.model.tiny import build_tokenizer
     tok = build_tokenizer(tmp_path / "tok")
     a = async_rollouts.parser().parse_args([])
-    base = lambda steps, conc, env: [*async_rollouts.common_overrides(a, "agentic", 0, steps),  # noqa: E731
+    base = lambda steps, conc, env: [*async_rollouts.common_overrides(a, model, 0, steps),  # noqa: E731
                                      "orchestrator.prompts_per_step=4", "orchestrator.group_size=4",
                                      f"orchestrator.max_concurrency={conc}", f"orchestrator.env_concurrency={env}"]
     pilot = base(6, 8, 16) + async_rollouts.mode_overrides("sync", 0, 16)
     target = base(8, 16, 24) + async_rollouts.mode_overrides("release", 2, 48)
-    _world_run(tmp_path / "pilot", pilot, tok)
+    _world_run(tmp_path / "pilot", pilot, tok, model)
     p = subprocess.run([sys.executable, "-m", "launch", "plan", *target, f"run_dir={tmp_path / 'plan'}",
                         "--calibrate", str(tmp_path / "pilot")], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
@@ -105,6 +134,7 @@ def test_plan_calibrated_on_a_pilot_predicts_another_configuration(tmp_path):
     line = next(x for x in p.stdout.splitlines() if x.startswith("calibrate: calibrated"))
     low, mid, high = map(float, re.search(r"(\d+) / (\d+) / (\d+) steps/h low / mid / high", line).groups())
     assert "the pilot replayed" in line   # the pilot's config.yaml was read
-    measured = _world_run(tmp_path / "target", target, tok)
+    assert "servers' load curve from the pilot" in p.stdout and "out-of-sample error" in p.stdout, p.stdout[-2000:]
+    measured = _world_run(tmp_path / "target", target, tok, model)
     assert low <= measured <= high, f"measured {measured:.0f} steps/h outside {line}"
     assert low <= mid <= high

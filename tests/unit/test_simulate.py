@@ -110,6 +110,11 @@ def test_simulator_predicts_the_async_benchmark_out_of_sample(capsys):
     for mode in modes.split(",")[1:]:
         assert inside[mode] == "1", f"{mode}: measured steps/h outside the predicted range ({last})"
     assert 0.75 <= float(ratios["release"]) <= 1.25, f"release: predicted / measured = {ratios['release']} ({last})"
+    # the model error fitted on the non-pilot pairs (checked on the other workload when both run) and
+    # the printed ranges' coverage, as the per-mode counts above
+    err = float(re.search(r" sim_model_error=([\d.]+)", last).group(1))
+    assert 0 <= err < 0.25, f"the simulator's error out of sample: {err} ({last})"
+    assert re.search(r" sim_coverage_printed=3/3", last), last
     waits = dict(re.findall(r"sim_sibling_wait_waste_(\w+)=([\d.]+)", last))
     assert set(waits) == set(modes.split(",")) and all(0 <= float(x) < 1 for x in waits.values()), last
 
