@@ -102,12 +102,13 @@ def explicit_family(overrides: list[str]) -> str | None:
 
 
 def with_checkpoint(c: dict, overrides: list[str] | None = None) -> dict:
-    """The family and sizes of `model.hf_path`'s config.json written into the config (rl.contract.hf).
-    A family set explicitly (by `overrides` or the experiment they choose) that the checkpoint is not is
-    refused, never silently replaced."""
+    """The family and sizes of `model.hf_path`'s config.json written into the config (rl.models.fields: the
+    family's own args read it). A family set explicitly (by `overrides` or the experiment they choose) that
+    the checkpoint is not is refused, never silently replaced."""
     import dataclasses
     from rl.contract import hf
     from rl.contract.config import ModelConfig
+    from rl.models import fields
     m = c.get("model") or {}
     if not m.get("hf_path"):
         return c
@@ -119,10 +120,10 @@ def with_checkpoint(c: dict, overrides: list[str] | None = None) -> dict:
                 "; a tiny twin is made with: python -m rl.model.twins FAMILY PATH")
         raise ConfigError(f"model.hf_path={m['hf_path']}: no {hf.CONFIG} there{make}")
     try:
-        c["model"] = hf.resolve_model(m, dataclasses.asdict(ModelConfig()))
-    except hf.CheckpointError as e:
+        c["model"] = fields.resolve_model(m, dataclasses.asdict(ModelConfig()))
+    except ValueError as e:   # CheckpointError, or a family's args refusing a config.json key by name
         raise ConfigError(str(e)) from None
-    # rl.contract.hf refuses a family other than the schema's default that does not fit; the default itself
+    # rl.models.fields refuses a family other than the schema's default that does not fit; the default itself
     # it replaces, so only then is it asked whether the user wrote it (reading the experiment's file)
     replaced = m.get("family") == ModelConfig.family != c["model"]["family"]
     explicit = explicit_family(overrides or []) if replaced else None

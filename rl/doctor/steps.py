@@ -53,9 +53,9 @@ def synthetic_batch(step: int, vocab: int, n_samples: int = 8, seed: int = 0, ma
 
 def trainer_cfg(run_dir: Path, model: dict, **trainer):
     """The typed config of a one-process trainer on `model` (a `model` group; `hf_path` resolved)."""
-    from rl.contract import hf
     from rl.contract.config import ModelConfig, structured
-    m = hf.resolve_model(dict(model), dataclasses.asdict(ModelConfig()))
+    from rl.models import fields
+    m = fields.resolve_model(dict(model), dataclasses.asdict(ModelConfig()))
     t = {"warm_start": {"steps": 0}, "lr": 1e-3, "publish_async": True, **trainer}
     return structured({"run_dir": str(run_dir), "seed": 0, "model": m, "trainer": t,
                        "wandb": {"mode": "disabled"}})

@@ -95,26 +95,17 @@ def hf_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_toke
 
     Architectures in `_WRITTEN_HERE` get a config.json written key by key (the embedded default run's
     Qwen3-MoE, unchanged since it was first published); the others their transformers config class's,
-    with the MLA sizes (and the DSA indexer's for attention `dsa`)."""
+    with the keys of the family's args' `twin_sizes(m)` (rl/models/<package>/args.py, the inverse of its
+    `from_hf`). A family whose args have none is created from a checkpoint only."""
+    from rl.models import fields
     row = families.get(m["family"])
     if row.hf_model_class in _WRITTEN_HERE:
         return _WRITTEN_HERE[row.hf_model_class](m, vocab_size, eos_token_id, pad_token_id)
-    if row.attention in ("mla", "dsa"):
-        sizes = dict(hidden_size=m["dim"], num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
-                     q_lora_rank=m["q_lora_rank"] or None, kv_lora_rank=m["kv_lora_rank"],
-                     qk_rope_head_dim=m["qk_rope_head_dim"], qk_nope_head_dim=m["qk_nope_head_dim"],
-                     v_head_dim=m["v_head_dim"], n_routed_experts=m["num_experts"],
-                     n_shared_experts=m["n_shared_experts"], num_experts_per_tok=m["top_k"],
-                     moe_intermediate_size=m["moe_hidden_dim"], intermediate_size=m["dense_hidden_dim"],
-                     first_k_dense_replace=m["n_dense_layers"], max_position_embeddings=m["max_seq_len"],
-                     n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
-                     rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
-        if row.attention == "dsa":
-            sizes.update(index_n_heads=m["index_n_heads"], index_head_dim=m["index_head_dim"],
-                         index_topk=m["index_topk"])
-        return hf_config_dict(m["family"], sizes, vocab_size, eos_token_id, pad_token_id, "bfloat16")
-    raise NotImplementedError(f"model.family={m['family']}: no config.json for a model created here "
-                              f"(attention {row.attention}); start from a checkpoint (model.hf_path)")
+    twin_sizes = getattr(fields.family_args(row.name), "twin_sizes", None)
+    if twin_sizes is None:
+        raise NotImplementedError(f"model.family={m['family']}: no config.json for a model created here "
+                                  f"(its args have no twin_sizes); start from a checkpoint (model.hf_path)")
+    return hf_config_dict(m["family"], twin_sizes(m), vocab_size, eos_token_id, pad_token_id, "bfloat16")
 
 
 def _qwen3_moe_config(m: Mapping[str, Any], vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:

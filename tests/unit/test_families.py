@@ -160,6 +160,37 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
         torch.testing.assert_close(logits(fresh.model, tok, pos), _reference(served)(input_ids=tok).logits, **TOL)
 
 
+def test_a_model_created_here_reads_back_through_its_family_args():
+    """rl.model.tiny writes the config.json of a model created here from the `model` group's sizes (the
+    family args' `twin_sizes`, or Qwen3-MoE's key-by-key config); the family's args read the same sizes back
+    (rl.models.fields). A family with neither is one line naming what to do instead."""
+    from dataclasses import asdict
+
+    from rl.contract import families
+    from rl.contract.config import ModelConfig
+    from rl.model import tiny
+    from rl.models import fields
+
+    sizes = dict(vocab_size=512, dim=128, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=96, moe_hidden_dim=32,
+                 num_experts=8, top_k=2, rope_theta=50000.0, q_lora_rank=64, kv_lora_rank=512,
+                 qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_shared_experts=1, n_dense_layers=1,
+                 dense_hidden_dim=128, index_n_heads=2, index_head_dim=32, index_topk=8, max_seq_len=512)
+    written = []
+    for row in families.ROWS:
+        m = dict(asdict(ModelConfig()), family=row.name, **sizes)
+        try:
+            cfg = tiny.hf_config(m, 512, 1, 0)
+        except NotImplementedError as e:
+            assert str(e).startswith(f"model.family={row.name}: no config.json for a model created here"), e
+            assert not hasattr(fields.family_args(row.name), "twin_sizes"), row.name
+            continue
+        got = fields.model_fields(cfg, row.name)
+        own = fields.family_args(row.name).from_hf(cfg).HF_FIELDS
+        assert {k: got[k] for k in own} == {k: m[k] for k in own}, row.name
+        written.append(row.name)
+    assert {"qwen3", "deepseek_v3", "kimi_k2_7", "glm_moe_dsa"} <= set(written), written
+
+
 def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
     """One row per family in rl.contract.families; each has a builder module in the rl/models registry
     (model_spec, set_sharding), a tiny twin (sizes and transformers classes that exist), and a memory
@@ -173,6 +204,7 @@ def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
     from rl.contract import families
     from rl.contract.config import FAMILIES as CONFIG_FAMILIES
     from rl.model.twins import TWINS
+    from rl.models import fields
 
     assert CONFIG_FAMILIES == families.FAMILIES
     assert set(models.REGISTRY) == set(families.FAMILIES), "registry and table disagree"
@@ -183,10 +215,14 @@ def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
         assert importlib.util.find_spec(f"rl.models.{row.package}") is not None
         assert row.name in TWINS and row.twin, row.name
         assert hasattr(transformers, row.hf_config_class) and hasattr(transformers, row.hf_model_class), row.name
-        assert all(f in families.DERIVED for f in row.checkpoint_fields), row.name
         cfg = transformers.__dict__[row.hf_config_class](vocab_size=512, **row.twin).to_dict()
         cfg.update(row.twin_extra)
-        m = dict(hf.model_fields(cfg, row.name), family=row.name, max_seq_len=512)
+        read = fields.family_args(row.name).from_hf(cfg)    # the one reader of the family's config.json
+        assert set(read.HF_FIELDS) <= set(families.DERIVED) and set(read.model_fields()) == set(read.HF_FIELDS)
+        values = fields.model_fields(cfg, row.name)
+        assert set(values) | {"rope_theta"} == set(families.DERIVED), row.name
+        assert all(values[k] == 0 for k in values if k not in read.HF_FIELDS), row.name
+        m = dict(values, family=row.name, max_seq_len=512)
         shape = memory.Shape.from_cfg(m, hf=cfg)     # hybrid: the layer pattern and Mamba sizes from cfg
         assert memory.count_params(shape).total > 0, row.name
         # the family's torch-free args: config.json read once, the same rows as the composed model group's

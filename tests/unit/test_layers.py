@@ -98,6 +98,13 @@ class ToyArgs:
     def mtp_layers(self):
         return ()
 
+    def model_fields(self):
+        h = self.h
+        return dict(vocab_size=self.vocab_size, dim=self.dim, n_layers=h["num_hidden_layers"],
+                    n_heads=h["num_attention_heads"], n_kv_heads=h["num_key_value_heads"], head_dim=h["head_dim"],
+                    moe_hidden_dim=h["moe_intermediate_size"], num_experts=h["num_experts"],
+                    top_k=h["num_experts_per_tok"], rope_theta=hfc.rope_theta(h))
+
 
 def from_hf(hf):
     return ToyArgs(hfc.text_config(hf))

@@ -226,7 +226,8 @@ NEMOTRON_CARD = Path(__file__).resolve().parents[2] / "conf" / "checkpoints" / "
 
 def nemotron_shape() -> memory.Shape:
     from rl.contract import hf
-    m = dict(hf.model_fields(hf.read_config(NEMOTRON_CARD), "nemotron_h"), family="nemotron_h",
+    from rl.models import fields
+    m = dict(fields.model_fields(hf.read_config(NEMOTRON_CARD), "nemotron_h"), family="nemotron_h",
              max_seq_len=131072, hf_path=str(NEMOTRON_CARD))
     return memory.Shape.from_cfg(m)
 

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from rl.contract import families, hf
+from rl.models import fields
+from rl.models.nemotron_h.args import NemotronHArgs
 from rl.trainer import hf_load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,10 +58,15 @@ def test_the_row_the_registry_and_the_twin_sizes_agree():
 def test_model_fields_of_the_ultra_card_and_an_nvfp4_checkpoint_is_one_line():
     cfg = json.loads((ROOT / "conf/checkpoints/nemotron_h/config.json").read_text())
     assert hf.family_of(cfg) == FAMILY
-    m = hf.model_fields(cfg, FAMILY)
+    m = fields.model_fields(cfg, FAMILY)
     assert (m["dim"], m["n_layers"], m["num_experts"], m["top_k"], m["vocab_size"]) == (8192, 108, 512, 22, 131072)
     assert m["n_heads"] % m["n_kv_heads"] == 0 and m["kv_lora_rank"] == 0 and "rope_theta" not in m
-    assert set(m) >= set(families.get(FAMILY).checkpoint_fields)
+    assert set(m) >= set(NemotronHArgs.HF_FIELDS)
+    del cfg["n_routed_experts"]       # a size the `model` group needs is named, not taken from a default
+    with pytest.raises(hf.CheckpointError, match=r"^config.json: n_routed_experts is missing \(needed for "
+                                                 r"family nemotron_h\)$"):
+        fields.model_fields(cfg, FAMILY)
+    cfg["n_routed_experts"] = 512
     cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     with pytest.raises(hf.CheckpointError, match=r"quant_method='modelopt' \(quant_algo='NVFP4'\) is not "
                                                  r"supported") as e:
@@ -67,10 +74,23 @@ def test_model_fields_of_the_ultra_card_and_an_nvfp4_checkpoint_is_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_a_config_json_key_the_args_refuse_is_a_one_line_config_error_at_composition(tmp_path):
+    """The family's args are the one reader of config.json: what they refuse stops composition (launch
+    plan / submit), one line naming the key, before any plan is made."""
+    from launch.compose import compose_points
+    from rl.contract.config import ConfigError
+    cfg = json.loads((ROOT / "conf/checkpoints/nemotron_h/config.json").read_text())
+    cfg["sliding_window"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^config.json sliding_window=4096 is not supported for NemotronH "
+                                          r"\(transformers' NemotronH attention is full causal\)$"):
+        compose_points([f"model.hf_path={tmp_path}", f"run_dir={tmp_path / 'run'}"], multirun=False)
+
+
 def test_resolve_model_takes_the_sizes_from_the_twin(twin):
     from dataclasses import asdict
     from rl.contract.config import ModelConfig
-    out = hf.resolve_model(dict(family=FAMILY, hf_path=str(twin(FAMILY))), asdict(ModelConfig()))
+    out = fields.resolve_model(dict(family=FAMILY, hf_path=str(twin(FAMILY))), asdict(ModelConfig()))
     assert (out["family"], out["dim"], out["n_layers"], out["num_experts"], out["max_seq_len"]) == (FAMILY, 64, 6, 8, 512)
 
 

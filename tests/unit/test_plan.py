@@ -279,13 +279,14 @@ def test_real_experiments_name_the_checkpoint_not_its_sizes(name, family, card):
     """The yaml holds no architecture sizes; family and sizes come from the checkpoint's config.json."""
     import yaml
     from rl.contract import families, hf
+    from rl.models import fields
     model = yaml.safe_load((REPO / "conf" / "experiment" / f"{name}.yaml").read_text())["model"]
     assert set(model) <= {"name", "family", "hf_path", "max_seq_len"}, sorted(model)
     (cfg,) = compose_points([f"+experiment={name}", "cluster=slurm", card, "run_dir=/tmp/hetrl-plan-test"],
                             multirun=False)
     path = card.split("=", 1)[1]
     assert cfg["model"]["family"] == family
-    assert {k: cfg["model"][k] for k in families.DERIVED} == hf.model_fields(hf.read_config(path), family)
+    assert {k: cfg["model"][k] for k in families.DERIVED} == fields.model_fields(hf.read_config(path), family)
 
 
 def test_a_size_contradicting_the_checkpoint_or_a_missing_checkpoint_is_one_line(tmp_path):

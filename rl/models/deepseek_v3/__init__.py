@@ -22,11 +22,11 @@ CP_PARALLELIZE_MODULE = "torchtitan.models.deepseek_v3.parallelize"
 def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
     """DeepSeek-V3 / Kimi text tower (torchtitan's DeepSeekV3Model) for HF config `h`."""
     from rl.models import common
-    from rl.contract.hf import model_fields
+    from rl.models.deepseek_v3.args import DeepSeekV3Args
     from torchtitan.models import deepseek_v3 as ds
     from torchtitan.models.common import Embedding, Linear, RMSNorm
 
-    f = model_fields(h, "deepseek_v3")
+    f = DeepSeekV3Args.from_hf(h).model_fields()
     if h.get("scoring_func", "sigmoid") not in ("sigmoid", "softmax"):
         raise ValueError(f"config.json scoring_func={h.get('scoring_func')!r} is not supported")
     if h.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy", "group_limited_greedy"):

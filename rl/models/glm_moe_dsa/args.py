@@ -1,8 +1,8 @@
 """GLM-5 sizes (torch-free): DeepSeek-V3's network (rl/models/deepseek_v3/args.py) with DeepSeek sparse
 attention, whose indexer scores every key and lets attention see its top `index_topk`.
 
-Only the attention calculator differs (rl.models.layers.DSA); the sizes are the `model` group's fields,
-read from config.json by rl.contract.hf.
+Only the attention calculator differs (rl.models.layers.DSA), and config.json has three more sizes (the
+indexer's heads, head width and top-k) that `from_hf` reads and `model_fields()` hands to the `model` group.
 """
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ class GlmMoeDsaArgs(DeepSeekV3Args):
     index_topk: int = 0
 
     FAMILY = "glm_moe_dsa"
+    HF_FIELDS = DeepSeekV3Args.HF_FIELDS + ("index_n_heads", "index_head_dim", "index_topk")
+
+    @classmethod
+    def _hf_extra(cls, tc: Mapping[str, Any], need) -> dict:
+        return dict(index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
+                    index_topk=int(need("index_topk")))
+
+    @classmethod
+    def twin_sizes(cls, m: Mapping[str, Any]) -> dict:
+        return dict(super().twin_sizes(m), index_n_heads=m["index_n_heads"], index_head_dim=m["index_head_dim"],
+                    index_topk=m["index_topk"])
 
     def attention(self) -> L.DSA:
         return L.DSA(dim=self.dim, n_heads=self.n_heads, q_lora_rank=self.q_lora_rank,
@@ -35,3 +46,8 @@ def from_model(m, hf: Mapping[str, Any] | None = None) -> GlmMoeDsaArgs:
 
 def from_hf(hf: Mapping[str, Any]) -> GlmMoeDsaArgs:
     return GlmMoeDsaArgs.from_hf(hf)
+
+
+def twin_sizes(m: Mapping[str, Any]) -> dict:
+    """`GlmMoeDsaArgs.twin_sizes`, by the name rl.model.tiny looks for in a family's args module."""
+    return GlmMoeDsaArgs.twin_sizes(m)

@@ -11,6 +11,12 @@ projection and norms), the rows the plan arithmetic (rl.plan_math, launch.perf) 
 them for a composed `model` group from its checkpoint's config.json. `param_counts(config_dict)` sums the
 same rows into total and active (per token) parameters, main network and MTP layers separately, so a config
 card can be checked against a model card's "550B total / 55B active".
+
+`model_fields()` is what composition writes into the `model` group (rl.models.fields): the GQA attention and
+routed-expert sizes (`HF_FIELDS`). The layer pattern, Mamba-2, LatentMoE and MTP sizes have no `model` fields:
+every reader takes them from config.json through `from_model`. No RoPE, so `rope_theta` stays as the yaml has
+it. A network is never created here without a checkpoint (rl.model.tiny writes none: the tiny twin,
+rl.model.twins, is written from transformers' own config class).
 """
 from __future__ import annotations
 
@@ -82,6 +88,16 @@ class NemotronHArgs:
     max_position_embeddings: int = 4096
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
+    FAMILY = NAME
+    # the `model` group fields config.json determines (model_fields()); rl.models.fields zeroes the other
+    # sizes (MLA, DSA, dense layers) and leaves rope_theta alone
+    HF_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "top_k", "moe_hidden_dim", "n_kv_heads", "head_dim",
+                 "num_experts")
+    # keys the `model` group needs written out: a config.json without them is refused by name rather than
+    # planned with transformers' defaults
+    _REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_experts_per_tok",
+                 "moe_intermediate_size", "n_routed_experts")
+
     @property
     def n_layers(self) -> int:
         return len(self.layer_types)
@@ -102,6 +118,17 @@ class NemotronHArgs:
     def mtp_types(self) -> tuple[str, ...]:
         """The physical MTP layers: num_nextn_predict_layers steps of the MTP pattern each."""
         return tuple(self.mtp_layer_types) * int(self.num_nextn_predict_layers)
+
+    def model_fields(self) -> dict:
+        """The `model` group values config.json determines (`HF_FIELDS`); a missing size is a one-line
+        CheckpointError naming its key."""
+        from rl.contract import hf as hfc
+        for k in self._REQUIRED:
+            hfc.need(self.extra, k, self.FAMILY)
+        return dict(vocab_size=self.vocab_size, dim=self.hidden_size, n_layers=self.n_layers,
+                    n_heads=self.num_attention_heads, top_k=self.num_experts_per_tok,
+                    moe_hidden_dim=self.moe_intermediate_size, n_kv_heads=self.num_key_value_heads,
+                    head_dim=self.head_dim, num_experts=self.n_routed_experts)
 
     def layers(self) -> "tuple[L.Layer, ...]":
         """One row per block of the main network (rl.models.layers), in `layer_types` order."""

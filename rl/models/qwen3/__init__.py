@@ -29,13 +29,14 @@ CP_PARALLELIZE_MODULE = "torchtitan.models.qwen3.parallelize"
 def _flavor(m: Mapping[str, Any], h: Mapping[str, Any]):
     """torchtitan qwen3 flavor function (attn_backend, moe_comm_backend) -> Qwen3Model.Config for HF `h`."""
     from rl.models import common
-    from rl.contract.hf import model_fields, rope_scaling, rope_theta
+    from rl.contract.hf import rope_scaling, rope_theta
+    from rl.models.qwen3.args import Qwen3Args
     from torchtitan.models import qwen3 as q3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
     if rope_scaling(h):
         raise ValueError(f"config.json rope scaling {rope_scaling(h)} is not supported for family qwen3")
-    f = model_fields(h, "qwen3")
+    f = Qwen3Args.from_hf(h).model_fields()
 
     def build(attn_backend: str, moe_comm_backend: str = "standard"):
         dim, vocab = f["dim"], f["vocab_size"]
