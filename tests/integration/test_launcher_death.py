@@ -5,6 +5,12 @@ step, a checkpoint, exit) and none is left running. `--detach` is the opposite o
 returns, the roles train on, `launch status` says so, `launch cancel` stops them. And `launch status` on
 a finished run shows the last trained step out of max_steps with its reward. Every run is the embedded
 default with a few steps; every wait polls against a generous deadline.
+
+Start-ups are most of this file's time (about 90 s each here), so the SIGKILL and SIGHUP runs are started
+together by one module-scoped fixture and each test then stops its own run: they are separate runs in
+separate directories (their derived ports checked apart), so neither test sees the other's signal, and
+each run trains on while the other is tested (max_steps is out of reach). The runs skip the supervised
+warm start, which only makes the policy better and has nothing to do with a launcher's lifetime.
 """
 import json
 import os
@@ -23,7 +29,8 @@ from rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
-STEPS = 40          # never reached: every run here is stopped after its first steps
+STEPS = 200         # never reached: every run here is stopped after its first steps or its neighbour's test
+                    # (and the launcher's unread stdout pipe, ~130 bytes a step, never fills)
 DRAIN_S = 5.0       # orchestrator.drain_timeout_s
 GONE_S = 240.0      # the roles' stop (checkpoint, vLLM shutdown) on two loaded cores, with room to spare
 
@@ -31,7 +38,8 @@ GONE_S = 240.0      # the roles' stop (checkpoint, vLLM shutdown) on two loaded 
 def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "launch", "run", *extra, f"run_dir={run_dir}",
-                             f"trainer.max_steps={STEPS}", f"orchestrator.drain_timeout_s={DRAIN_S}"],
+                             f"trainer.max_steps={STEPS}", f"orchestrator.drain_timeout_s={DRAIN_S}",
+                             "trainer.warm_start.steps=0"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -78,9 +86,44 @@ def _stopped_with_a_checkpoint(run_dir: Path) -> None:
     assert not paths.done_file(run_dir).exists()
 
 
-def test_a_sigkilled_launcher_leaves_no_role_running(tmp_path):
-    run_dir = tmp_path / "run"
-    p = _launch(run_dir)
+def _run_dirs(tmp_path_factory, names: tuple[str, ...]) -> dict[str, Path]:
+    """A run dir per name whose derived ports (rl.contract.config.resolve_ports) differ from the others':
+    runs that share a host at the same time must not share a port."""
+    from rl.contract.config import resolve_ports
+    out: dict[str, Path] = {}
+    taken: set[int] = set()
+    for name in names:
+        while True:
+            d = tmp_path_factory.mktemp(name) / "run"
+            c = resolve_ports({"run_dir": str(d), "inference": {}, "trainer": {}})
+            ports = {c["inference"]["port"], c["inference"]["router_port"], c["trainer"]["master_port"]}
+            if not ports & taken:
+                break
+        taken |= ports
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """{"sigkill" | "sighup": (run_dir, launcher)}: two runs launched at once, each for one test to stop.
+    A run its test did not stop (the test failed first) is stopped here: launcher SIGKILLed, roles awaited."""
+    runs = _run_dirs(tmp_path_factory, ("sigkill", "sighup"))
+    procs = {how: _launch(d) for how, d in runs.items()}
+    try:
+        yield {how: (runs[how], procs[how]) for how in runs}
+    finally:
+        for how, p in procs.items():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+        deadline = time.monotonic() + GONE_S
+        while any(_live_roles(d) for d in runs.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def test_a_sigkilled_launcher_leaves_no_role_running(started):
+    run_dir, p = started["sigkill"]
     _wait_steps(run_dir, 2, p)
     os.killpg(p.pid, signal.SIGKILL)   # the launcher's whole process group, as the issue did; the roles are not in it
     p.wait()
@@ -91,9 +134,8 @@ def test_a_sigkilled_launcher_leaves_no_role_running(tmp_path):
     assert "SIGTERM received" in log or "the launcher (pid " in log, log[-3000:]
 
 
-def test_a_hung_up_launcher_stops_its_roles_and_says_so(tmp_path):
-    run_dir = tmp_path / "run"
-    p = _launch(run_dir)
+def test_a_hung_up_launcher_stops_its_roles_and_says_so(started):
+    run_dir, p = started["sighup"]
     _wait_steps(run_dir, 2, p)
     os.kill(p.pid, signal.SIGHUP)      # what a closed ssh session sends
     try:

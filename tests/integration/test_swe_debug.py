@@ -6,6 +6,10 @@
 2. The token ids of multi-turn rollouts in the trained batch (as saved to and loaded from disk) are the
    ids the server generated, each in the exact context it was generated in: checked against the HTTP
    traffic itself, recorded below our client (httpx event hooks), not against our parsed view of it.
+
+The server of 2. is started before 1. (`_booting_server`, module scope, which 1. requests too) and boots
+while 1. runs: a vLLM CPU start-up is most of 2.'s time, and 1.'s run leaves a core idle for much of its
+own. The two share nothing but the machine: separate run dirs, and 1.'s port picked apart from 2.'s.
 """
 from __future__ import annotations
 
@@ -37,12 +41,12 @@ PER_TURN = ("turns_per_episode", "tokens_per_turn", "tool_calls", "tool_errors",
             "env_time_fraction", "episode_tokens_mean", "obs_tokens_per_turn")
 
 
-def test_swe_debug_experiment_runs_end_to_end(tmp_path):
+def test_swe_debug_experiment_runs_end_to_end(tmp_path, _booting_server):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "launch", "run", "+experiment=swe_debug", f"run_dir={run_dir}",
-           f"inference.port={_free_port()}"]
+           f"inference.port={_free_port(avoid=_booting_server['port'])}"]
     p = subprocess.Popen(cmd,
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -80,16 +84,20 @@ def test_swe_debug_experiment_runs_end_to_end(tmp_path):
 
 
 # --- token ids kept exact, checked against the wire ----------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(avoid: int | None = None) -> int:
+    """A free port, never `avoid` (a port another server of this module may not have bound yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _booting_server(tmp_path_factory):
     """A run dir with assets and the trainer's own random initial weights, and `python -m rl.inference`
-    serving them."""
+    started on them; not awaited (`server` waits for it). Stopped when the module ends."""
     from rl.model.tiny import write_hf_assets
     from rl.trainer.train import Trainer
 
@@ -97,8 +105,9 @@ def server(tmp_path_factory):
     from builders import make_run_dir
     from rl.contract.config import load
     run_dir = root / "run"
+    port = _free_port()
     make_run_dir(run_dir, "model.max_seq_len=2048", "inference.max_model_len=2048",
-                 f"inference.port={_free_port()}", "inference.startup_timeout_s=500",
+                 f"inference.port={port}", "inference.startup_timeout_s=500",
                  f"cluster.node_local_dir={root / 'node_local'}", "wandb.mode=disabled")
     (run_dir / "secret").unlink()  # the test's client talks to the server without the run's token
     cfg = load(run_dir)
@@ -110,14 +119,9 @@ def server(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO), "HETRL_UNAUTHENTICATED": "1"},
                             stdout=log, stderr=subprocess.STDOUT)
-    info = run_dir / "inference" / "server_0.json"
-    t0 = time.monotonic()
     try:
-        while not info.exists():
-            assert proc.poll() is None, (root / "inference.out").read_text()[-3000:]
-            assert time.monotonic() - t0 < 550, "server did not come up"
-            time.sleep(1)
-        yield {"run_dir": run_dir, "cfg": cfg, "url": json.loads(info.read_text())["url"]}
+        yield {"run_dir": run_dir, "cfg": cfg, "proc": proc, "root": root, "port": port,
+               "started": time.monotonic()}
     finally:
         atomic_write_json(run_dir / "DONE", {})
         try:
@@ -126,6 +130,18 @@ def server(tmp_path_factory):
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(_booting_server):
+    """The booting server, awaited: {run_dir, cfg, url} once its record is written."""
+    b = _booting_server
+    info = b["run_dir"] / "inference" / "server_0.json"
+    while not info.exists():
+        assert b["proc"].poll() is None, (b["root"] / "inference.out").read_text()[-3000:]
+        assert time.monotonic() - b["started"] < 550, "server did not come up"
+        time.sleep(1)
+    return {"run_dir": b["run_dir"], "cfg": b["cfg"], "url": json.loads(info.read_text())["url"]}
 
 
 def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
@@ -141,6 +157,11 @@ def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
     limits = RolloutLimits(max_turns=4, max_tokens_per_turn=40, max_total_tokens=2048)
     wire: list[tuple[dict, dict]] = []  # (request body, response body) of every generate call
 
+    async def on_request(request):
+        # the client may stream a body and let its bytes go once sent: read here, the request keeps them
+        if request.url.path.endswith("/inference/v1/generate"):
+            await request.aread()
+
     async def on_response(response):
         if response.request.url.path.endswith("/inference/v1/generate"):
             await response.aread()
@@ -148,6 +169,7 @@ def test_multiturn_ids_in_the_trained_batch_equal_the_servers(server, tmp_path):
 
     async def main():
         client = InferenceClient(server["url"])
+        client._http.event_hooks["request"].append(on_request)
         client._http.event_hooks["response"].append(on_response)
         try:
             async def generate(ids, max_tokens, turn):
