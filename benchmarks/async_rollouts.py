@@ -346,7 +346,7 @@ def main(argv=None) -> int:
           f"x{a.tool_outlier_factor}", flush=True)
     tok = None
     if a.backend == "sim":
-        from rl.model.tiny import build_tokenizer
+        from rl.tiny_models.tiny import build_tokenizer
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="async_rollouts_") as tmp:
         if a.backend == "sim":

@@ -60,7 +60,7 @@ def make_run(root: Path, args) -> Path:
     from rl.contract import paths
     from rl.contract.atomic import atomic_write_json
     from rl.exchange.weights import write_shards
-    from rl.model.tiny import write_hf_assets
+    from rl.tiny_models.tiny import write_hf_assets
 
     run_dir = root / "run"
     port = _free_port()

@@ -1,7 +1,7 @@
 """Per model family: the trainer against transformers, and vLLM's served logprobs against the trainer.
 
 For every family the trainer builds (qwen3, kimi_k2_7, glm_moe_dsa, nemotron_h) a tiny random twin checkpoint is
-written with transformers' own config class (rl.model.twins), then:
+written with transformers' own config class (rl.tiny_models.twins), then:
 
 1. `logit_maxdiff`: the trainer's model loaded from the checkpoint directory (rl.trainer.hf_load, as a run
    starts) against transformers' own model loaded from the same directory, fp32, the largest absolute
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(families) - set(EXPERIMENT))
     if unknown:
         raise SystemExit(f"--families: unknown {unknown} (known: {', '.join(EXPERIMENT)})")
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="family_parity_") as tmp:

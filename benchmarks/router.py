@@ -1,6 +1,6 @@
 """Does the KV-aware router reuse more prefix cache than round robin on a multi-turn workload?
 
-Starts 2 real vLLM CPU servers on the same tiny Qwen3-MoE (made here: rl.model.tiny tokenizer and
+Starts 2 real vLLM CPU servers on the same tiny Qwen3-MoE (made here: rl.tiny_models.tiny tokenizer and
 config, random weights in HF names; prefix caching on, `--block-size` small so a turn's growth shows),
 then runs the same multi-turn workload through the router (rl.inference.router, policy "kv") and
 through the same proxy doing per-request round robin, with the servers' prefix caches reset before each
@@ -44,13 +44,13 @@ MODEL_NAME = "policy"
 
 # -- the model and the servers -----------------------------------------------------------------------
 def make_model(out_dir: Path, max_len: int, seed: int = 0) -> Path:
-    """Tokenizer + config (rl.model.tiny) and random weights in HF checkpoint names (per expert)."""
+    """Tokenizer + config (rl.tiny_models.tiny) and random weights in HF checkpoint names (per expert)."""
     import torch
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
-    from rl.model.tiny import write_hf_assets
+    from rl.tiny_models.tiny import write_hf_assets
 
     out_dir = Path(out_dir)
     from rl.contract.config import ModelConfig

@@ -203,7 +203,7 @@ def publish_start(run_dir: Path) -> None:
     """What the trainer's first start publishes before any role can work: the tokenizer and version 0."""
     from rl import exchange
     from rl.contract import safefs
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     exchange.publish(run_dir, "assets", 0, lambda d: build_tokenizer(d).save_pretrained(str(d)), producer="trainer")
     exchange.publish(run_dir, "weights", 0, lambda d: safefs.write_atomic(d / "weights.txt", b"rehearsal version 0\n"),
                      producer="trainer", policy_version=0)

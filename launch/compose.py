@@ -114,10 +114,10 @@ def with_checkpoint(c: dict, overrides: list[str] | None = None) -> dict:
         return c
     m = dict(m, hf_path=str(Path(m["hf_path"]).expanduser().absolute()))
     if not (Path(m["hf_path"]) / hf.CONFIG).is_file():
-        # every family has a tiny twin (rl.model.twins): name the command that writes the missing one
+        # every family has a tiny twin (rl.tiny_models.twins): name the command that writes the missing one
         fam = m.get("family") if m.get("family") != ModelConfig.family else None
-        make = (f"; make the tiny twin with: python -m rl.model.twins {fam} {m['hf_path']}" if fam else
-                "; a tiny twin is made with: python -m rl.model.twins FAMILY PATH")
+        make = (f"; make the tiny twin with: python -m rl.tiny_models.twins {fam} {m['hf_path']}" if fam else
+                "; a tiny twin is made with: python -m rl.tiny_models.twins FAMILY PATH")
         raise ConfigError(f"model.hf_path={m['hf_path']}: no {hf.CONFIG} there{make}")
     try:
         c["model"] = fields.resolve_model(m, dataclasses.asdict(ModelConfig()))

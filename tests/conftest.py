@@ -12,12 +12,12 @@ from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 @pytest.fixture(scope="session")
 def twin(tmp_path_factory):
-    """twin(family) -> the path of that family's tiny random HF checkpoint (rl.model.twins), made once."""
+    """twin(family) -> the path of that family's tiny random HF checkpoint (rl.tiny_models.twins), made once."""
     made = {}
 
     def get(family: str) -> Path:
         if family not in made:
-            from rl.model.twins import write_twin
+            from rl.tiny_models.twins import write_twin
             made[family] = write_twin(tmp_path_factory.mktemp(f"twin_{family}"), family)
         return made[family]
     return get

@@ -2,7 +2,7 @@
 
 One table, read by config validation (`FAMILIES`), the checkpoint reader (rl.contract.hf: which
 config.json `model_type` is which family; rl.models.fields: where the family's args are), the tiny twins
-(rl.model.twins, rl.model.tiny), the plan (launch.plan: vLLM's CPU arguments) and the launcher's
+(rl.tiny_models.twins, rl.tiny_models.tiny), the plan (launch.plan: vLLM's CPU arguments) and the launcher's
 servability check (launch.__main__.check_servable). The network itself (torchtitan builder, sharding,
 state-dict adapter) lives in the family's folder `rl/models/<package>/`, found through the registry in
 rl/models/__init__.py, and so does its torch-free `args.py`: the sizes as rows of layer calculators
@@ -57,7 +57,7 @@ class Family:
     also_model_types: tuple[str, ...] = ()
     hf_config_class: str = ""              # transformers' config class (the twin's config.json)
     hf_model_class: str = ""               # transformers' model class = the architecture vLLM serves
-    twin: dict = field(default_factory=dict)        # tiny twin sizes (rl.model.twins)
+    twin: dict = field(default_factory=dict)        # tiny twin sizes (rl.tiny_models.twins)
     twin_extra: dict = field(default_factory=dict)  # config.json keys added to transformers' output
     twin_drop: tuple[str, ...] = ()                 # config.json keys removed from it
     cpu_unservable: str | None = None      # why vLLM's CPU build cannot serve it (None: it can)

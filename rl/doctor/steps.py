@@ -1,7 +1,7 @@
 """Per model family, from its tiny twin: the trainer's logits against transformers on the same device,
 and one trainer step in bf16 and with FP8, each under the device guard.
 
-The twin is a random checkpoint written by transformers' own classes (rl.model.twins). Its widths are
+The twin is a random checkpoint written by transformers' own classes (rl.tiny_models.twins). Its widths are
 raised to 128 where the family allows (`_SIZES`), so that the FP8 GEMMs of the projections and experts
 meet `torch._scaled_mm`'s shape rules (the reduction dimension a multiple of 128) on an FP8 GPU and are
 not all emulated. A step row passes when the loss and gradient norm are finite, the update was applied,
@@ -156,7 +156,7 @@ def logits_row(family: str, path: Path, device: str) -> dict:
 
 def family_rows(device: str, workdir: Path, families=None) -> list[dict]:
     from rl.contract import families as fams
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
     rows = []
     for fam in families or fams.FAMILIES:
         twin = workdir / f"twin_{fam}"
@@ -165,7 +165,7 @@ def family_rows(device: str, workdir: Path, families=None) -> list[dict]:
         def make(fam=fam, twin=twin):
             made.append(write_twin(twin, fam, sizes=_SIZES.get(fam)))
             return []
-        rows += guarded(f"{fam}: tiny twin", make, "python -m rl.model.twins FAMILY DIR shows the error")
+        rows += guarded(f"{fam}: tiny twin", make, "python -m rl.tiny_models.twins FAMILY DIR shows the error")
         if not made:
             continue
         path = made[0]

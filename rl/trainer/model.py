@@ -30,13 +30,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def network_config(m: Mapping[str, Any]) -> dict:
     """The HF config.json (text tower) that defines the network of model config `m`.
 
-    With `model.hf_path` it is the checkpoint's; otherwise the one `rl.model.tiny.write_hf_assets` writes
+    With `model.hf_path` it is the checkpoint's; otherwise the one `rl.tiny_models.tiny.write_hf_assets` writes
     for a model created here (the same architecture keys; token ids do not change the network).
     """
     from rl.contract import hf
     if m.get("hf_path"):
         return hf.text_config(hf.read_config(m["hf_path"]))
-    from rl.model.tiny import hf_config
+    from rl.tiny_models.tiny import hf_config
     return hf_config(m, int(m["vocab_size"]), 0, 0)
 
 

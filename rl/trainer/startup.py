@@ -2,7 +2,7 @@
 (`write_assets`), and the Trainer it runs, warm-started and published as version 0 on a first start or
 loaded from its checkpoint on a resume (`start`).
 
-- first start: `assets/step_000000` (tokenizer + config.json, `rl.model.tiny.write_hf_assets`), the
+- first start: `assets/step_000000` (tokenizer + config.json, `rl.tiny_models.tiny.write_hf_assets`), the
   supervised warm start, `weights/step_000000` (version 0) and `checkpoints/step_000000`, so a restart
   before the first periodic checkpoint does not redo the warm start;
 - resume: `checkpoints/step_c` (c from resume.json, else the newest complete one), and
@@ -28,9 +28,9 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 def write_assets(out_dir: Path, m) -> None:
     """`assets/step_000000`: tokenizer, chat template and config.json the orchestrator, the environments
     and vLLM use. From `model.hf_path`: the checkpoint's own files (everything but the weights);
-    otherwise the tiny model's, created here (rl.model.tiny)."""
+    otherwise the tiny model's, created here (rl.tiny_models.tiny)."""
     if not m.hf_path:
-        from rl.model.tiny import write_hf_assets
+        from rl.tiny_models.tiny import write_hf_assets
         write_hf_assets(out_dir, m)
         return
     import shutil

@@ -1,6 +1,6 @@
 """`python -m launch export`: a trained policy, from its DCP checkpoint, as a Hugging Face checkpoint.
 
-For every family a tiny twin (rl.model.twins) is trained one optimizer step by the real Trainer and
+For every family a tiny twin (rl.tiny_models.twins) is trained one optimizer step by the real Trainer and
 checkpointed by the trainer's own `save` (DCP + dcp_metadata.json), in a run directory frozen like the
 launcher freezes one. The outside reference is transformers' own model class for the architecture,
 loaded from the exported directory with `from_pretrained`: its fp32 logits must equal those of the
@@ -57,7 +57,7 @@ def trained(tmp_path_factory):
         from helpers.trainer import synthetic_batch
         from builders import make_run_dir
         from rl.contract import config
-        from rl.model.twins import write_twin
+        from rl.tiny_models.twins import write_twin
         from rl.trainer.startup import write_assets
         from rl.trainer.train import Trainer
         root = tmp_path_factory.mktemp(f"export_{family}")

@@ -20,7 +20,7 @@ from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402
 from rl.contract.plan import expand  # noqa: E402
 from rl.inference.model_dir import materialize  # noqa: E402
-from rl.model.tiny import write_hf_assets  # noqa: E402
+from rl.tiny_models.tiny import write_hf_assets  # noqa: E402
 from rl.orchestrator.client import InferenceClient  # noqa: E402
 from test_inference_server import (MODEL, PROMPTS, _proc_argv_env, _publish_weights,  # noqa: E402
                                    make_run_dir, random_hf_state_dict, reference_logprobs, start_role,
@@ -164,7 +164,7 @@ def test_fp8_shards_of_family_load_natively(tmp_path, family):
     """
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
 
     twin = write_twin(tmp_path / "twin", family, seed=0, sizes=GPU_TWIN_SIZES[family])
     started = []

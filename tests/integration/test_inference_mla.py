@@ -43,7 +43,7 @@ from rl.contract.plan import Plan  # noqa: E402
 from rl.exchange.layout import INDEX  # noqa: E402
 from rl.exchange.weights import write_shards  # noqa: E402
 from rl.inference.model_dir import materialize  # noqa: E402
-from rl.model.twins import write_twin  # noqa: E402
+from rl.tiny_models.twins import write_twin  # noqa: E402
 from rl.orchestrator.client import InferenceClient  # noqa: E402
 from test_inference_server import _free_port, start_role, wait_server  # noqa: E402
 

@@ -40,7 +40,7 @@ from rl.contract.plan import Plan, expand  # noqa: E402
 from rl.contract.records import ServerRecord  # noqa: E402
 from rl.exchange.weights import write_shards  # noqa: E402
 from rl.inference.model_dir import materialize  # noqa: E402
-from rl.model.tiny import write_hf_assets  # noqa: E402
+from rl.tiny_models.tiny import write_hf_assets  # noqa: E402
 from rl.orchestrator.client import (InferenceClient, InferenceError, generate_key,  # noqa: E402
                                     versions_from_spans, versions_from_updates)
 

@@ -81,7 +81,7 @@ def test_fp8_shards_are_served_and_generate(tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
     from rl.contract.atomic import atomic_write_json
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
     from rl.orchestrator.client import InferenceClient
 
     twin = write_twin(tmp_path / "twin", FAMILY, seed=0, sizes=GPU_SIZES)

@@ -168,7 +168,7 @@ def test_multi_turn_episode_shows_turns_tool_calls_outputs_and_versions(tmp_path
 
     from rl.contract import config
     from rl.contract.batch import RolloutBatch, Sample
-    from rl.model.tiny import write_hf_assets
+    from rl.tiny_models.tiny import write_hf_assets
     run = tmp_path / "run"
     make_run_dir(run, "wandb.mode=disabled")
     cfg = config.load(run)

@@ -98,7 +98,7 @@ def _free_port(avoid: int | None = None) -> int:
 def _booting_server(tmp_path_factory):
     """A run dir with assets and the trainer's own random initial weights, and `python -m rl.inference`
     started on them; not awaited (`server` waits for it). Stopped when the module ends."""
-    from rl.model.tiny import write_hf_assets
+    from rl.tiny_models.tiny import write_hf_assets
     from rl.trainer.train import Trainer
 
     root = tmp_path_factory.mktemp("mt")

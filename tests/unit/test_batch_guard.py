@@ -304,7 +304,7 @@ def test_a_nan_reward_makes_its_group_a_failed_group(tmp_path):
     first task it hands out. That group is dropped and counted as failed, a fresh one takes its place,
     and every advantage of the batch is finite (the batch passes the trainer's validation)."""
     from rl.envs.digits import DigitsEnv
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     from rl.orchestrator.client import Completion
     from rl.orchestrator.loop import Orchestrator
     from rl.orchestrator.versions import VersionTracker

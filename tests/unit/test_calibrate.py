@@ -118,7 +118,7 @@ def test_plan_calibrated_on_a_pilot_predicts_another_configuration(tmp_path, mod
     metrics.jsonl carries the same per-turn generation seconds)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import async_rollouts
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     tok = build_tokenizer(tmp_path / "tok")
     a = async_rollouts.parser().parse_args([])
     base = lambda steps, conc, env: [*async_rollouts.common_overrides(a, model, 0, steps),  # noqa: E731

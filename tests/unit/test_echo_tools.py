@@ -9,7 +9,7 @@ from rl.contract.config import Config
 from rl.contract.validation import validate
 from rl.envs import make_env
 from rl.envs.base import default_turn_info, observation_messages
-from rl.model.tiny import build_tokenizer
+from rl.tiny_models.tiny import build_tokenizer
 
 
 def test_echo_tools_sizes_observations_and_refuses_bad_calls(tmp_path):

@@ -48,7 +48,7 @@ class Copier:
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 

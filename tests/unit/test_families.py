@@ -2,7 +2,7 @@
 
 The outside reference is transformers 5.19's implementation of each architecture (Qwen3MoeForCausalLM,
 DeepseekV3ForCausalLM for deepseek_v3 and Kimi's text tower), loaded from a tiny random checkpoint that
-transformers itself wrote (rl.model.twins). GLM-5 has its own tests (test_glm5.py).
+transformers itself wrote (rl.tiny_models.twins). GLM-5 has its own tests (test_glm5.py).
 """
 import json
 import shutil
@@ -71,7 +71,7 @@ def test_deepseek_with_yarn_rope_group_routing_and_no_q_lora_matches_transformer
     """The config.json knobs Kimi/DeepSeek checkpoints use beyond the twin: yarn rope with mscale (softmax
     scale), group-limited routing, q_lora_rank 0 (direct q projection), an rms_norm_eps that the MLA
     latent norm does not take (it keeps 1e-6; 1e-2 here so that taking it would show)."""
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
     path = write_twin(tmp_path / "ds", "deepseek_v3", seed=3, sizes=dict(
         q_lora_rank=None, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
         rms_norm_eps=1e-2, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
@@ -161,14 +161,14 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
 
 
 def test_a_model_created_here_reads_back_through_its_family_args():
-    """rl.model.tiny writes the config.json of a model created here from the `model` group's sizes (the
+    """rl.tiny_models.tiny writes the config.json of a model created here from the `model` group's sizes (the
     family args' `twin_sizes`, or Qwen3-MoE's key-by-key config); the family's args read the same sizes back
     (rl.models.fields). A family with neither is one line naming what to do instead."""
     from dataclasses import asdict
 
     from rl.contract import families
     from rl.contract.config import ModelConfig
-    from rl.model import tiny
+    from rl.tiny_models import tiny
     from rl.models import fields
 
     sizes = dict(vocab_size=512, dim=128, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=96, moe_hidden_dim=32,
@@ -203,7 +203,7 @@ def test_every_family_row_has_a_builder_a_twin_and_a_memory_shape():
     from rl import models
     from rl.contract import families
     from rl.contract.config import FAMILIES as CONFIG_FAMILIES
-    from rl.model.twins import TWINS
+    from rl.tiny_models.twins import TWINS
     from rl.models import fields
 
     assert CONFIG_FAMILIES == families.FAMILIES

@@ -110,7 +110,7 @@ def _publisher_fp8(path: Path, tensors) -> set[str]:
 
 @pytest.mark.parametrize("family", FAMILIES + ["deepseek_v3"])
 def test_every_weight_the_publisher_quantizes_is_an_fp8_gemm(tmp_path, twin, family):
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
     from rl.models.common import hf_state_dict
     path = (write_twin(tmp_path / "ds", family, sizes=dict(q_lora_rank=None))  # HF q_proj, torchtitan wq
             if family == "deepseek_v3" else twin(family))

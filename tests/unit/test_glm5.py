@@ -115,7 +115,7 @@ def test_trainer_start_from_a_checkpoint_directory_equals_transformers(tmp_path)
     through this adapter's names; published names are the checkpoint's, bit for bit."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from rl.model.twins import write_twin
+    from rl.tiny_models.twins import write_twin
     from rl.trainer import hf_load
     from rl.models.common import hf_state_dict, logits
     from rl.trainer.model import build_model

@@ -40,7 +40,7 @@ def test_a_missing_twin_names_the_command_that_makes_it(tmp_path):
     missing = tmp_path / "models" / "kimi_tiny"
     r = _launch("run", "+experiment=kimi_tiny", f"model.hf_path={missing}", f"run_dir={tmp_path / 'run'}")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert f"python -m rl.model.twins kimi_k2_7 {missing}" in r.stderr, r.stderr
+    assert f"python -m rl.tiny_models.twins kimi_k2_7 {missing}" in r.stderr, r.stderr
 
 
 def test_models_dir_is_ignored_by_git():

@@ -133,7 +133,7 @@ def test_a_300_turn_episode_runs_to_its_turn_cap_through_two_summaries(tmp_path)
     import time
     from types import SimpleNamespace
     import numpy as np
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     from test_multiturn_r3 import ToolEnv
     from rl.orchestrator import multiturn, segments
     tok = build_tokenizer(tmp_path / "tok")

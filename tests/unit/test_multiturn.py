@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from rl.contract.config import Config
 from rl.envs.base import chat_prompt_ids
 from rl.orchestrator.client import Completion
-from rl.model.tiny import build_tokenizer
+from rl.tiny_models.tiny import build_tokenizer
 from rl.contract.batch import RolloutBatch
 from rl.orchestrator.multiturn import ChatBridge, RolloutLimits, batch_metrics, run_episode
 

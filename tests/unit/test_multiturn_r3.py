@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl.contract.config import Config
-from rl.model.tiny import build_tokenizer
+from rl.tiny_models.tiny import build_tokenizer
 from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.multiturn import Rollout
 

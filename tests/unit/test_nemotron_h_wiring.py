@@ -1,5 +1,5 @@
 """`model.family: nemotron_h` through the project's own paths: the table row, the checkpoint reader, the tiny
-twin (rl.model.twins, transformers' NemotronH classes + MTP tensors), the trainer's build / load / train /
+twin (rl.tiny_models.twins, transformers' NemotronH classes + MTP tensors), the trainer's build / load / train /
 checkpoint / FP8 publish (rl.trainer), and the launcher's CPU refusal.
 
 The network's own parity with transformers (packing, SSD scan, CP, one optimizer step) is

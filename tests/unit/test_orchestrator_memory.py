@@ -150,7 +150,7 @@ class RoutingPolicy:
 
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory):
-    from rl.model.tiny import build_tokenizer
+    from rl.tiny_models.tiny import build_tokenizer
     return ChatBridge(build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 

@@ -292,7 +292,7 @@ def test_real_experiments_name_the_checkpoint_not_its_sizes(name, family, card):
 def test_a_size_contradicting_the_checkpoint_or_a_missing_checkpoint_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.dim=1024 contradicts .*config.json \(7168\)"):
         compose_points([*KIMI, "model.dim=1024", f"run_dir={tmp_path}"], multirun=False)
-    with pytest.raises(ConfigError, match=r"^model.hf_path=.*nowhere: no config.json there(; .*rl.model.twins.*)?$"):
+    with pytest.raises(ConfigError, match=r"^model.hf_path=.*nowhere: no config.json there(; .*rl.tiny_models.twins.*)?$"):
         compose_points([*KIMI[:2], f"model.hf_path={tmp_path}/nowhere", f"run_dir={tmp_path}"], multirun=False)
     with pytest.raises(ConfigError, match=r"model.family='kimi_k2_7' does not fit the checkpoint"):
         compose_points([*GLM, "model.family=kimi_k2_7", f"run_dir={tmp_path}"], multirun=False)

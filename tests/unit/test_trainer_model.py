@@ -13,7 +13,7 @@ def test_hf_state_dict_gives_same_logits_in_transformers(tmp_path):
     import json
     from transformers import Qwen3MoeForCausalLM
     from rl.exchange.weights import write_shards
-    from rl.model.tiny import hf_config
+    from rl.tiny_models.tiny import hf_config
 
     built = build_model(M, seed=1)
     sd = hf_state_dict(built)

@@ -18,7 +18,7 @@ vf = pytest.importorskip("verifiers.v1")
 from rl.envs import make_env  # noqa: E402
 from rl.envs.verifiers_adapter import UnsupportedEnvironment  # noqa: E402
 from rl.orchestrator.client import Completion  # noqa: E402
-from rl.model.tiny import build_tokenizer  # noqa: E402
+from rl.tiny_models.tiny import build_tokenizer  # noqa: E402
 from rl.contract.batch import RolloutBatch  # noqa: E402
 from rl.orchestrator.multiturn import ChatBridge, RolloutLimits, batch_metrics, run_episode  # noqa: E402
 

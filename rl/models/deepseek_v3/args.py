@@ -88,7 +88,7 @@ class DeepSeekV3Args:
     @classmethod
     def twin_sizes(cls, m: Mapping[str, Any]) -> dict:
         """The transformers config keys of a network created here (no checkpoint) with the sizes of the
-        `model` group `m` (rl.model.tiny): the inverse of `from_hf`."""
+        `model` group `m` (rl.tiny_models.tiny): the inverse of `from_hf`."""
         return dict(hidden_size=m["dim"], num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
                     q_lora_rank=m["q_lora_rank"] or None, kv_lora_rank=m["kv_lora_rank"],
                     qk_rope_head_dim=m["qk_rope_head_dim"], qk_nope_head_dim=m["qk_nope_head_dim"],
@@ -126,5 +126,5 @@ def from_hf(hf: Mapping[str, Any]) -> DeepSeekV3Args:
 
 
 def twin_sizes(m: Mapping[str, Any]) -> dict:
-    """`DeepSeekV3Args.twin_sizes`, by the name rl.model.tiny looks for in a family's args module."""
+    """`DeepSeekV3Args.twin_sizes`, by the name rl.tiny_models.tiny looks for in a family's args module."""
     return DeepSeekV3Args.twin_sizes(m)

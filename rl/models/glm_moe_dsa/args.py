@@ -49,5 +49,5 @@ def from_hf(hf: Mapping[str, Any]) -> GlmMoeDsaArgs:
 
 
 def twin_sizes(m: Mapping[str, Any]) -> dict:
-    """`GlmMoeDsaArgs.twin_sizes`, by the name rl.model.tiny looks for in a family's args module."""
+    """`GlmMoeDsaArgs.twin_sizes`, by the name rl.tiny_models.tiny looks for in a family's args module."""
     return GlmMoeDsaArgs.twin_sizes(m)

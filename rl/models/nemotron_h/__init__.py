@@ -37,7 +37,7 @@ def model_spec(m: Mapping[str, Any], h: Mapping[str, Any], attn_backend: str = "
 
 
 def twin_tensors(h: Mapping[str, Any], seed: int = 0, dtype: str = "float32") -> dict:
-    """The tensors a tiny twin's checkpoint needs beyond what transformers writes (rl.model.twins): the MTP
+    """The tensors a tiny twin's checkpoint needs beyond what transformers writes (rl.tiny_models.twins): the MTP
     layers' (`mtp.layers.*`, checkpoint names, experts split), random, norms around 1. transformers has no
     MTP module (it ignores `mtp.*` on load), vLLM's NemotronH-MTP and the trainer read them."""
     import torch

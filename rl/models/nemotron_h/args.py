@@ -15,8 +15,8 @@ card can be checked against a model card's "550B total / 55B active".
 `model_fields()` is what composition writes into the `model` group (rl.models.fields): the GQA attention and
 routed-expert sizes (`HF_FIELDS`). The layer pattern, Mamba-2, LatentMoE and MTP sizes have no `model` fields:
 every reader takes them from config.json through `from_model`. No RoPE, so `rope_theta` stays as the yaml has
-it. A network is never created here without a checkpoint (rl.model.tiny writes none: the tiny twin,
-rl.model.twins, is written from transformers' own config class).
+it. A network is never created here without a checkpoint (rl.tiny_models.tiny writes none: the tiny twin,
+rl.tiny_models.twins, is written from transformers' own config class).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ embedding and LM head.
 The sizes are the `model` group's fields (rl.contract.config.ModelConfig). `from_hf` is the one reader of a
 Qwen3-MoE config.json: composition fills the `model` group from its `model_fields()` (rl.models.fields;
 `HF_FIELDS` names what it sets). `layers()` gives the rows rl.models.layers computes. A model created here
-(no checkpoint) has its config.json written key by key by rl.model.tiny, so there is no `twin_sizes`.
+(no checkpoint) has its config.json written key by key by rl.tiny_models.tiny, so there is no `twin_sizes`.
 """
 from __future__ import annotations
 

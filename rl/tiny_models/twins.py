@@ -13,7 +13,7 @@ and it builds the router's `e_score_correction_bias` only when config.json says 
 the bias-corrected expert selection. GLM-5's sparse attention has no CPU kernel in vLLM at all; its twin
 is sized for the trainer only.
 
-    python -m rl.model.twins kimi_k2_7 models/kimi_tiny     # then +experiment=kimi_tiny
+    python -m rl.tiny_models.twins kimi_k2_7 models/kimi_tiny     # then +experiment=kimi_tiny
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from rl.contract import families
-from rl.model.tiny import IM_END, PAD, build_tokenizer, hf_config_dict
+from rl.tiny_models.tiny import IM_END, PAD, build_tokenizer, hf_config_dict
 
 # every family has a twin: its row's sizes (rl.contract.families)
 TWINS = {f.name: f.twin for f in families.ROWS}
@@ -80,7 +80,7 @@ def _add_family_tensors(out: Path, family: str, seed: int, dtype: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl.model.twins", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m rl.tiny_models.twins", description=__doc__.splitlines()[0])
     ap.add_argument("family", choices=sorted(TWINS))
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
