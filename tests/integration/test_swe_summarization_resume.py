@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +26,6 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl import exchange  # noqa: E402
 from rl.contract import paths  # noqa: E402

@@ -99,7 +99,6 @@ def test_the_servers_load_curve_is_fitted_on_the_pilot():
 
 def _world_run(run_dir: Path, overrides: list[str], tok, model: str = "agentic") -> float:
     """A run of benchmarks/async_rollouts.py's world (sim backend): its measured steps/h."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from _async_world import sim_config, sim_run
     import async_rollouts
     a = async_rollouts.parser().parse_args(["--train-s", "0.3"])
@@ -116,7 +115,6 @@ def test_plan_calibrated_on_a_pilot_predicts_another_configuration(tmp_path, mod
     max_off_policy 2, 16 requests and 24 environment slots. Nothing of the target run goes in. Both
     latency models: multi-turn episodes, and single-turn rollouts graded after one generation (their
     metrics.jsonl carries the same per-turn generation seconds)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import async_rollouts
     from rl.tiny_models.tiny import build_tokenizer
     tok = build_tokenizer(tmp_path / "tok")

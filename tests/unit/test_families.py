@@ -6,7 +6,6 @@ transformers itself wrote (rl.tiny_models.twins). GLM-5 has its own tests (test_
 """
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,8 +133,7 @@ def test_after_one_step_published_shards_dequantized_equal_transformers(tmp_path
     from rl.trainer.startup import write_assets
     from rl.trainer.train import Trainer
     from builders import compose_cfg
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from _trainer_helpers import synthetic_batch
+    from helpers.trainer import synthetic_batch
 
     path = twin("kimi_k2_7")
     cfg = OmegaConf.create(compose_cfg(tmp_path, f"model.hf_path={path}", "model.family=kimi_k2_7",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -97,7 +96,6 @@ def test_simulator_predicts_the_async_benchmark_out_of_sample(capsys):
     generated token and the tool latencies measured in the sync run only, predicts every other mode
     (other schedule, max_off_policy and stale policy): each measured steps/h lies within its printed
     range, and the default policy's (release, simulated as itself) mid within 25%."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import async_rollouts
     modes = "sync,batch_pipelined,release,drop"
     assert async_rollouts.main(["--models", "agentic", "--modes", modes, "--steps", "6", "--prompts", "4",
