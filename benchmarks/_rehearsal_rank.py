@@ -22,11 +22,23 @@ Run by the driver with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set:
 run, nothing else running) one process replays every data rank's share of every step in turn through the
 same calls, without a process group: each rank's cost on a core of its own, as on a GPU node, where the
 live measurement has 4 ranks, the orchestrator and the engine sharing this machine's 2 cores.
+
+With `--repeats K --rates-dir DIR` the replay is what plan_vs_rehearsal divides by, measured so that
+machine load cancels: this one process alternates launch.dataplane.measure_rates and a full replay,
+rates / replay / rates / ... / replay / rates, writing a `{"rates": ...}` record before each replay and
+after the last. Each replay is then paired with the two rates measured just before and after it, in the
+same process under the same load (the machine is shared: on 2 cores at a load of 8 a wall-clock rate
+swings by 2x within minutes, which a rate measured once, minutes away from the replay, carried into the
+ratio). Each replayed rank also records how much of its shard was in the page cache before it read it
+(`resident`, mincore(2)): measure_rates reads a file it just wrote, a page-cache hit, so the comparison
+is like for like only when the shard's pages are resident too.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import sys
 import time
@@ -51,6 +63,37 @@ def rchar() -> int:
             if line.startswith("rchar:"):
                 return int(line.split()[1])
     return 0
+
+
+def resident(path: Path) -> float:
+    """The fraction of `path`'s pages in the page cache (mincore(2) on a mapping that touches none of
+    them); NaN where the call is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                return 1.0
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return float("nan")
+            try:
+                pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(addr, size, vec):
+                    return float("nan")
+                return sum(b & 1 for b in bytes(vec)) / pages
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return float("nan")
 
 
 def _load(run_dir: Path, step: int, stop, d, cfg, vocab: int | None):
@@ -121,7 +164,14 @@ def main(argv=None) -> int:
     p.add_argument("--replay-ranks", type=int, default=0,
                    help="no process group: replay every data rank's share of every published step in turn, "
                         "one at a time (each rank's cost on a core of its own, nothing else running)")
+    p.add_argument("--repeats", type=int, default=1, help="with --replay-ranks: replay everything this many times")
+    p.add_argument("--rates-dir", default=None,
+                   help="with --replay-ranks: measure launch.dataplane.measure_rates here before each replay and "
+                        "after the last (node-local scratch), in this process")
+    p.add_argument("--rates-mib", type=int, default=64)
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats={a.repeats}: must be at least 1")
     import torch
     from rl import exchange
     from rl.contract import paths, safefs
@@ -133,12 +183,27 @@ def main(argv=None) -> int:
     sys.addaudithook(_audit)
     out = open(a.out, "w")
     if a.replay_ranks:
+        from rl.contract.batch import shard_file
         pp = cfg.trainer.parallel
-        for n in range(a.steps):
-            for r in range(a.replay_ranks):
-                d = parallel.Dist(world=1, dp_shard=int(pp.dp_shard), ep=int(pp.ep), dp_rank=r)
-                rec = one(run_dir, n, stop, d, cfg, time.time())
-                out.write(json.dumps({**rec, "rank": r, "replay": True}) + "\n")
+
+        def rates(rep: int) -> None:
+            if a.rates_dir:
+                from dataclasses import asdict
+                from launch.dataplane import measure_rates
+                t = time.time()
+                got = asdict(measure_rates(a.rates_dir, mib=a.rates_mib, repeats=3))
+                out.write(json.dumps({"rates": got, "rep": rep, "t0": t, "t1": time.time()}) + "\n")
+                out.flush()
+        for rep in range(a.repeats):
+            rates(rep)
+            for n in range(a.steps):
+                for r in range(a.replay_ranks):
+                    d = parallel.Dist(world=1, dp_shard=int(pp.dp_shard), ep=int(pp.ep), dp_rank=r)
+                    shard = exchange.step_dir(run_dir, paths.ROLLOUTS, n) / shard_file(r)
+                    res = resident(shard) if shard.exists() else float("nan")
+                    rec = one(run_dir, n, stop, d, cfg, time.time())
+                    out.write(json.dumps({**rec, "rank": r, "replay": True, "rep": rep, "resident": res}) + "\n")
+        rates(a.repeats)
         out.close()
         return 0
     d = parallel.init(cfg.trainer.parallel, torch.device("cpu"))

@@ -110,7 +110,9 @@ def analyse(a, t: dict) -> dict:
             "verify_load_s": max(r["t_loaded"] - r["t_seen"] for r in ranks),
             "pack_s": max(r["t_packed"] - r["t_loaded"] for r in ranks),
             "critical_s": max(r["t_packed"] for r in ranks) - seen,
-            "alone_s": max(r["t_packed"] - r["t_seen"] for r in t["replay"] if r["step"] == n),
+            # per replay the slowest rank's share; over the replays (repeated: machine load) their median
+            "alone_s": med([max(r["t_packed"] - r["t_seen"] for r in t["replay"] if r["step"] == n and
+                                r.get("rep", 0) == k) for k in sorted({r.get("rep", 0) for r in t["replay"]})]),
             "rank_read": [r["rchar_load"] for r in sorted(ranks, key=lambda r: r["rank"])],
             "rank_opened": [len(r["opened"]) for r in sorted(ranks, key=lambda r: r["rank"])],
             "share": share, "only_own_shard": only_own,
@@ -138,13 +140,18 @@ def analyse(a, t: dict) -> dict:
             "generated_all": sum(r["new"] for r in recs)}
 
 
-def plan_prediction(a, m: dict, work: Path):
-    """launch.dataplane at the rehearsal's own volume and rates measured now; None where it is missing."""
+def plan_prediction(a, m: dict, t: dict, work: Path):
+    """launch.dataplane at the rehearsal's own volume, and plan_vs_rehearsal measured so machine load cancels:
+    the replay process (benchmarks/_rehearsal_rank.py --repeats --rates-dir) measured the rates before each
+    replay of every rank's share and after the last, so replay k is compared with the plan evaluated at the
+    rates measured just before and just after it (the mean of the two predicted critical paths: rates
+    measured under the same load as the replay); its ratio is that over the slowest rank's share in the
+    replay (median over steps). Returns ((prediction at the median rates, at the seed, the median rates,
+    the per-replay ratios), None), or (None, why) where launch.dataplane is missing."""
     try:
         from launch import dataplane
     except ImportError as e:
         return None, f"launch.dataplane not importable ({e})"
-    rates = dataplane.measure_rates(work, mib=64)
     vol = dataplane.Volume(rollouts=a.rollouts_per_step, mean_tokens=m["tokens_mean"],
                            max_tokens=float(m["budget"]), moe_layers=a.layers, top_k=a.top_k,
                            n_experts=a.experts, data_ranks=a.data_ranks, trainer_ranks=a.data_ranks,
@@ -155,7 +162,19 @@ def plan_prediction(a, m: dict, work: Path):
                             trainer_ranks=SEED["trainer_ranks"], inflight=SEED["inflight"], turns=SEED["turns"],
                             off_policy=SEED["off_policy"],
                             router_replay=True)
-    return (dataplane.predict(vol, rates), dataplane.predict(seed, rates), rates), None
+    measured = {r["rep"]: dataplane.Rates(**r["rates"]) for r in t.get("replay_rates") or []}
+    if not measured:   # a replay without rates (probe-sized runs): measured once, now
+        measured = {0: dataplane.measure_rates(work, mib=64)}
+    ratios = []
+    for k in sorted({r.get("rep", 0) for r in t["replay"]}):
+        around = [measured[j] for j in (k, k + 1) if j in measured]
+        pred = statistics.mean(dataplane.predict(vol, x).critical_path_s for x in around)
+        alone = med([max(r["t_packed"] - r["t_seen"] for r in t["replay"] if r["step"] == n and r.get("rep", 0) == k)
+                     for n in range(a.steps)])
+        ratios.append(pred / alone)
+    rates = dataplane.Rates(**{f: statistics.median(getattr(x, f) for x in measured.values())
+                               for f in ("sha256", "read", "write", "build", "decode", "pack")})
+    return (dataplane.predict(vol, rates), dataplane.predict(seed, rates), rates, ratios), None
 
 
 def med(xs):
@@ -250,7 +269,7 @@ def report(a, t: dict, m: dict, work: Path) -> str:
           f"linear in bytes at this machine's per-rank rate, the filesystem assumed to keep up); "
           f"{seed_alone:.1f} s from the slowest rank alone ({alone:.2f} s)")
     print(f"  (live: {a.data_ranks} ranks, the orchestrator and the engine share {os.cpu_count()} cores; alone: each "
-          f"rank's share replayed after the run on an idle machine, as a rank with cores of its own)")
+          f"rank's share replayed after the run, nothing of it still running, as a rank with a core of its own)")
     print(f"  orchestrator CPU {seed_cpu:.0f} s per step = {cpu:.1f} s (per batch over the run) x {seed_tokens / tokens:.0f} (tokens per step, "
           f"at {m['turns_mean']:.0f} turns per episode)")
     print(f"  orchestrator memory ({how}): RssAnon {idle / GIB:.2f} GiB with {a.inflight} in flight between "
@@ -263,17 +282,27 @@ def report(a, t: dict, m: dict, work: Path) -> str:
           f"{one_sample_routes / GIB:.2f}; measured here: HWM {peak / GIB:.2f} GiB (fixed {base / GIB:.2f}); "
           f"cruder, all growth scaled by tokens in flight {(base + (peak - base) * scale) / GIB:.1f} GiB, by "
           f"tokens per batch {seed_rss_batch / GIB:.1f} GiB (neither counts samples waiting)")
-    pred, why = plan_prediction(a, m, work)
+    pred, why = plan_prediction(a, m, t, work)
     plan_vs, plan_cpu_vs, plan_vs_alone = float("nan"), float("nan"), float("nan")
+    spread = (float("nan"), float("nan"))
     if pred is None:
         print(f"plan: {why}")
     else:
-        p, ps, rates = pred
+        p, ps, rates, ratios = pred
         plan_vs, plan_cpu_vs = p.critical_path_s / crit, p.orchestrator_cpu_s / cpu
-        plan_vs_alone = p.critical_path_s / alone
-        print(f"plan (launch.dataplane at this volume, rates measured now: " + ", ".join(
-            f"{k} {getattr(rates, k) / 1e9:.2f}" for k in ("sha256", "read", "write", "build", "decode", "pack"))
-            + " GB/s):")
+        plan_vs_alone, spread = med(ratios), (min(ratios), max(ratios))
+        n_rates = len(t.get("replay_rates") or []) or 1
+        print(f"plan (launch.dataplane at this volume, rates measured in the replay process, median of {n_rates}: "
+              + ", ".join(f"{k} {getattr(rates, k) / 1e9:.2f}" for k in ("sha256", "read", "write", "build",
+                                                                        "decode", "pack")) + " GB/s):")
+        for r in t.get("replay_rates") or []:
+            print(f"  rates before replay {r['rep'] + 1}: " + ", ".join(
+                f"{k} {r['rates'][k] / 1e9:.2f}" for k in ("sha256", "read", "pack")) + " GB/s")
+        res = [r["resident"] for r in t["replay"] if r.get("resident", float("nan")) == r.get("resident")]
+        print(f"  plan_vs_rehearsal per replay (plan at the rates measured before and after it / its slowest "
+              f"rank's share, median over steps): {', '.join(f'{x:.2f}' for x in ratios)}; median "
+              f"{plan_vs_alone:.2f}, spread {spread[0]:.2f}-{spread[1]:.2f}; shards in the page cache before "
+              f"each replayed read: min {min(res, default=float('nan')):.0%} (the rates' read is a page-cache hit)")
         print(f"  batch {p.batch_bytes / 1e6:.1f} MB (measured {batch_b / 1e6:.1f}), rank read {p.rank_read_bytes / 1e6:.1f} MB "
               f"(measured {rank_read / 1e6:.1f}), critical path {p.critical_path_s:.2f} s (measured {crit:.2f} live: "
               f"{plan_vs:.2f}; {alone:.2f} alone: {plan_vs_alone:.2f}), orchestrator data-plane CPU {p.orchestrator_cpu_s:.1f} s (measured all CPU "
@@ -286,6 +315,7 @@ def report(a, t: dict, m: dict, work: Path) -> str:
         # the plan predicts a rank with a core of its own: compared with each rank's share replayed alone;
         # live, four ranks, the orchestrator and the engines share two cores
         "seed_orchestrator_rss_gib": seed_rss / GIB, "plan_vs_rehearsal": plan_vs_alone,
+        "plan_vs_rehearsal_spread": f"{spread[0]:.3g},{spread[1]:.3g}",
         "plan_vs_rehearsal_live": plan_vs, "seed_critical_path_alone_s": seed_alone,
         "seed_orchestrator_rss_batch_scaled_gib": seed_rss_batch / GIB,
         "seed_orchestrator_anon_gib": seed_anon / GIB, "orch_bytes_per_inflight_token": mem_token,

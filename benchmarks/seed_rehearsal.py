@@ -52,8 +52,14 @@ measured (one sample's mapped routes at the seed's longest episode while it is c
 scalings of all growth by tokens in flight or by tokens per batch are printed beside it.
 The plan's formulas (launch.dataplane.predict) are evaluated at the rehearsal's own volume with rates
 measured in the same run (`measure_rates`): plan_vs_rehearsal = predicted critical path / the slowest
-rank's share replayed alone (a rank with a core of its own, as the plan assumes); the live ratio, four
-ranks sharing two cores with the orchestrator and the engines, is printed as plan_vs_rehearsal_live.
+rank's share replayed alone (a rank with a core of its own, as the plan assumes). Both sides are wall
+clock on a shared machine, so they are measured together: after the main run one process alternates the
+rates and a replay of every rank's share (rates, replay, rates, ..., replay, rates; `--replays`, 3),
+each replay is divided into the plan at the rates measured just before and after it, and the median of
+those ratios is reported with their spread (plan_vs_rehearsal_spread=min,max). The rates' read and hash
+are the rank's own calls on a page-cache-resident file, and the replay records how much of each shard
+was resident before it was read. The live ratio, four ranks sharing two cores with the orchestrator and
+the engines, is printed as plan_vs_rehearsal_live (at the median rates).
 
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
@@ -147,6 +153,9 @@ def args_(argv=None):
     p.add_argument("--work-dir", default=None, help="where the run directory goes (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--replays", type=int, default=3,
+                   help="replays of the ranks' shares after the main run, each between two measurements of the "
+                        "plan's rates (plan_vs_rehearsal: the median of the per-replay ratios, and their spread)")
     p.add_argument("--profile", metavar="FILE", default=None,
                    help="run the orchestrator under cProfile and write its profile here (pstats format)")
     p.add_argument("--tracemalloc", metavar="FILE", default=None,
@@ -163,7 +172,8 @@ def args_(argv=None):
         r = math.sqrt(a.fraction)
         a.rollouts_per_step = max(a.group_size, round(SEED["rollouts"] * r / a.group_size) * a.group_size)
         a.tokens_per_episode = max(256, round(SEED["mean_tokens"] * r))
-    for k in ("rollouts_per_step", "group_size", "tokens_per_episode", "turns", "layers", "top_k", "data_ranks", "steps"):
+    for k in ("rollouts_per_step", "group_size", "tokens_per_episode", "turns", "layers", "top_k", "data_ranks", "steps",
+              "replays"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')}={getattr(a, k)}: must be at least 1")
     if a.rollouts_per_step % a.group_size:
@@ -272,7 +282,7 @@ def fixed_part(run_dir: Path, env: dict) -> tuple[float, int, int]:
     return float(cpu), int(rss), int(anon)
 
 
-def run(a, work: Path) -> dict:
+def run(a, work: Path, replay_rates: bool = True) -> dict:
     from rl.contract import paths
     from rl.contract.records import ResumeState
     from rl.runtime import is_done
@@ -358,13 +368,18 @@ def run(a, work: Path) -> dict:
             procs.procs[f"rank_{r}"].wait(timeout=120)
     finally:
         procs.stop()
-    # each rank's share again, one at a time on an idle machine (see _rehearsal_rank.py --replay-ranks)
+    # each rank's share again, one at a time with nothing of the run left (see _rehearsal_rank.py
+    # --replay-ranks); for the main run, repeated and interleaved with the plan's rates (measure_rates in the
+    # same process: rates, replay, rates, ..., replay, rates), so each replay has rates measured next to it
+    reps = ["--repeats", str(a.replays), "--rates-dir", str(out)] if replay_rates else []
     rp = subprocess.run([sys.executable, str(REPO / "benchmarks" / "_rehearsal_rank.py"), "--run-dir", str(run_dir),
                          "--steps", str(a.steps), "--out", str(out / "replay.jsonl"), "--replay-ranks",
-                         str(a.data_ranks)], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+                         str(a.data_ranks), *reps], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
     if rp.returncode:
         raise RuntimeError(f"the replay of the ranks' shares failed: {rp.stdout[-1500:]}{rp.stderr[-1500:]}")
-    t["replay"] = [json.loads(ln) for ln in (out / "replay.jsonl").read_text().splitlines()]
+    recs = [json.loads(ln) for ln in (out / "replay.jsonl").read_text().splitlines()]
+    t["replay"] = [r for r in recs if "rates" not in r]
+    t["replay_rates"] = [r for r in recs if "rates" in r]
     t["ranks"] = [json.loads(ln) for r in range(a.data_ranks) for ln in (out / f"rank_{r}.jsonl").read_text().splitlines()]
     t["cfg"], t["run_dir"], t["servers"] = cfg, run_dir, len(plan.inference.replicas)
     t["startup_cpu"], t["fixed_rss"], t["fixed_anon"] = fixed_part(run_dir, env)
@@ -405,7 +420,7 @@ def main(argv=None) -> int:
                 pa = copy.copy(a)
                 pa.inflight, pa.tokens_per_episode, pa.turns, pa.steps, pa.profile = inflight, tokens, turns, 1, None
                 pa.tracemalloc = None
-                pt = run(pa, work / f"probe_{name}")
+                pt = run(pa, work / f"probe_{name}", replay_rates=False)
                 t["probes"][name] = {"inflight": inflight, "tokens": tokens, "anon_peak": pt["anon_peak"],
                                      "anon_idle": pt.get("anon_idle", 0), "hwm": pt["end"].get("hwm", 0),
                                      **run_shape(pt)}

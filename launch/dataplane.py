@@ -365,8 +365,12 @@ def _median_rate(nbytes: float, fn, repeats: int) -> float:
 
 def measure_rates(tmp_dir: str | Path, mib: int = 64, repeats: int = 5) -> Rates:
     """Each rate of `Rates` measured here on `mib` MiB (median of `repeats`): the operations themselves,
-    on arrays shaped like a batch with GLM-5's 75 x 8 uint8 routes. Writes and removes one file in
-    `tmp_dir` (node-local scratch, not a run directory). A few seconds at the default size."""
+    on arrays shaped like a batch with GLM-5's 75 x 8 uint8 routes. The read and the hash are a trainer
+    rank's own calls (rl.contract.batch_checks.read_file, then sha256 of the buffer it returned), on a file
+    just written and fsynced, so in the page cache. Writes and removes one file in `tmp_dir` (node-local
+    scratch, not a run directory). A few seconds at the default size. Wall-clock rates: on a shared
+    machine they follow its load, so a comparison with another measurement should take both together
+    (benchmarks/seed_rehearsal.py interleaves them)."""
     import base64
     import hashlib
     import io
@@ -379,10 +383,8 @@ def measure_rates(tmp_dir: str | Path, mib: int = 64, repeats: int = 5) -> Rates
     buf = rng.integers(0, 256, n, dtype=np.uint8)
     raw = buf.tobytes()
 
-    def sha():     # the reader hashes its whole buffer at once (read_file)
-        hashlib.sha256(raw).hexdigest()
-
     from rl.contract import safefs   # the batch's own way in and out (rl.contract.batch)
+    from rl.contract.batch_checks import read_file   # what a rank calls (load_share -> _read -> read_file)
     path = Path(tmp_dir) / f"hetrl-rates-{os.getpid()}.bin"
 
     def write():   # as rl.contract.batch.write_arrays: write(2) from memory, then fsync
@@ -395,20 +397,24 @@ def measure_rates(tmp_dir: str | Path, mib: int = 64, repeats: int = 5) -> Rates
         finally:
             os.close(fd)
 
-    def read():    # as rl.contract.batch_checks.read_file: preadv into a fresh buffer
-        out = bytearray(n)
-        view, off = memoryview(out), 0
-        fd = safefs.open_read(path)
-        try:
-            while off < n:
-                off += os.preadv(fd, [view[off:]], off)
-        finally:
-            os.close(fd)
+    # A rank's read and hash are rl.contract.batch_checks.read_file itself: preadv into a fresh zeroed
+    # buffer, then hashlib over that buffer. The file was just written and fsynced, so its pages are in
+    # the page cache, as a rank's shard is on the machine whose orchestrator wrote it (the rehearsal
+    # records how much of each shard was resident: benchmarks/_rehearsal_rank.py).
+    held = []
+
+    def read():
+        held[:] = [read_file(path)[0]]
+
+    def sha():     # read_file's check: one sha256 over the buffer it read
+        hashlib.sha256(held[0]).hexdigest()
 
     try:
         w = _median_rate(n, write, repeats)
         r = _median_rate(n, read, repeats)
+        sh = _median_rate(n, sha, repeats)
     finally:
+        held.clear()
         path.unlink(missing_ok=True)
 
     # build: the orchestrator concatenates per-episode arrays (16 episodes) into the batch's arrays
@@ -459,5 +465,4 @@ def measure_rates(tmp_dir: str | Path, mib: int = 64, repeats: int = 5) -> Rates
             np.ascontiguousarray(routed[a:z])   # a view: routes widen on the device, not here
 
     p = _median_rate(t * PACK_TOKEN_BYTES, pack, repeats)
-    sh = _median_rate(n, sha, repeats)
     return Rates(sha256=sh, read=r, write=w, build=b, decode=d, pack=p)

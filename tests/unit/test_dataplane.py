@@ -187,3 +187,57 @@ def test_orchestrator_rss_counts_each_part_by_its_driver():
     with pytest.raises(ValueError, match=r"^Volume.servers=0: must be a finite number > 0$"):
         dp.Volume(**seed, servers=0)
 
+
+
+def test_rehearsal_page_cache_probe_tells_a_cached_shard_from_a_dropped_one(tmp_path):
+    """plan_vs_rehearsal compares measure_rates' read (a file it just wrote: page-cache hits) with the
+    ranks' replayed reads; the replay records how much of each shard was resident, by mincore(2)."""
+    import _rehearsal_rank as rank
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise to drop a file's pages")
+    f = tmp_path / "shard_00000.safetensors"
+    with open(f, "wb") as out:
+        out.write(os.urandom(4 << 20))
+        out.flush()
+        os.fsync(out.fileno())
+    assert rank.resident(f) > 0.9
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # clean pages after the fsync: dropped
+    finally:
+        os.close(fd)
+    if rank.resident(f) > 0.5 and _fs_type(f) == "tmpfs":
+        pytest.skip(f"{tmp_path} is on tmpfs: its pages are the file, never dropped")
+    assert rank.resident(f) < 0.5
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the filesystem `path` is on (/proc/mounts' longest matching mount point)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mnt, typ = line.split()[1:3]
+        if str(path).startswith(mnt) and len(mnt) > len(best):
+            best, kind = mnt, typ
+    return kind
+
+
+def test_rehearsal_ratio_pairs_each_replay_with_the_rates_measured_around_it():
+    """Each replay is divided into the plan at the rates measured just before and just after it (mean of
+    the two predictions), not at rates measured once elsewhere: a slow phase of the machine moves both."""
+    from types import SimpleNamespace
+
+    import _rehearsal_report as rep
+    a = SimpleNamespace(rollouts_per_step=16, layers=75, top_k=8, experts=256, data_ranks=2, inflight=32, steps=2)
+    m = {"tokens_mean": 4096.0, "budget": 8192, "turns_mean": 4.0}
+    slow, fast = dp.Rates(sha256=0.3e9, read=0.3e9), dp.Rates(sha256=1.2e9, read=1.2e9)
+    rates = [{"rep": k, "rates": vars(r)} for k, r in enumerate((slow, slow, fast))]
+    alone = {0: 0.5, 1: 0.2}   # replay 0 in the slow phase, replay 1 as it ended
+    replay = [{"rep": k, "step": n, "rank": r, "t_seen": 0.0, "t_packed": alone[k] * (0.5 if r else 1.0)}
+              for k in (0, 1) for n in range(2) for r in range(2)]
+    (p, _, median_rates, ratios), why = rep.plan_prediction(a, m, {"replay": replay, "replay_rates": rates}, None)
+    assert why is None
+    vol = dp.Volume(rollouts=16, mean_tokens=4096.0, max_tokens=8192.0, moe_layers=75, top_k=8, n_experts=256,
+                    data_ranks=2, trainer_ranks=2, inflight=32, turns=4.0, off_policy=1)
+    slow_s, fast_s = dp.predict(vol, slow).critical_path_s, dp.predict(vol, fast).critical_path_s
+    assert ratios == pytest.approx([slow_s / 0.5, (slow_s + fast_s) / 2 / 0.2])
+    assert median_rates.sha256 == slow.sha256 and p.critical_path_s == pytest.approx(slow_s)
