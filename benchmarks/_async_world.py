@@ -382,6 +382,26 @@ def sim_config(run_dir, overrides):
     return OmegaConf.create(cfg)
 
 
+class WorldServers:
+    """The orchestrator's server view (rl.orchestrator.servers) in this world: one server, always up,
+    never scaled; it has no server record, so the view hands out the simulated server itself."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def up(self) -> dict:
+        return {0: None}
+
+    def connect(self, index: int, record) -> "SimServer":
+        return self.server
+
+    def workers(self, index: int) -> int:
+        return 1
+
+    def metrics(self) -> dict:
+        return {"servers_up": 1, "servers_planned": 1}
+
+
 async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0.0) -> dict:
     from rl import exchange
     from rl.orchestrator.loop import Orchestrator
@@ -393,13 +413,13 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0
     import torch  # before the clock starts: the first import of Adam takes seconds and would block the loop
     world.W = torch.tensor(toy.w0, requires_grad=True)
     world.opt = torch.optim.Adam([world.W], lr=a.lr, foreach=False)
-    orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False))
+    server = SimServer(world, a.turn_tokens if model == "agentic" else 0, getattr(a, "decode_knee", 0))
+    orch = Orchestrator(run_dir, cfg, stop=StopFlag(install=False), servers=WorldServers(server))
     if model == "agentic":
         orch.sampler.env, orch.sampler.multi_turn = AgenticEnv(n_digits, a), True
         orch.sampler.env.world = world
-    # The world's one server has no launcher: plan.json is written as `launch run` would (the orchestrator
-    # reads it for the servers it reports), and the server, which has no record, is always up and never
-    # scaled, so the watcher's checks of both (rl/orchestrator/loop.py) are answered here.
+    # The world's one server has no launcher: plan.json is written as `launch run` would, and the
+    # orchestrator's server view (rl/orchestrator/servers.py) is the world's (above): its one server, always up.
     from launch.plan import make_plan
     from rl.contract import paths
     import yaml
@@ -409,13 +429,8 @@ async def sim_run(run_dir: Path, cfg, model: str, a, tok, mismatch_kl: float = 0
     plain = OmegaConf.to_container(cfg, resolve=True)
     atomic_write_json(paths.plan_file(run_dir), make_plan(plain, check_memory=False).to_dict())
     atomic_write_text(paths.config_file(run_dir), yaml.safe_dump(plain, sort_keys=False))   # launch.calibrate reads it
-    import rl.orchestrator.loop as loop_mod
-    if hasattr(loop_mod, "_server_up"):
-        loop_mod._server_up = lambda run_dir, index: True
-    if hasattr(orch, "_scaled_in"):
-        orch._scaled_in = dict
-    orch.sampler.clients = [SimServer(world, a.turn_tokens if model == "agentic" else 0, getattr(a, "decode_knee", 0))]
-    orch.sampler.tokenizer, orch.sampler.tracker, orch._workers = tok, VersionTracker(0), [1]
+    orch.sampler.clients = [server]
+    orch.sampler.tokenizer, orch.sampler.tracker = tok, VersionTracker(0)
     steps = int(cfg.trainer.max_steps)
     exchange.publish(run_dir, "weights", 0, lambda d: (d / "w").write_text("toy"), producer="trainer")
     t_start = time.time()  # the clock of time-to-reward (metrics.jsonl's `time` is wall time too)

@@ -23,8 +23,9 @@ The elastic kinds (inference.router=true; the job must absorb them without a req
   slurm_lose_server     2 servers, cluster.max_role_restarts=0: inference_1's step cancelled by scancel
                         (gone for good); the job goes on with inference_0 (the batch log says so).
   slurm_scale           `launch scale +1` (the trainer held with SIGSTOP until the extra server's record is
-                        there, so the run cannot end first), one more step, `launch scale -1`: the extra
-                        server served requests, drained, and its job ended.
+                        there, at most SCALE_HOLD_S, so the run cannot end first; cluster.exclusive=false so
+                        the scale job finds a node beside a concurrent trial), one more step,
+                        `launch scale -1`: the extra server served requests, drained, and its job ended.
 
 Each records its proof that the fault landed (`trial.proof`) or why it did not (`trial.not_landed`).
 
@@ -52,8 +53,14 @@ ELASTIC_EXTRA = {
     "slurm_kill_engine": ["inference.router=true"],
     "slurm_lose_server": ["inference.router=true", "inference.replicas=2", "cluster.max_role_restarts=0",
                           "cluster.min_inference_fraction=0.5"],
-    "slurm_scale": ["inference.router=true"],
+    # not exclusive: the scale job's node comes from the 4 the concurrent trials share; with whole nodes
+    # per job two trials fill them, the extra server waited in the queue while the trainer was held, and
+    # the orchestrator's stall watchdog (300 s) ended the run (two trials, measured)
+    "slurm_scale": ["inference.router=true", "cluster.exclusive=false"],
 }
+# The longest the scale trial holds the trainer (SIGSTOP) for the extra server to come up: under the
+# orchestrator's stall watchdog (cluster.stall_timeout_s=300 in every trial), which a held trainer trips.
+SCALE_HOLD_S = 240
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED")
 ROLE_MODULES = {"rl.trainer": "trainer", "rl.orchestrator": "orchestrator", "rl.inference": "inference"}
@@ -466,10 +473,16 @@ def _inject_elastic(trial, cluster: Cluster, job: str, tasks: dict, done_before:
             if r.returncode != 0:
                 trial.failures.append(f"launch scale +1 exited {r.returncode}: {r.stdout.strip()[-300:]}")
                 return
-            up = wait_until(lambda: _server_pid(run_dir, 1) is not None, 600, 1)
+            up = wait_until(lambda: _server_pid(run_dir, 1) is not None, SCALE_HOLD_S, 1)
         finally:
             if trainer:
-                os.kill(trainer, signal.SIGCONT)
+                try:
+                    os.kill(trainer, signal.SIGCONT)
+                except ProcessLookupError:   # the run ended it meanwhile: the checks below say how
+                    trial.failures.append(f"the held trainer (pid {trainer}) was gone when released")
+        # not up while held: it may still come up before the run ends (else: not landed, never passed)
+        up = up or wait_until(lambda: _server_pid(run_dir, 1) is not None or (run_dir / "DONE").exists(), 360, 1) \
+            and _server_pid(run_dir, 1) is not None
         extra_job = json.loads((run_dir / "inference" / "extra" / "replica_1.json").read_text()).get("job")
         def has_served() -> bool:
             try:

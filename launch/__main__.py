@@ -6,7 +6,7 @@
   status RUN_DIR            job state and progress read from the run directory
   resume RUN_DIR            start or resubmit a run from its frozen config; it resumes from the newest
                             complete checkpoint
-  cancel RUN_DIR            stop the run (Slurm: scancel; local: SIGTERM to the roles)
+  cancel RUN_DIR            stop the run (Slurm: scancel, its scale jobs too; local: SIGTERM to the roles)
   logs RUN_DIR ROLE         print a role's log (-f to follow)
   doctor [OVERRIDES...]     check packages, devices, kernels, filesystem and Slurm; --gpu runs the
                             trainer and publisher paths (docs/doctor.md)
@@ -295,8 +295,8 @@ COMMANDS = {
                "config.yaml; it resumes from the newest complete checkpoint. Overrides may change what a "
                "resume can (trainer.max_steps, cluster.*)."),
     "cancel": ("stop a run (Slurm: scancel; local: SIGTERM to the roles)",
-               "Stop the run in RUN_DIR: scancel its Slurm job, or send SIGTERM to its local roles (they "
-               "checkpoint, then exit)."),
+               "Stop the run in RUN_DIR: scancel its Slurm job and the jobs `launch scale` added to it "
+               "(each named), or send SIGTERM to its local roles (they checkpoint, then exit)."),
     "logs": ("print a role's log (-f to follow)", "Print RUN_DIR/logs/ROLE.log; -f follows it."),
     "export": ("write the trained policy as a Hugging Face checkpoint (docs/export.md)",
                "Write a checkpoint of RUN_DIR as a Hugging Face checkpoint directory (docs/export.md)."),

@@ -282,10 +282,56 @@ def submit_run(cfg: dict, plan: Plan) -> tuple[int, str]:
     return 0, job_id
 
 
+# Slurm's states of a job that has ended (`scontrol show job`), and GONE (job_state: forgotten).
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+          "BOOT_FAIL", "DEADLINE", "GONE"}
+
+
+def scale_jobs(run_dir) -> tuple[dict[str, list[str]], list[str]]:
+    """({job id: [server names]} of the Slurm jobs `launch scale` submitted for this run, read from the
+    extra replica rows (rl.contract.elastic); one-line complaints about rows whose job is not a Slurm job
+    id). A local backend's row names processes ("local:<pids>"), not a job: not listed."""
+    from rl.contract import elastic
+    jobs: dict[str, list[str]] = {}
+    bad = []
+    for i in elastic.extra_indexes(run_dir):
+        job = elastic.row_job(run_dir, i)
+        if job is None or str(job).startswith("local:"):
+            continue
+        if not _JOB_ID.fullmatch(str(job)):
+            bad.append(f"{elastic.row_file(run_dir, i)}: job={str(job)[:40]!r} is not a Slurm job id (digits only)")
+            continue
+        jobs.setdefault(str(job), []).append(f"inference_{i}")
+    return jobs, bad
+
+
 def cancel_command(run_dir) -> int:
-    """`launch cancel`: scancel the run's current job."""
-    cancel_run(run_dir)
-    return 0
+    """`launch cancel`: scancel the run's current job, then the jobs `launch scale` added to it (their
+    servers would otherwise serve a stopped run until their time limit), naming each."""
+    import sys
+    rc = 0
+    try:
+        print(f"cancelled job {cancel_run(run_dir)} of {run_dir}")
+    except SlurmError as e:  # already ended: its scale jobs are still cancelled below
+        print(f"launch cancel: the run's job: {e}", file=sys.stderr)
+        rc = 1
+    jobs, bad = scale_jobs(run_dir)
+    for line in bad:
+        print(f"launch cancel: {line}; not cancelled", file=sys.stderr)
+        rc = 1
+    for job, names in jobs.items():
+        what = f"scale job {job} ({', '.join(names)})"
+        state = job_state(job)["state"]
+        if state in _ENDED:
+            print(f"{what}: already ended ({state})")
+            continue
+        try:
+            cancel(job)
+            print(f"cancelled {what}")
+        except SlurmError as e:
+            print(f"launch cancel: {what}: {e}", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 def job_status(run_dir, unreadable: list[str]) -> dict:

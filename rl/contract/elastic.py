@@ -34,6 +34,21 @@ PathLike = str | os.PathLike
 _ROW = re.compile(r"replica_(\d+)\.json")
 
 
+GIVEN_UP = "given_up"   # inference/given_up: written by the batch script's supervisor (sbatch/job.sbatch.j2)
+
+
+def given_up(run_dir: PathLike) -> set[str]:
+    """Role names of the inference servers the batch script's supervisor gave up on in this incarnation
+    (one a line, cleared when the incarnation's roles start): the router and the orchestrator start
+    without them instead of waiting for a record that will not come. A planted link or FIFO reads as none
+    given up (wait as before)."""
+    try:
+        text = safefs.read_text(Path(run_dir) / "inference" / GIVEN_UP, limit=1 << 20)
+    except OSError:
+        return set()
+    return {ln.strip() for ln in text.splitlines() if ln.strip()}
+
+
 def extra_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "inference" / "extra"
 

@@ -59,6 +59,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from rl.contract.elastic import given_up, server_records
 from rl.inference.auth import bearer, is_open, token_ok
 from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
@@ -71,7 +72,6 @@ FORWARDED_PATHS = ("/v1/models", "/version")
 
 def discover(run_dir: Path) -> tuple[list[tuple[str, str, str]], int]:
     """([(name, url, pool)] of the servers up now, how many are planned) from the run directory."""
-    from rl.contract.elastic import server_records
     found, planned = server_records(run_dir)
     return [(name, url, pool) for name, (url, pool, _) in found.items()], planned
 
@@ -516,7 +516,10 @@ async def _serve(ns) -> int:
         deadline, said = time.monotonic() + timeout, False
         while True:
             found, planned = discover(run_dir)
-            if len(found) >= planned:
+            # a server the job's supervisor gave up on (lost before its first record) will not come
+            if len(found) >= planned or (found and len(found) + len(gone := given_up(run_dir)) >= planned):
+                if len(found) < planned:
+                    log(f"starting with {len(found)} of {planned} servers: {', '.join(sorted(gone))} given up by the job")
                 break
             if stop.is_set() or runtime.is_done(run_dir):
                 return runtime.EXIT_PREEMPTED if stop.is_set() else 0

@@ -32,7 +32,6 @@ import numpy as np
 
 from rl import exchange, runtime
 from rl.envs import make_env
-from rl.orchestrator.client import InferenceClient
 from rl.orchestrator.client import router_client_class, router_reset_index, wait_for_router
 from rl.orchestrator.advantages import group_advantages
 from rl.orchestrator import heap, multiturn, segments
@@ -44,8 +43,8 @@ from rl.orchestrator.sampling import Sampler
 from rl.contract.batch import RolloutBatch, Sample, ShardPlan, write_samples
 from rl.contract.secret import secret_or_none
 from rl.orchestrator.versions import VersionTracker
-from rl.contract import elastic, offpolicy, paths
-from rl.contract.records import ServerRecord
+from rl.contract import offpolicy, paths
+from rl.orchestrator.servers import RunDirServers, wait_for_start
 from rl.runtime import StopFlag, is_done, load_plan, log, resume_state
 
 ROLE = "orchestrator"
@@ -62,41 +61,6 @@ def within_off_policy_bound(group: list[Sample], step: int, max_off_policy: int)
 
     The whole group goes or stays: its advantages are relative to each other."""
     return offpolicy.within_bound(min_version(group, step), step, max_off_policy)
-
-
-def _server_up(run_dir: Path, index: int) -> bool:
-    """Has server `index` a record (rl.inference.server withdraws it when the server fails)? Outside a
-    launched run (no plan.json: the unit tests' orchestrators) there are no records to follow."""
-    if not paths.plan_file(run_dir).exists():
-        return True
-    try:
-        return ServerRecord.read(run_dir, index) is not None
-    except Exception:  # noqa: BLE001  unreadable: as before, try it
-        return True
-
-
-def _servers_up(run_dir: Path) -> dict:
-    """{servers_up, servers_planned} for a batch's metrics (rl.contract.elastic); {} without a plan."""
-    try:
-        return dict(zip(("servers_up", "servers_planned"), elastic.servers_up(load_plan(run_dir), run_dir)))
-    except Exception:  # noqa: BLE001  a run dir without plan.json (the unit tests' orchestrators)
-        return {}
-
-
-async def wait_for_servers(run_dir: Path, replicas: list, stop: StopFlag, timeout: float) -> list[ServerRecord]:
-    """The server record of every planned replica (rl.contract.plan), in replica order; [] if stopped."""
-    deadline = time.monotonic() + timeout
-    while True:
-        recs = [ServerRecord.read(run_dir, r.index) for r in replicas]
-        if all(recs):
-            return recs
-        if stop.is_set() or is_done(run_dir):
-            return []
-        if time.monotonic() > deadline:
-            missing = [r.name for r, rec in zip(replicas, recs) if rec is None]
-            raise TimeoutError(f"{run_dir}/inference: no server record of {', '.join(missing)} after "
-                               f"{timeout:.0f} s (inference.startup_timeout_s); see {run_dir}/logs/inference_*.log")
-        await asyncio.sleep(0.5)
 
 
 @dataclass
@@ -118,7 +82,7 @@ class Orchestrator:
     """Loads each new policy version into the servers, forms and publishes batches. Sampling itself is
     the `Sampler`'s (rl.orchestrator.sampling), shared with the continuous pool."""
 
-    def __init__(self, run_dir: Path, cfg: Any, stop: StopFlag | None = None):
+    def __init__(self, run_dir: Path, cfg: Any, stop: StopFlag | None = None, servers: Any = None):
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.o = cfg.orchestrator
@@ -128,8 +92,10 @@ class Orchestrator:
         # held out before any rollout starts: a task-list environment never trains on its eval split
         self.eval_tasks = hold_out(self.sampler.env, cfg.eval, int(cfg.seed)) if int(cfg.eval.every) else []
         self.stats = {"dropped_groups": 0, "weight_updates": 0, "weight_update_s": 0.0}
-        self._workers: list[int] = []
-        self._extra: dict[int, InferenceClient] = {}   # servers a `launch scale` job added, by index
+        # which servers serve now and how to reach them (rl.orchestrator.servers): the run directory's
+        # records by default; a world without a launcher passes its own
+        self.servers = servers if servers is not None else RunDirServers(self.run_dir, self.o.request_timeout_s)
+        self._clients: dict = {}    # weight-loading client of every server seen up so far, by index
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
         self.reload_backoff_s = 1.0
 
@@ -145,9 +111,8 @@ class Orchestrator:
         sp.gate.clear()
         try:   # a server whose record is withdrawn is restarting in place and loads the newest weights itself
             results = await asyncio.gather(*(
-                c.update_weights(str(path), version, report_dir=self._reports(i),
-                                 workers=self._workers[i] if i < len(self._workers) else None)
-                for i, c in [*enumerate(sp.clients), *self._scaled_in().items()] if _server_up(self.run_dir, i)))
+                c.update_weights(str(path), version, report_dir=self._reports(i), workers=self.servers.workers(i))
+                for i, c in self._up_clients().items()))
         finally:
             sp.gate.set()
         in_flight: dict[str, int] = {}
@@ -161,22 +126,18 @@ class Orchestrator:
         self.stats["weight_update_s"] += dt
         log(ROLE, f"servers now on policy version {version} ({dt * 1000:.0f} ms, {len(in_flight)} requests in flight)")
 
-    def _scaled_in(self) -> dict:
-        """{index: client} of the servers `launch scale` added (rl.contract.elastic), once each has a record;
-        generation reaches them through the router, weights from here like the planned ones."""
-        extra = self._extra
-        try:
-            indexes = elastic.server_indexes(load_plan(self.run_dir), self.run_dir)
-        except Exception:  # noqa: BLE001  a run dir without plan.json (the unit tests' orchestrators)
-            indexes = []
-        for i in indexes:
-            if i >= len(self.sampler.clients) and i not in extra and (rec := ServerRecord.read(self.run_dir, i)):
-                extra[i] = InferenceClient(rec.url, secret=secret_or_none(self.run_dir),
-                                           timeout=float(self.o.request_timeout_s))
-                row = elastic.replica_row(load_plan(self.run_dir), self.run_dir, i)
-                self._workers += [None] * (i + 1 - len(self._workers))
-                self._workers[i] = int(row.dp) * int(row.tp)
-        return {i: c for i, c in extra.items() if not elastic.draining(self.run_dir, i)}
+    def _up_clients(self) -> dict:
+        """{index: client} of the servers up now (planned, or added by `launch scale`); a client is made
+        the first time its server is seen up and kept (a server restarted in place keeps its address)."""
+        up = self.servers.up()
+        if up is None:   # outside a launched run (the unit tests' orchestrators): the clients it was given
+            return dict(enumerate(self.sampler.clients))
+        out = {}
+        for i, rec in up.items():
+            if i not in self._clients:
+                self._clients[i] = self.servers.connect(i, rec)
+            out[i] = self._clients[i]
+        return out
 
     async def _weight_watcher(self) -> None:
         """Load every new version into the servers. A failed reload is retried (with backoff) up to
@@ -292,7 +253,7 @@ class Orchestrator:
             "lag_mean": float(step - versions.mean()) if len(versions) else 0.0,
             "lag_max": int(step - versions.min()) if len(versions) else 0,
             "weight_updates": self.stats["weight_updates"], "weight_update_s": self.stats["weight_update_s"],
-            **_servers_up(self.run_dir),
+            **self.servers.metrics(),
             "completion_len_mean": n_gen / max(len(samples), 1),
             "truncated_fraction": float(np.mean([s.info["finish_reason"] == "length" for s in samples])),
             # per sample, where its prompt ends (`launch report`'s trajectory view; a list: not a metric)
@@ -388,14 +349,15 @@ class Orchestrator:
     async def run(self) -> int:
         cfg, sp = self.cfg, self.sampler
         plan = load_plan(self.run_dir)
-        servers = await wait_for_servers(self.run_dir, plan.inference.replicas, self.stop,
-                                         cfg.inference.startup_timeout_s)
-        if not servers:
+        started = await wait_for_start(self.servers, self.run_dir, plan, self.stop, cfg.inference.startup_timeout_s,
+                                       float(cfg.cluster.min_inference_fraction))
+        if not started:
             return 0
+        servers = list(started.values())
         secret = secret_or_none(self.run_dir)  # an empty or short secret is refused, never used
         timeout = float(self.o.request_timeout_s)
-        sp.clients = [InferenceClient(s.url, secret=secret, timeout=timeout) for s in servers]
-        self._workers = [int(r.dp) * int(r.tp) for r in plan.inference.replicas]  # engines x TP workers
+        # without the router these are the servers generation goes to, every planned one (wait_for_start)
+        sp.clients = [self._clients.setdefault(i, self.servers.connect(i, rec)) for i, rec in started.items()]
         if plan.inference.router is not None:
             url = await wait_for_router(self.run_dir, self.stop, cfg.inference.startup_timeout_s)
             if url is None:

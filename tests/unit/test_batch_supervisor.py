@@ -3,7 +3,8 @@
 The rendered script of a real run directory runs as it would in a job (rl.prepare included), but `srun`
 is a script that starts a scripted stand-in for each role instead of the role: each start of a role takes
 the next line of that role's script (`exit N`; `serve`: run until the run is DONE; `finish S`: write
-DONE after S seconds and exit 0), and every start is logged. `scontrol` answers `show hostnames` and
+DONE after S seconds and exit 0; `checkpoint N`: publish checkpoint step N, run until stopped, exit as a
+stopped role does), and every start is logged. `scontrol` answers `show hostnames` and
 records `requeue`; `scancel` records what it was asked. So the restart rules are checked without Slurm:
 an inference role restarted in place after its back-off, a crash loop given up on, the job going on with
 the servers left or stopping to requeue below cluster.min_inference_fraction, and the old rule (a crash
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,9 @@ case $action in
   exit*) exit "${action#exit }" ;;
   serve) while [[ ! -e $RUN_DIR/DONE && ! -e $CTL/stop ]]; do sleep 0.1; done; exit 0 ;;
   finish*) sleep "${action#finish }"; echo '{}' >"$RUN_DIR/DONE"; exit 0 ;;
+  checkpoint*)  # a trainer that trained to step N, checkpointed it, then runs until stopped
+    "$PY" -c 'import sys; from rl import exchange; exchange.publish(sys.argv[1], "checkpoints", int(sys.argv[2]), lambda d: (d / "state").write_text("x"), producer="trainer")' "$RUN_DIR" "${action#checkpoint }" || exit 98
+    while [[ ! -e $RUN_DIR/DONE && ! -e $CTL/stop ]]; do sleep 0.1; done; exit 3 ;;
 esac
 echo "no action $n for $name" >&2; exit 99
 '''
@@ -48,7 +53,8 @@ echo "scancel $*" >>"$CTL/calls"; touch "$CTL/stop"; exit 0
 '''
 
 
-def _run(tmp_path: Path, actions: dict[str, list[str]], *overrides: str, timeout: float = 120):
+def _run(tmp_path: Path, actions: dict[str, list[str]], *overrides: str, timeout: float = 120,
+         no_inference_dir: bool = False, plant=None):
     run_dir = tmp_path / "run"
     (cfg,) = compose_points(["cluster=slurm", f"run_dir={run_dir}", "inference.host=127.0.0.1",
                              *overrides], multirun=False)
@@ -64,7 +70,13 @@ def _run(tmp_path: Path, actions: dict[str, list[str]], *overrides: str, timeout
     for role, lines in actions.items():
         (ctl / role).write_text("\n".join(lines) + "\n")
     (tmp_path / "job.sh").write_text(script)
+    if no_inference_dir:   # as before any role ran: nothing has written into inference/ yet
+        import shutil
+        shutil.rmtree(run_dir / "inference", ignore_errors=True)
+    if plant is not None:
+        plant()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CTL": str(ctl), "RUN_DIR": str(run_dir),
+           "PY": sys.executable,
            "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST_HET_GROUP_0": "n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "n2,n3",
            "SLURM_JOB_NODELIST_HET_GROUP_2": "n4", "SLURMD_NODENAME": "n0"}
     r = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True,
@@ -94,16 +106,61 @@ def test_a_crash_loop_is_given_up_and_the_job_goes_on_above_the_floor(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert starts.count("inference1") == 2
     assert "given up; going on with 1 of 2 inference servers" in r.stdout
+    # named for the orchestrator (rl/orchestrator/servers.py: it does not wait for a server given up)
+    assert (tmp_path / "run" / "inference" / "given_up").read_text() == "inference_1\n"
     assert "run complete" in r.stdout and not calls
 
 
-def test_below_the_floor_the_job_stops_like_a_preemption(tmp_path):
-    r, starts, calls = _run(tmp_path, {"trainer": ["serve"], "orchestrator": ["serve"], "router": ["serve"],
+def test_a_server_lost_before_any_role_wrote_into_inference_is_still_named(tmp_path):
+    """The fault trials' case: a server step cancelled a second into the job, before any role made
+    inference/; the supervisor makes the directory itself, so the router and the orchestrator learn the
+    server is given up instead of waiting for its record."""
+    r, starts, calls = _run(tmp_path, {"trainer": ["finish 12"], "orchestrator": ["serve"], "router": ["serve"],
+                                       "inference0": ["serve"], "inference1": ["exit 143"]},
+                            *ROUTER, "inference.replicas=2", "cluster.max_role_restarts=0",
+                            "cluster.min_inference_fraction=0.5", no_inference_dir=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "run" / "inference" / "given_up").read_text() == "inference_1\n"
+    assert "given up; going on with 1 of 2 inference servers" in r.stdout
+
+
+def test_a_planted_inference_link_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run_dir = tmp_path / "run"
+    r, starts, calls = _run(tmp_path, {"trainer": ["finish 1"], "orchestrator": ["serve"], "router": ["serve"],
+                                       "inference0": ["serve"]}, *ROUTER, no_inference_dir=True,
+                            plant=lambda: (run_dir / "inference").symlink_to(outside))
+    assert r.returncode == 1 and "refusing" in r.stdout and "a symlink or not a directory" in r.stdout
+    assert not starts and not list(outside.iterdir())
+
+
+def test_below_the_floor_without_a_trained_step_the_job_ends_failed_instead_of_looping(tmp_path):
+    """A deterministic server crash would be lost again in every incarnation: with nothing trained since
+    the start (the trainer's step-0 checkpoint of a run from scratch is not progress, though rl.requeue
+    alone would requeue for it) the job ends FAILED, saying why in the batch log and requeues.log."""
+    r, starts, calls = _run(tmp_path, {"trainer": ["checkpoint 0"], "orchestrator": ["serve"], "router": ["serve"],
                                        "inference0": ["serve"], "inference1": ["exit 1"]},
                             *ROUTER, "inference.replicas=2", "cluster.max_role_restarts=0")
     assert "1 of 2 inference servers left, below cluster.min_inference_fraction (2): stopping to requeue" in r.stdout
     assert "scancel --signal=TERM 7" in calls    # every role asked to checkpoint and stop, as on preemption
-    assert "ending the job" not in r.stdout
+    assert "scontrol requeue" not in calls and r.returncode == 1, r.stdout + r.stderr
+    why = ("not requeueing, job FAILED: no step trained and checkpointed since this incarnation started "
+           "(restart 0, from scratch): a requeue would lose the server again (see ")
+    assert why in r.stdout and "inference_1.log; fix it, then: python -m launch resume" in r.stdout
+    (line,) = (tmp_path / "run" / "logs" / "requeues.log").read_text().splitlines()
+    assert "restart 0: 1 of 2 inference servers left (inference_1 lost): " + why in line
+    assert ls.requeue_reasons(tmp_path / "run", []) == [line]    # what `launch status` shows
+
+
+def test_below_the_floor_after_a_trained_step_the_job_requeues(tmp_path):
+    r, starts, calls = _run(tmp_path, {"trainer": ["checkpoint 2"], "orchestrator": ["serve"], "router": ["serve"],
+                                       "inference0": ["serve"], "inference1": ["exit 1"]},
+                            *ROUTER, "inference.replicas=2", "cluster.max_role_restarts=0")
+    assert "scontrol requeue 7" in calls and r.returncode == 0, r.stdout + r.stderr
+    (line,) = (tmp_path / "run" / "logs" / "requeues.log").read_text().splitlines()
+    assert "(inference_1 lost): requeueing: checkpoint step 2 written since the start" in line
+    assert "FAILED" not in r.stdout
 
 
 def test_without_the_router_an_inference_crash_is_not_restarted_in_place(tmp_path):

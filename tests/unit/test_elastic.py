@@ -238,3 +238,114 @@ def test_a_port_that_keeps_refusing_health_is_a_dead_server(tmp_path):
     with pytest.raises(RuntimeError, match=rf"inference_0\): server dead: its port refused /health {REFUSED_LIMIT} "
                                            rf"times in a row"):
         check_engine_alive(url, "inference_0", log, refused)
+
+
+def _start(run_dir, fraction, timeout=30.0):
+    """rl.orchestrator.servers.wait_for_start on the run directory's view: (records it starts with, log)."""
+    from rl.contract.plan import Plan
+    from rl.orchestrator import servers as srv
+    from rl.runtime import StopFlag
+    lines = []
+    log, srv.log = srv.log, lambda role, msg: lines.append(msg)
+    try:
+        got = asyncio.run(srv.wait_for_start(srv.RunDirServers(run_dir), run_dir, Plan.read(run_dir),
+                                             StopFlag(install=False), timeout, fraction))
+    finally:
+        srv.log = log
+    return got, lines
+
+
+def test_the_orchestrator_starts_without_a_server_given_up_above_the_floor_naming_it(tmp_path):
+    from rl.contract.records import RouterRecord
+    run_dir = _run_dir(tmp_path, replicas=3)
+    _record(run_dir, 0, "http://127.0.0.1:1", pid=os.getpid())
+    _record(run_dir, 2, "http://127.0.0.1:3", pid=os.getpid())   # inference_1 never wrote one
+    # above the floor, but inference_1 may only be slow and there is no router: wait, then fail naming both
+    with pytest.raises(TimeoutError, match=r"no server record of inference_1 after 1 s .*2 of 3 up, 2 needed, "
+                                           r"and no router"):
+        _start(run_dir, 0.5, timeout=1.0)
+    RouterRecord(url="http://127.0.0.1:9", host=socket.gethostname(), port=9, pid=os.getpid()).write(run_dir)
+    # the supervisor gives inference_1 up (sbatch/job.sbatch.j2): the orchestrator starts at once
+    (run_dir / "inference" / "given_up").write_text("inference_1\n")
+    got, lines = _start(run_dir, 0.5, timeout=300)
+    assert sorted(got) == [0, 2] and got[2].url == "http://127.0.0.1:3"
+    assert len(lines) == 1 and "starting with 2 of 3 inference servers (at least 2" in lines[0]
+    assert "missing: inference_1 (given up by the job)" in lines[0]
+    # not given up (only slow): at the timeout it starts all the same, above the floor, instead of failing
+    (run_dir / "inference" / "given_up").unlink()
+    got, lines = _start(run_dir, 0.5, timeout=1.0)
+    assert sorted(got) == [0, 2] and "missing: inference_1 (no record after 1 s)" in lines[0]
+    # below the floor (1.0 of 3 = 3) it fails at the timeout, naming the missing server
+    (run_dir / "inference" / "given_up").write_text("inference_1\n")
+    with pytest.raises(TimeoutError, match=r"no server record of inference_1 after 1 s .*3 needed\)"):
+        _start(run_dir, 1.0, timeout=1.0)
+    _record(run_dir, 1, "http://127.0.0.1:2", pid=os.getpid())
+    got, lines = _start(run_dir, 1.0)
+    assert sorted(got) == [0, 1, 2] and not lines
+
+
+def test_without_the_router_every_planned_server_is_waited_for(tmp_path):
+    make_run_dir(tmp_path, "cluster=slurm", "inference.host=127.0.0.1", "inference.replicas=2")
+    _record(tmp_path, 0, "http://127.0.0.1:1", pid=os.getpid())
+    with pytest.raises(TimeoutError, match=r"inference_1 after 1 s .*1 of 2 up, 2 needed"):
+        _start(tmp_path, 0.5, timeout=1.0)
+
+
+def test_the_orchestrator_loads_weights_into_the_servers_its_view_shows_up(tmp_path):
+    """A planned server missing at the start, a withdrawn one and a drained extra one: the weight watcher's
+    targets follow the records (the default view), and a view passed in replaces the run directory's."""
+    from rl.contract.config import load as load_config
+    from rl.orchestrator.loop import Orchestrator
+    run_dir = _run_dir(tmp_path, replicas=2)
+    orch = Orchestrator(run_dir, load_config(run_dir))
+    _record(run_dir, 1, "http://127.0.0.1:2", pid=1)
+    assert {i: c.url for i, c in orch._up_clients().items()} == {1: "http://127.0.0.1:2"}
+    _record(run_dir, 0, "http://127.0.0.1:1", pid=2)           # the late planned server comes up
+    first = orch._up_clients()
+    assert sorted(first) == [0, 1]
+    (run_dir / "inference" / "server_1.json").unlink()       # restarting in place: no weights for it
+    assert sorted(orch._up_clients()) == [0]
+    _record(run_dir, 1, "http://127.0.0.1:2", pid=3)         # back: the same client again
+    assert orch._up_clients()[1] is first[1]
+    plan = Plan.read(run_dir)
+    row = elastic.extra_row(plan.replica(0), 2, 18999)
+    elastic.write_row(run_dir, row)
+    _record(run_dir, 2, "http://127.0.0.1:7", pid=4)
+    assert sorted(orch._up_clients()) == [0, 1, 2] and orch.servers.workers(2) == row.dp * row.tp
+    elastic.request_drain(run_dir, 2)
+    assert sorted(orch._up_clients()) == [0, 1]
+    assert orch.servers.metrics() == {"servers_up": 2, "servers_planned": 2}
+
+    class Fixed:
+        def up(self):
+            return {5: None}
+
+        def connect(self, index, record):
+            return f"client {index}"
+    assert Orchestrator(run_dir, orch.cfg, servers=Fixed())._up_clients() == {5: "client 5"}
+
+
+def test_cancel_also_cancels_the_runs_scale_jobs_naming_them(tmp_path, monkeypatch, capsys):
+    """`launch cancel` with Slurm's commands as scripts that record their calls: the run's job, then every
+    scale job still running (named with its servers); an ended one is said so, a bad row is named."""
+    from launch import slurm as ls
+    run_dir = _run_dir(tmp_path / "run", replicas=1)
+    ls.record_job(run_dir, "40")
+    plan = Plan.read(run_dir)
+    for index, job in ((1, "41"), (2, "41"), (3, "42"), (4, "local:123"), (5, "7 --user=x")):
+        elastic.write_row(run_dir, elastic.extra_row(plan.replica(0), index, 19000 + index), job=job)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text(f'#!/bin/bash\necho "scancel $*" >>{calls}\n')
+    (bin_dir / "scontrol").write_text(   # job 42 has ended; the others run
+        '#!/bin/bash\n[[ $4 == 42 ]] && s=COMPLETED || s=RUNNING\necho "JobId=$4 JobState=$s Reason=None"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert ls.cancel_command(run_dir) == 1     # the bad row
+    out, err = capsys.readouterr()
+    assert calls.read_text().splitlines() == ["scancel -- 40", "scancel -- 41"]
+    assert f"cancelled job 40 of {run_dir}" in out
+    assert "cancelled scale job 41 (inference_1, inference_2)" in out
+    assert "scale job 42 (inference_3): already ended (COMPLETED)" in out and "local" not in out + err
+    assert "replica_5.json: job='7 --user=x' is not a Slurm job id (digits only); not cancelled" in err

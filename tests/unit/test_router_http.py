@@ -324,3 +324,48 @@ def test_wait_for_router_skips_a_stale_record(tmp_path):
     (tmp_path / "DONE").write_text("{}")
     (tmp_path / "inference" / "router.json").unlink()
     assert asyncio.run(wait_for_router(tmp_path, timeout=5)) is None
+
+
+def test_role_from_run_dir_starts_without_a_server_the_job_gave_up(tmp_path):
+    """A server lost before its first record (its step cancelled a second into the job) is named in
+    inference/given_up by the batch script's supervisor: the router starts with the others at once instead
+    of waiting inference.startup_timeout_s for a record that will not come (the orchestrator needs it)."""
+    import os
+    import socket
+    import sys
+
+    from rl.orchestrator.client import wait_for_router
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from builders import make_run_dir
+    from rl.contract.records import ServerRecord
+    make_run_dir(tmp_path, "cluster=slurm", "inference.host=127.0.0.1", "inference.router=true",
+                 f"inference.router_port={port}", "inference.replicas=2", "inference.startup_timeout_s=600")
+    (tmp_path / "secret").unlink()
+
+    async def case():
+        fake = await FakeServer("inference_0", "mixed").start()
+        ServerRecord(url=fake.url, version=0, host=socket.gethostname(), pid=os.getpid(), index=0).write(tmp_path)
+        (tmp_path / "inference" / "given_up").write_text("inference_1\n")
+        repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rl.inference.router", "--run-dir", str(tmp_path), cwd=repo,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": repo, "HETRL_UNAUTHENTICATED": "1"})
+        try:
+            # far below the 600 s a wait for inference_1 would take
+            assert await asyncio.wait_for(wait_for_router(tmp_path, timeout=120), 130) == f"http://127.0.0.1:{port}"
+            rec = json.loads((tmp_path / "inference" / "router.json").read_text())
+            assert [b[0] for b in rec["backends"]] == ["inference_0"]
+            (tmp_path / "DONE").write_text("{}")
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+            out = (await proc.stdout.read()).decode()
+            assert "starting with 1 of 2 servers: inference_1 given up by the job" in out
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await fake.runner.cleanup()
+    asyncio.run(case())
