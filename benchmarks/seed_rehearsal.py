@@ -63,7 +63,8 @@ the engines, is printed as plan_vs_rehearsal_live (at the median rates).
 
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
-took about 2 minutes, plus about 3 for the three probe runs (`--no-probe` skips them), and under 10 GB
+takes 4-6 minutes with the three probe runs and the interleaved replays (`--no-probe` skips the
+probes, and then the seed's RSS is the crude figure: all growth charged to tokens in flight), under 10 GB
 on the 2-core development machine; `--fraction F` sizes rollouts and
 tokens per episode to F of the seed's tokens per step instead (each by the square root of F). More than
 2 data ranks: the config says `trainer.gpus_per_node` = data ranks, since the local backend refuses more
