@@ -18,17 +18,10 @@ torch-free rl.models.layers / rl.models.<package>.args (imported by name: a fami
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 
-from rl.contract import families
 from rl.contract.config import ModelConfig, typed
-
-
-def family_args(family: str):
-    """The torch-free args module of `family` (`rl.models.<package>.args`; its package's import is
-    torch-free too): `from_model(m, hf)`, and the args' `layers()` / `mtp_layers()`."""
-    return importlib.import_module(f"rl.models.{families.get(family).package}.args")
+from rl.models.fields import family_args
 
 
 @dataclass(frozen=True)
