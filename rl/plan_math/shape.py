@@ -18,6 +18,7 @@ torch-free rl.models.layers / rl.models.<package>.args (imported by name: a fami
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from rl.contract.config import ModelConfig, typed
@@ -64,14 +65,23 @@ class Shape:
                  if f.name not in ("layers", "mtp")}
         return cls(**sizes, layers=tuple(a.layers()), mtp=tuple(a.mtp_layers()))
 
+    @functools.cached_property
+    def _row_counts(self) -> tuple:
+        """(row, how many times it stands in `layers`), distinct rows in order: blocks repeat (Kimi's 60
+        MoE blocks are one row), and `launch plan` sums per-row terms over them a thousand times."""
+        counts: dict = {}
+        for x in self.layers:
+            counts[x] = counts.get(x, 0) + 1
+        return tuple(counts.items())
+
     @property
     def moe_layers(self) -> int:
         """Layers with routed experts (the EP all-to-alls, the routes a rollout records)."""
-        return sum(1 for x in self.layers if x.routed)
+        return sum(n for x, n in self._row_counts if x.routed)
 
     def over_layers(self, f) -> float:
-        """f(row) summed over the main network's rows."""
-        return sum(f(x) for x in self.layers)
+        """f(row) summed over the main network's rows (each distinct row evaluated once)."""
+        return sum(f(x) * n for x, n in self._row_counts)
 
 
 @dataclass(frozen=True)
