@@ -79,8 +79,13 @@ def _run(tmp_path: Path, actions: dict[str, list[str]], *overrides: str, timeout
            "PY": sys.executable,
            "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST_HET_GROUP_0": "n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "n2,n3",
            "SLURM_JOB_NODELIST_HET_GROUP_2": "n4", "SLURMD_NODENAME": "n0"}
-    r = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    try:
+        r = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    finally:
+        # a job that ended with roles still "serving" (the script exits without waiting for them) would
+        # leave its stand-ins looping: they stop on this file
+        (ctl / "stop").touch()
     starts = (ctl / "starts").read_text().split() if (ctl / "starts").exists() else []
     calls = (ctl / "calls").read_text() if (ctl / "calls").exists() else ""
     return r, starts, calls
