@@ -346,6 +346,8 @@ def main(argv=None) -> int:
                                 epilog="python -m launch CMD --help: the arguments of CMD")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="CMD")
     argv = list(sys.argv[1:] if argv is None else argv)
+    from rl.contract.safefs import private_umask
+    private_umask()   # run dirs, records and Slurm's log files: writable by this user alone
     wanted = argv[0] if argv else None
     for name in ("run", "plan"):
         s = sub.add_parser(name, **_texts(name))
@@ -412,8 +414,13 @@ def main(argv=None) -> int:
     if getattr(ns, "run_dir", None) is not None:
         # resolved once, here: a run under a symlinked path (/scratch -> /lustre/scratch) works, and below
         # it every reader and writer refuses links (rl.contract.safefs, docs/run-directory-safety.md)
-        from rl.contract.safefs import resolve_run_dir
-        ns.run_dir = str(resolve_run_dir(ns.run_dir))
+        from rl.contract import paths, safefs
+        ns.run_dir = str(safefs.resolve_run_dir(ns.run_dir))
+        try:   # the trust boundary (docs/run-directory-safety.md): someone else's run dir is not obeyed
+            safefs.check_run_dir_private(ns.run_dir, paths.PRIVATE_DIRS)
+        except safefs.UnsafePath as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if ns.cmd in ("export", "report") and getattr(ns, "out", None):
         # the user's own output path: the links on the way to it are the user's choice and followed here;
         # the file or directory itself is then written without following a link (a report's name is kept,

@@ -117,6 +117,8 @@ def check_run_dir_choice(run_dir: str | os.PathLike) -> Path:
         if st is not None and not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
             raise ConfigError(f"run_dir={shown!r}: exists and is not a directory")
         run = st is not None and is_run_dir(real)
+        if run:   # the trust boundary: a run directory someone else owns or can write is not resumed
+            safefs.check_run_dir_private(real, paths.PRIVATE_DIRS)
     except safefs.UnsafePath as e:
         raise ConfigError(f"run_dir={shown!r}: {e}") from None
     except PermissionError as e:

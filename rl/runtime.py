@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from rl import faults
 from rl.contract import config as _config
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.procs import start_ticks
 from rl.contract.plan import Plan
 from rl.contract.records import RecordError, ResumeState, RoleRecord
@@ -53,6 +53,13 @@ def parse_role_args(role: str, argv=None, extra=None) -> argparse.Namespace:
     ns.run_dir = resolve_run_dir(ns.run_dir)
     if not paths.config_file(ns.run_dir).is_file():
         p.error(f"{paths.config_file(ns.run_dir)} not found: is --run-dir a run directory made by `python -m launch`?")
+    # the trust boundary (docs/run-directory-safety.md): what this role and its children create is the
+    # user's alone, and a run directory someone else owns or can write is refused before anything is read
+    safefs.private_umask()
+    try:
+        safefs.check_run_dir_private(ns.run_dir, paths.PRIVATE_DIRS)
+    except UnsafePath as e:
+        p.error(str(e))
     start_watchdog(role, load_config(ns.run_dir).cluster.stall_timeout_s)
     try:
         watch_launcher(role)

@@ -35,6 +35,9 @@ KINDS = (ROLLOUTS, WEIGHTS, CHECKPOINTS, ASSETS)
 CONSUMED = "consumed.jsonl"
 CORRUPT = "corrupt"
 SUBDIRS = ("logs", "roles", ROLLOUTS, WEIGHTS, CHECKPOINTS, "inference")
+# Directories whose owner and mode every entry point checks (safefs.check_run_dir_private): those where a
+# record that names a command, an address, a pid or a grade lives.
+PRIVATE_DIRS = (*SUBDIRS, ASSETS, "incarnations", "sandboxes", "eval", "inference/extra", "inference/reloads")
 
 # Every name hetrl itself makes at the top of a run directory. A non-empty directory holding anything else
 # and no config.yaml is not a run directory, and the launcher refuses to write into it (launch.rundir):

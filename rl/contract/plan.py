@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rl.contract import paths
+from rl.contract import paths, safefs
 
 PLAN_VERSION = 2
 # The name vLLM serves the policy under; the orchestrator and the router send it as "model".
@@ -228,10 +228,16 @@ class Plan:
     @classmethod
     def read(cls, run_dir) -> "Plan":
         p = paths.plan_file(run_dir)
-        try:
-            return cls.from_dict(json.loads(Path(p).read_text()))
+        try:   # no link followed, a FIFO refused without blocking, someone else's file refused (safefs)
+            raw = safefs.read_bytes(p, limit=64 << 20)
         except FileNotFoundError:
             raise PlanFormatError(f"{p}: not found (the launcher writes it at submission)") from None
+        except safefs.UnsafePath as e:
+            raise PlanFormatError(str(e)) from None
+        try:
+            return cls.from_dict(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"{p}: not JSON ({e})") from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,6 +14,15 @@ the run directory with `resolve_run_dir` first, so a run directory reached throu
 -> `/lustre/scratch`, a `latest` link) is named by its real path and everything under it must be real;
 a link found afterwards was put there since, by someone else.
 
+Who wrote a file matters as much as what it is. hetrl's trust boundary is the run's own user: a file in
+a run directory is obeyed (read as a record, appended to, handed to a library) only if it is owned by the
+user running the process and writable by nobody else (no group or other write bit, one link). Someone
+who can write the directory, or a file in it, could otherwise plant a server address that receives the
+run's secret, a command a role runs, or a grade it trains on. Every open below checks this with fstat on
+the opened fd (no race with a rename), `check_private_dir` checks a run directory and its kind
+directories at every entry point, and `private_umask` makes whatever a process and its children create
+writable by its user alone. docs/run-directory-safety.md states the threat model.
+
 A leaf of rl.contract: imports nothing of rl. Torch-free.
 """
 from __future__ import annotations
@@ -47,6 +56,50 @@ def what(mode: int) -> str:
             "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
             "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
             "a regular file" if stat.S_ISREG(mode) else "not a regular file")
+
+
+def _owner_problem(st: os.stat_result, shown: str, *, write: bool = False) -> UnsafePath | None:
+    """Why a file or directory with stat `st` is not this user's own (None if it is)."""
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        return UnsafePath(f"{shown}: owned by uid {st.st_uid}, not by this run's user (uid {euid}); hetrl "
+                          f"obeys only what its own user wrote in a run directory")
+    if st.st_mode & 0o022:
+        return UnsafePath(f"{shown}: mode {stat.S_IMODE(st.st_mode):04o}, writable by group or others; "
+                          f"anyone who can write it could plant records there (chmod go-w {shown})")
+    if write and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return UnsafePath(f"{shown}: {st.st_nlink} hard links; a write would change the other names' "
+                          f"file too (remove it and let hetrl write a new one)")
+    return None
+
+
+def private_umask() -> None:
+    """Add 022 to this process's umask: what it and its children (vLLM, torch, Slurm's log files when
+    it submits) create is writable by its user alone, whatever the login shell's umask (002 is common
+    on group filesystems)."""
+    old = os.umask(0o022)
+    os.umask(old | 0o022)
+
+
+def check_private_dir(path: PathLike) -> None:
+    """Refuse (UnsafePath, one line) a directory that another user owns or can write: a run directory or
+    one of its kind directories that someone else could plant records in. Missing is fine."""
+    st = lstat(path)
+    if st is None:
+        return
+    norm = os.path.normpath(os.path.abspath(os.fspath(path)))
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a directory")
+    problem = _owner_problem(st, norm)
+    if problem is not None:
+        raise UnsafePath(f"{problem.message}; a run directory must be its user's alone")
+
+
+def check_run_dir_private(run_dir: PathLike, subdirs=()) -> None:
+    """`check_private_dir` for the run directory and each of `subdirs` (names below it) that exists."""
+    check_private_dir(run_dir)
+    for sub in subdirs:
+        check_private_dir(Path(run_dir) / sub)
 
 
 def resolve_run_dir(run_dir: PathLike) -> Path:
@@ -125,7 +178,7 @@ def makedirs(path: PathLike) -> Path:
     return Path(path)
 
 
-def _open_file(path: PathLike, flags: int, mode: int, *, create_dirs: bool) -> int:
+def _open_file(path: PathLike, flags: int, mode: int, *, create_dirs: bool, foreign: bool = False) -> int:
     norm, comps = _parts(path)
     if not comps:
         raise UnsafePath(f"{path}: not a file path")
@@ -144,6 +197,11 @@ def _open_file(path: PathLike, flags: int, mode: int, *, create_dirs: bool) -> i
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a regular file")
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        problem = None if foreign and not writing else _owner_problem(st, norm, write=writing)
+        if problem is not None:
+            os.close(fd)
+            raise problem
         if not flags & os.O_NONBLOCK:
             os.set_blocking(fd, True)
         return fd
@@ -151,15 +209,18 @@ def _open_file(path: PathLike, flags: int, mode: int, *, create_dirs: bool) -> i
         os.close(dfd)
 
 
-def open_read(path: PathLike) -> int:
+def open_read(path: PathLike, *, foreign: bool = False) -> int:
     """fd of the regular file `path` for reading (the caller closes it): no link followed anywhere on the
-    path, a FIFO or device refused without blocking (UnsafePath), FileNotFoundError when missing."""
-    return _open_file(path, os.O_RDONLY, 0, create_dirs=False)
+    path, a FIFO or device refused without blocking, a file another user owns or can write refused
+    (UnsafePath), FileNotFoundError when missing. `foreign=True` skips the owner check for data the user
+    named from elsewhere on purpose (a teammate's pilot run read by `--calibrate`), never for a record a
+    role obeys."""
+    return _open_file(path, os.O_RDONLY, 0, create_dirs=False, foreign=foreign)
 
 
-def read_bytes(path: PathLike, limit: int | None = None) -> bytes:
+def read_bytes(path: PathLike, limit: int | None = None, *, foreign: bool = False) -> bytes:
     """The bytes of the regular file `path` (open_read); with `limit`, UnsafePath past that many bytes."""
-    fd = open_read(path)
+    fd = open_read(path, foreign=foreign)
     try:
         parts, off = [], 0
         while b := os.pread(fd, 1 << 22, off):
@@ -172,8 +233,8 @@ def read_bytes(path: PathLike, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def read_text(path: PathLike, limit: int | None = None) -> str:
-    return read_bytes(path, limit).decode()
+def read_text(path: PathLike, limit: int | None = None, *, foreign: bool = False) -> str:
+    return read_bytes(path, limit, foreign=foreign).decode()
 
 
 def open_write(path: PathLike, *, append: bool = False, exclusive: bool = False, truncate: bool = False,
@@ -212,6 +273,8 @@ def write_atomic(path: PathLike, data: bytes, *, mode: int = 0o644) -> None:
             if stat.S_ISLNK(st.st_mode):
                 raise _describe(dfd, name, norm)
             raise UnsafePath(f"{norm}: {what(st.st_mode)}, not a regular file")
+        if st is not None and (problem := _owner_problem(st, norm)) is not None:
+            raise problem
         tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode, dir_fd=dfd)
         try:
