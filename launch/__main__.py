@@ -404,6 +404,8 @@ def main(argv=None) -> int:
     if extra:
         if isinstance(getattr(ns, "overrides", None), list) and not any(e.startswith("-") for e in extra):
             ns.overrides += extra
+        elif ns.cmd == "scale":   # its errors are one line, exit 2 (launch/scale.py add_arguments)
+            sub.choices["scale"].error(f"unrecognized arguments: {' '.join(extra)}")
         else:
             p.parse_args(argv)   # argparse's own one-line error and exit 2
     if ns.cmd in ("run", "plan"):

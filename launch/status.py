@@ -10,10 +10,10 @@ died, with its exception and log line. Torch-free.
 
 Status is what a user runs when something went wrong, so it must work on a run directory in any state,
 written by anyone: each record is read on its own (through rl.contract.safefs: no link followed, a FIFO
-refused instead of blocked on), and one that does not parse, has a field of the wrong type (a pid that
-is a string, a metrics line that is a list or `NaN`), or sits where a record should not be, is left out
-and named in one line under `unreadable`, which `render` prints at the end; the rest of the status is
-still shown. What is printed goes through rich with markup escaped: a host name like `[/x]` in a record
+refused instead of blocked on, a record another user owns or can write refused), and one that does not
+parse, has a field of the wrong type (a pid that is a string, a metrics line that is a list or `NaN`), or
+sits where a record should not be, is left out and named in one line under `unreadable`, which `render`
+prints at the end; the rest of the status is still shown. What is printed goes through rich with markup escaped: a host name like `[/x]` in a record
 is text, not a markup error. Two records are the answer instead, in one line: a config.yaml that cannot
 be read (not a run directory) and a malformed resume.json (the run's epoch: it cannot start again from it).
 """
@@ -29,7 +29,7 @@ from launch.backends import executor
 from launch.procs import Recorded
 from rl.contract import backends, paths, safefs
 from rl.contract.config import ConfigError
-from rl.contract.records import ResumeState, RoleRecord, read_optional
+from rl.contract.records import RecordError, ResumeState, RoleRecord, read_optional
 
 _TAIL = 65536          # bytes of metrics.jsonl read from its end
 _CONFIG_LIMIT = 16 << 20
@@ -126,9 +126,31 @@ def _config(run_dir: Path) -> dict:
     return cfg
 
 
+def _role_records(run_dir: Path, unreadable: list[str]) -> list[RoleRecord]:
+    """Every `roles/<role>.json` that reads as a RoleRecord. Each is read through safefs (records): one
+    another user owns or can write (its pid would be signalled by `launch cancel`), a link or a FIFO, is
+    refused without blocking and named under `unreadable` with the others that do not parse."""
+    roles = paths.roles_dir(run_dir)
+    try:
+        names = sorted(n for n, _ in safefs.scandir(roles))
+    except OSError as e:   # RUN/roles is a link or not a directory
+        unreadable.append(str(e))
+        return []
+    out = []
+    for name in names:
+        if not name.endswith(".json") or name.startswith(".") or name == paths.trainer_exit(run_dir).name:
+            continue
+        try:
+            if (r := read_optional(RoleRecord, roles / name)) is not None:
+                out.append(r)
+        except (RecordError, OSError) as e:
+            unreadable.append(str(e))
+    return out
+
+
 def _roles(run_dir: Path, unreadable: list[str]) -> dict:
     out = {}
-    for r in RoleRecord.read_all(run_dir):  # records that do not parse are skipped there
+    for r in _role_records(run_dir, unreadable):
         if not (isinstance(r.role, str) and isinstance(r.host, str) and _is_pid(r.pid)):
             unreadable.append(f"{paths.roles_dir(run_dir)}: a record of role {str(r.role)[:40]!r} has "
                               f"host={str(r.host)[:40]!r} pid={str(r.pid)[:20]!r} (not a host and pid)")
@@ -142,14 +164,13 @@ def _roles(run_dir: Path, unreadable: list[str]) -> dict:
 
 def _engine_deaths(logs: Path, unreadable: list[str]) -> dict[str, str]:
     """rl.contract.vllm_log's reading of every `*.vllm.log`, for the regular files only: a FIFO planted
-    as a log would block its reader, and a link would read someone else's file."""
+    as a log would block its reader, and a link would read someone else's file. The directory is listed
+    through safefs too: `logs/` planted as a link is named, not listed."""
     from rl.contract.vllm_log import describe  # standard library only
     try:
-        names = sorted(e.name for e in os.scandir(logs) if e.name.endswith(".vllm.log"))
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
+        names = sorted(n for n, _ in safefs.scandir(logs) if n.endswith(".vllm.log"))
     except OSError as e:
-        unreadable.append(f"{logs}: {e.strerror or e}")
+        unreadable.append(str(e) if isinstance(e, safefs.UnsafePath) else f"{logs}: {e.strerror or e}")
         return {}
     out = {}
     for name in names:

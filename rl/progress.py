@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from rl import exchange
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.records import RecordError, ResumeState
 from rl.contract.safefs import resolve_run_dir
 
@@ -41,6 +41,11 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True, type=Path)
     ns = p.parse_args(argv)
     run_dir = resolve_run_dir(ns.run_dir)
+    try:   # the trust boundary: a run directory someone else owns or can write is not obeyed
+        safefs.check_run_dir_private(run_dir, paths.PRIVATE_DIRS)
+    except safefs.UnsafePath as e:
+        print(f"progress unknown: {e}", flush=True)
+        return 1
     try:
         ok, why = trained_since_start(run_dir)
     except RecordError as e:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rl import exchange
 from rl.contract import config as _config
-from rl.contract import paths
+from rl.contract import paths, safefs
 from rl.contract.records import RecordError, ResumeState
 from rl.contract.safefs import resolve_run_dir
 
@@ -55,6 +55,11 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True, type=Path)
     ns = p.parse_args(argv)
     ns.run_dir = resolve_run_dir(ns.run_dir)  # once, here: below it no link is followed (rl.contract.safefs)
+    try:   # the trust boundary: a run directory someone else owns or can write is not obeyed
+        safefs.check_run_dir_private(ns.run_dir, paths.PRIVATE_DIRS)
+    except safefs.UnsafePath as e:
+        print(f"not requeueing: {e}", flush=True)
+        return 1
     env_restart = os.environ.get("SLURM_RESTART_COUNT")
     if env_restart and not (env_restart.isascii() and env_restart.isdigit()):
         print(f"not requeueing: SLURM_RESTART_COUNT={env_restart!r} is not a non-negative integer", flush=True)

@@ -322,7 +322,7 @@ class ClusterConfig:
     extra_sbatch: list = field(default_factory=list)
     setup: list = field(default_factory=list)  # shell lines the batch script runs first (module load ...)
     python: Optional[str] = None       # interpreter the roles run with (default: the launcher's)
-    node_local_dir: str = "/tmp/hetrl"
+    node_local_dir: str = "/tmp"   # a per-user hetrl-<uid> directory (0700) is made under it
     gpu_memory_gib: float = 140.0      # usable memory of one GPU (H200: about 140 GiB)
     host_memory_gib: float = 0.0       # usable host memory of one node (offloaded state, KV tier); 0 = unchecked
     # SWE sandboxes on CPU nodes of their own: het group 2, one sandbox service per node (docs/sandboxes.md).
@@ -409,11 +409,15 @@ def typed(cfg) -> Config:
 
 def load(run_dir: str | os.PathLike) -> DictConfig:
     """The frozen config of a run as every role reads it: `RUN_DIR/config.yaml` on the schema."""
-    from rl.contract import paths
+    from rl.contract import paths, safefs
     p = paths.config_file(run_dir)
-    if not p.is_file():
-        raise ConfigError(f"{p}: not found (is {run_dir} a run directory made by `python -m launch`?)")
-    cfg = structured(OmegaConf.to_container(OmegaConf.load(p)))
+    try:   # no link followed, a FIFO refused without blocking, someone else's file refused (safefs)
+        text = safefs.read_text(p, limit=16 << 20)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: not found (is {run_dir} a run directory made by `python -m launch`?)") from None
+    except safefs.UnsafePath as e:
+        raise ConfigError(str(e)) from None
+    cfg = structured(OmegaConf.to_container(OmegaConf.create(text)))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -152,18 +152,29 @@ def run_id(run_dir: PathLike) -> str:
     return f"{a.name[:40]}-{hashlib.sha1(str(a).encode()).hexdigest()[:8]}"
 
 
+def user_local_dir(base: str, uid: int | None = None) -> str:
+    """This user's directory under cluster.node_local_dir: `<base>/hetrl-<uid>`. The base (often /tmp)
+    is shared with the node's other users, and what hetrl keeps there is code as much as data (a model
+    copy's config.json and `auto_map`, vLLM's compile cache), so every run of a user lives below a
+    directory of that user's own, made 0700 and checked on every use (rl.inference.model_dir); one
+    someone else made first is refused, never used."""
+    return f"{base.rstrip('/')}/hetrl-{os.geteuid() if uid is None else uid}"
+
+
 def node_local_dir(base: str, run_dir: PathLike) -> str:
-    """This run's directory under cluster.node_local_dir on every node (plan, cleanup, server). On Slurm
-    it holds one directory per node and incarnation (`node_dir`), which is what the server uses."""
-    return f"{base.rstrip('/')}/{run_id(run_dir)}"
+    """This run's directory under cluster.node_local_dir on every node (plan, cleanup, server), inside the
+    launching user's own directory (`user_local_dir`). On Slurm it holds one directory per node and
+    incarnation (`node_dir`), which is what the server uses."""
+    return f"{user_local_dir(base)}/{run_id(run_dir)}"
 
 
 def node_vllm_cache(local_dir: str) -> str:
-    """VLLM_CACHE_ROOT: one per node, beside the runs' directories and shared by them. It holds what vLLM
-    derives from code and config alone (its model-class inspection, which otherwise costs a Python
-    subprocess of several seconds per start; torch.compile artifacts on a GPU), so every start after a
-    node's first is warm, a restart of the same run included. vLLM writes it atomically; it holds no
-    weights, and the stale-directory cleanup leaves it alone (it has no owner records)."""
+    """VLLM_CACHE_ROOT: one per node and user, beside the user's runs' directories and shared by them. It
+    holds what vLLM derives from code and config alone (its model-class inspection, which otherwise
+    costs a Python subprocess of several seconds per start; torch.compile artifacts on a GPU), so every
+    start after a node's first is warm, a restart of the same run included. vLLM writes it atomically;
+    it holds no weights, and the stale-directory cleanup leaves it alone (it has no owner records). Per
+    user, because what it holds is code vLLM runs: another user's cache is never read."""
     return f"{local_dir.rstrip('/').rsplit('/', 1)[0]}/vllm-cache"
 
 

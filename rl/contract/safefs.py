@@ -130,10 +130,16 @@ def _describe(dir_fd: int, name: str, shown: str) -> UnsafePath:
 def open_dir(path: PathLike, *, create: bool = False) -> int:
     """An O_PATH fd of directory `path`, every component opened without following a symlink; with
     `create`, missing directories are made (0o755, less the umask). UnsafePath for a link or a
-    non-directory on the way; FileNotFoundError for a missing one without `create`."""
+    non-directory on the way; FileNotFoundError for a missing one without `create`. A path below
+    `/proc/self/fd/<fd>` of a directory `pinned_dir` holds open is walked from that fd (the rest of the
+    path without following a link), so every function here works on what a pinned writer is handed."""
     norm, comps = _parts(path)
-    fd = os.open("/", _DIR_WALK)
-    shown = ""
+    pinned = _pinned_start(comps)
+    if pinned is not None:  # below a directory pinned_dir opened: walked from its fd, not from /proc
+        fd, comps, shown = pinned
+    else:
+        fd = os.open("/", _DIR_WALK)
+        shown = ""
     try:
         for c in comps:
             shown += "/" + c
@@ -437,3 +443,27 @@ def fsync_dir(path: PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- directories a library is handed by path: pinned by an fd ------------------------------------------
+# A library (torch's distributed checkpoint, safetensors' save_file, a tokenizer's save_pretrained) takes
+# a path and resolves it again at every file it writes. If someone who can write the directory above
+# renames the directory it writes into and puts a symlink (or a directory of their own) at the old name,
+# the rest of the library's files land wherever that points: a polling attacker in a kind directory
+# others can write won that race against `dcp.save` every time. `pinned_dir` opens the directory once
+# (the walk above, no link followed), checks it is this user's own and private, and hands out
+# `/proc/self/fd/<fd>`: the kernel resolves that through the open fd to the very inode that was checked,
+# whatever the name in the parent has become since. Nothing anyone else does to names outside it changes
+# where a byte goes, and inside it (mode 0700, this user's) nobody else can create or rename anything.
+_PINNED: dict[int, str] = {}   # fd held by pinned_dir -> the path it was opened as (for messages)
+
+
+def _pinned_start(comps: list[str]) -> tuple[int, list[str], str] | None:
+    """(fd to walk from, the components left, the path shown) for a path below a pinned directory."""
+    if len(comps) < 4 or comps[:3] != ["proc", "self", "fd"] or not comps[3].isdigit():
+        return None
+    fd = int(comps[3])
+    shown = _PINNED.get(fd)
+    if shown is None:
+        return None
+    return os.open(".", _DIR_WALK, dir_fd=fd), comps[4:], shown

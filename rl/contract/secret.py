@@ -56,8 +56,8 @@ def _problem(text: str | None) -> str | None:
 def _read(path: Path) -> tuple[str, os.stat_result] | None:
     """(text, stat) of the secret file, None when missing. Opened through rl.contract.safefs: a symlink
     at it or on the way, a FIFO or a device is SecretError (one line), never followed or blocked on."""
-    try:
-        fd = safefs.open_read(path)
+    try:   # owner and mode are checked below with the secret's own, stricter rule (0600) and advice
+        fd = safefs.open_read(path, foreign=True)
     except FileNotFoundError:
         return None
     except safefs.UnsafePath as e:

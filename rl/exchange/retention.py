@@ -34,6 +34,14 @@ from rl.exchange.steps import delta_base, latest_complete, list_steps, verify
 
 # step path -> (inode, mtime_ns) of the manifest it was hashed against, in this process
 _HASHED: dict[str, tuple[int, int]] = {}
+_REFUSED: set[str] = set()   # records served_versions refused (safefs), each said once in this process
+
+
+def _refused(error: safefs.UnsafePath) -> None:
+    line = " ".join(str(error).split())
+    if line not in _REFUSED:
+        _REFUSED.add(line)
+        print(f"[exchange] retention: refused: {line}; not counted as a server's version", flush=True)
 
 
 def _verifies(path: Path, checksums: bool) -> bool:
@@ -95,7 +103,9 @@ def served_versions(run_dir: str | os.PathLike) -> set[int]:
     """The policy version each running server is recorded to serve: its `inference/server_<i>.json`
     (the version it started on), or the newest successful reload reported in
     `inference/reloads/server_<i>/` since that record was written. rl.prepare deletes the server
-    records of a previous incarnation, so only this incarnation's servers count."""
+    records of a previous incarnation, so only this incarnation's servers count. Every record and report
+    is read through safefs: one another user owns or can write, a link or a FIFO is refused without
+    blocking, said once, and counts for nothing."""
     inference = Path(run_dir) / "inference"
     out = set()
     for name, _ in sorted(safefs.scandir(inference)):
@@ -105,11 +115,17 @@ def served_versions(run_dir: str | os.PathLike) -> set[int]:
         try:  # through safefs: a link or FIFO in a record's place is refused (UnsafePath), not followed
             r = json.loads(safefs.read_bytes(rec, limit=1 << 20))
             version, index, since = int(r["version"]), int(r["index"]), safefs.lstat(rec).st_mtime
+        except safefs.UnsafePath as e:
+            _refused(e)
+            continue
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being rewritten, or not a server record: the bound below still holds
         reloads = inference / "reloads" / f"server_{index}"
         try:
             entries = safefs.scandir(reloads)
+        except safefs.UnsafePath as e:
+            _refused(e)
+            entries = []
         except OSError:
             entries = []
         for rname, _ in entries:
@@ -119,6 +135,8 @@ def served_versions(run_dir: str | os.PathLike) -> set[int]:
                 rr = json.loads(safefs.read_bytes(reloads / rname, limit=1 << 20))
                 if rr.get("loaded") and safefs.lstat(reloads / rname).st_mtime >= since:
                     version = max(version, int(rr["version"]))
+            except safefs.UnsafePath as e:
+                _refused(e)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         out.add(version)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rl.contract import paths, record_schemas, safefs
+from rl.contract import paths, privdirs, record_schemas, safefs
 from rl.contract.atomic import atomic_write_bytes
 from rl.faults import crash_point
 
@@ -59,10 +59,15 @@ class Published:
 
 def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[Path], "dict | None"], *,
             producer: str, policy_version: int | None = None, meta: dict | None = None,
-            checksum: bool = True, overwrite: bool = False, hashed: bool = False) -> Published:
+            checksum: bool = True, overwrite: bool = False, hashed: bool = False,
+            named: bool = False) -> Published:
     """Publish `RUN_DIR/kind/step_N` atomically. `write(tmp_dir)` fills the directory; with `hashed` it
     returns the manifest entries {size, sha256} of the files it fsynced and hashed as it wrote them
-    (rl.contract.batch.write_arrays), which are not read again.
+    (rl.contract.batch.write_arrays), which are not read again. `tmp_dir` is the `/proc/self/fd/<fd>`
+    path of the private directory `begin` made (rl.contract.privdirs.pinned_dir): whatever `write` hands a
+    library lands in that directory even if someone renames it and plants a link at its name meanwhile;
+    rl.contract.safefs functions accept it like any other path. With `named`, `write(tmp_dir, name)`
+    also gets the directory's name in the run directory (for other processes, which pin it themselves).
 
     If step_N already exists it is left alone (another incarnation of this producer published it
     before a crash) unless `overwrite`, in which case the old one is moved aside then removed after the
@@ -72,10 +77,13 @@ def publish(run_dir: str | os.PathLike, kind: str, step: int, write: Callable[[P
     if safefs.lstat(final) is not None and not overwrite:  # a link in its place: read_manifest refuses it
         return Published(final, step, read_manifest(final))
     tmp = begin(run_dir, kind, step)
+    ident = None
     try:
-        known = write(tmp)
+        with privdirs.pinned_dir(tmp) as pinned:  # the writer is handed the opened directory, not its name
+            ident = _ident(pinned)
+            known = write(pinned, tmp) if named else write(pinned)
     except BaseException:
-        safefs.remove(tmp)
+        _drop(tmp, ident)
         raise
     return commit(run_dir, kind, step, tmp, producer=producer, policy_version=policy_version, meta=meta,
                   checksum=checksum, overwrite=overwrite, known=known if hashed else None)
@@ -88,13 +96,17 @@ def begin(run_dir: str | os.PathLike, kind: str, step: int, token: str | None = 
     one, a fresh random directory is made. Both are made through rl.contract.safefs: a symlink at the kind
     directory or anywhere on the way is refused (UnsafePath), so the private directory a producer hands
     to its libraries (safetensors, torch) is a real directory of this run and nothing inside it existed
-    before (a fresh name, or the shared token's directory, which is itself refused if it is a link)."""
+    before (a fresh name, or the shared token's directory, which is itself refused if it is a link).
+
+    The directory is mode 0700 and this user's own: a writer pins it (rl.contract.privdirs.pinned_dir,
+    which refuses anything else) and hands libraries the pinned path, never this name, which someone who
+    can write the kind directory could rename and replace while the library writes."""
     base = Path(run_dir) / kind
     tmp = base / f"{step_name(step)}.tmp-{token or uuid.uuid4().hex[:10]}"
     if token is None:
-        safefs.mkdir(tmp)
+        safefs.mkdir(tmp, mode=0o700)
     else:
-        safefs.makedirs(tmp)
+        privdirs.make_private_dir(tmp)
     return tmp
 
 
@@ -107,73 +119,137 @@ def commit(run_dir: str | os.PathLike, kind: str, step: int, tmp: Path, *, produ
     entries of files whose writer already fsynced them and recorded how to verify them (the weight
     shards: a size here, per-tensor digests in a file of their own), so they are not read again. A step
     that appeared meanwhile is kept and `tmp` dropped, unless `overwrite`. On any error `tmp` is removed.
+
+    `tmp` is read and the manifest written through the directory pinned by its fd
+    (rl.contract.privdirs.pinned_dir: this user's, mode 0700), and the rename by name is checked to have
+    moved that very directory: should someone who can write the kind directory have renamed it and put
+    something else at its name, that is refused (UnsafePath) and whatever took the step's name removed,
+    never published.
     """
     base = Path(run_dir) / kind
     final = base / step_name(step)
     known = known or {}
+    aside = ident = None
     try:
         if not _inside(tmp, base) or not safefs.is_dir(tmp):
             raise ValueError(f"{tmp}: not a step directory made by begin() in {base}")
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_symlink() or not (p.is_file() or p.is_dir()):
-                # verify refuses these in a published step: refuse them here, where the producer is named
-                raise ValueError(f"{p}: {_what(p.lstat().st_mode)} in a step being published; producers "
-                                 f"write regular files only")
-            if p.is_file():
-                rel = p.relative_to(tmp).as_posix()
-                if rel == MANIFEST:
-                    raise ValueError(f"{kind}/{step_name(step)}: producer wrote {MANIFEST} itself")
-                if rel in known:
-                    files[rel] = dict(known[rel])
-                    if files[rel].get("size") != p.stat().st_size:
-                        raise ValueError(f"{p}: {p.stat().st_size} bytes, its writer recorded "
-                                         f"{files[rel].get('size')}")
-                    continue
-                _fsync_path(p)
-                files[rel] = {"size": p.stat().st_size, **({"sha256": sha256_file(p)} if checksum else {})}
-        if missing := sorted(set(known) - set(files)):
-            raise ValueError(f"{kind}/{step_name(step)}: {len(missing)} recorded file(s) missing, "
-                             f"first {missing[0]}")
-        crash_point("commit.before_manifest")
-        epoch = _check_fence(run_dir, kind, step)
-        manifest = {
-            "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
-            "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
-            "meta": meta or {}, **({"epoch": epoch} if epoch is not None else {}),
-            **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}),
-        }
-        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        safefs.fsync_dir(tmp)
-        _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
-        crash_point("commit.before_rename")
-        if safefs.lstat(final) is not None:
-            if not overwrite:
-                safefs.remove(tmp)
-                return Published(final, step, read_manifest(final))
-            # not `.tmp-`: until the new step is in place the aside is the only copy (restore_asides)
-            aside = base / f"{step_name(step)}.aside-{uuid.uuid4().hex[:8]}"
-            safefs.rename(final, aside)
-            crash_point("commit.between_renames")
-            safefs.rename(tmp, final)
+        with privdirs.pinned_dir(tmp) as pinned:
+            ident = _ident(pinned)
+            manifest = _manifest(run_dir, kind, step, pinned, tmp, known, checksum=checksum,
+                                 producer=producer, policy_version=policy_version, meta=meta)
+            os.chmod(pinned, _published_mode())  # private while written; published as mkdir would make it
+            _check_fence(run_dir, kind, step)  # again just before the rename: the window is the rename itself
+            crash_point("commit.before_rename")
+            if not privdirs.same_dir(tmp, pinned):
+                raise _replaced(tmp, base)
+            if safefs.lstat(final) is not None:
+                if not overwrite:
+                    _drop(tmp, ident)
+                    return Published(final, step, read_manifest(final))
+                # not `.tmp-`: until the new step is in place the aside is the only copy (restore_asides)
+                aside = base / f"{step_name(step)}.aside-{uuid.uuid4().hex[:8]}"
+                safefs.rename(final, aside)
+                crash_point("commit.between_renames")
+                safefs.rename(tmp, final)
+            else:
+                try:
+                    safefs.rename(tmp, final)  # onto a step that appeared since: refused (not empty)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or safefs.lstat(final) is None:
+                        raise
+                    _drop(tmp, ident)
+                    return Published(final, step, read_manifest(final))
+            if not privdirs.same_dir(final, pinned):
+                # renamed in between the check and the rename: what now has the step's name is not ours
+                _remove(final)
+                if aside is not None:
+                    safefs.rename(aside, final)
+                    aside = None
+                raise _replaced(tmp, base)
+        if aside is not None:
             _remove(aside)
-        else:
-            try:
-                safefs.rename(tmp, final)  # onto a step that appeared since the check: refused (not empty)
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or safefs.lstat(final) is None:
-                    raise
-                safefs.remove(tmp)
-                return Published(final, step, read_manifest(final))
         safefs.fsync_dir(base)
     except BaseException:
         if _inside(tmp, base):
             try:
-                safefs.remove(tmp)
+                _drop(tmp, ident)
             except OSError:
                 pass  # the error being raised says more than a failed cleanup (rl.prepare removes tmp dirs)
         raise
     return Published(final, step, manifest)
+
+
+def _manifest(run_dir, kind: str, step: int, pinned: Path, tmp: Path, known: dict, *, checksum: bool,
+              producer: str, policy_version, meta) -> dict:
+    """List, fsync and hash the files of the pinned tmp dir (`tmp` is its name, for messages) and write
+    its manifest.json there; the manifest."""
+    files = {}
+    for p in sorted(pinned.rglob("*")):
+        rel = p.relative_to(pinned).as_posix()
+        shown = tmp / rel
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            # verify refuses these in a published step: refuse them here, where the producer is named
+            raise ValueError(f"{shown}: {_what(p.lstat().st_mode)} in a step being published; producers "
+                             f"write regular files only")
+        if p.is_file():
+            if rel == MANIFEST:
+                raise ValueError(f"{kind}/{step_name(step)}: producer wrote {MANIFEST} itself")
+            if rel in known:
+                files[rel] = dict(known[rel])
+                if files[rel].get("size") != p.stat().st_size:
+                    raise ValueError(f"{shown}: {p.stat().st_size} bytes, its writer recorded "
+                                     f"{files[rel].get('size')}")
+                continue
+            _fsync_path(p)
+            files[rel] = {"size": p.stat().st_size, **({"sha256": sha256_file(p)} if checksum else {})}
+    if missing := sorted(set(known) - set(files)):
+        raise ValueError(f"{kind}/{step_name(step)}: {len(missing)} recorded file(s) missing, "
+                         f"first {missing[0]}")
+    crash_point("commit.before_manifest")
+    epoch = _check_fence(run_dir, kind, step)
+    manifest = {
+        "kind": kind, "step": step, "policy_version": policy_version, "producer": producer,
+        "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "files": files,
+        "meta": meta or {}, **({"epoch": epoch} if epoch is not None else {}),
+        **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}),
+    }
+    atomic_write_bytes(pinned / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    safefs.fsync_dir(pinned)
+    return manifest
+
+
+def _published_mode() -> int:
+    """The mode mkdir gives a directory under this process's umask, never group/other-writable: a
+    published step can be read by whoever could read it before (nobody else can write it either way);
+    only while it is written is it private (0700)."""
+    umask = 0o022
+    try:
+        with open("/proc/self/status") as f:  # the umask, read without setting it (os.umask would race)
+            umask = next((int(x.split()[1], 8) for x in f if x.startswith("Umask:")), umask)
+    except OSError:
+        pass
+    return 0o777 & ~umask & ~0o022
+
+
+def _replaced(tmp: Path, base: Path) -> safefs.UnsafePath:
+    return safefs.UnsafePath(f"{tmp}: renamed and replaced while being published (someone else can write "
+                             f"{base}); not published")
+
+
+def _ident(pinned: Path) -> tuple[int, int]:
+    st = os.stat(pinned)
+    return st.st_dev, st.st_ino
+
+
+def _drop(tmp: Path, ident: tuple[int, int] | None = None) -> None:
+    """Remove a tmp step directory by name, only if the name is still ours: the directory `ident`
+    (device, inode) names when given, else anything this user owns. What someone else put at the name
+    is theirs, never followed or emptied; a tmp dir renamed away is left to clean_tmp."""
+    st = safefs.lstat(tmp)
+    if st is None:
+        return
+    if (st.st_dev, st.st_ino) == ident or (ident is None and st.st_uid == os.geteuid()):
+        safefs.remove(tmp)
 
 
 def _inside(tmp, base: Path) -> bool:

@@ -11,6 +11,16 @@ or several processes sharing one disk never rewrite one a vLLM may be loading.
 Directories left by earlier runs are removed only if this code made them (`claim` leaves an owner
 record per role process) and every owner on this host is gone (`clean_stale`).
 
+The node-local base (cluster.node_local_dir, often /tmp) is shared with the node's other users, and a
+model directory is code as much as data: vLLM imports what its config.json's `auto_map` names under
+trust_remote_code. So the copy lives below a directory of this user's own (rl.contract.paths puts every
+run under `<base>/hetrl-<uid>/`), checked on every use (rl.contract.privdirs.make_trusted_dirs: each
+directory on the way owned by root or this user and not writable by others unless sticky, the last one
+this user's own; a per-user directory someone else made first is refused in one line, never used), a
+copy or file this user does not own is never reused, and the copy is written into a fresh 0700
+directory through its pinned fd path (rl.contract.privdirs.pinned_dir), then renamed into place and
+checked to be the directory that was written.
+
 Split from rl/inference/server.py (issue 23): the role (server) decides what to load and runs vLLM;
 this module only turns a published step into a directory. No vLLM import; torch and safetensors only
 inside `materialize`.
@@ -21,14 +31,15 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import socket
+import stat
 import time
+import uuid
 from pathlib import Path
 
-from rl.contract import procs
+from rl.contract import privdirs, procs, safefs
 from rl.contract.atomic import atomic_write_json
-from rl.exchange import MANIFEST, quant_holder
+from rl.exchange import MANIFEST, open_in_step, quant_holder, read_in_step
 
 # DeepSeek-V3 / Kimi checkpoint convention for block-scaled e4m3, as vLLM's Fp8Config reads it.
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -76,56 +87,90 @@ def fp8_quant_config(checkpoint_config: dict, fp8_meta: dict, weight_names) -> d
 
 def claim(local_dir: Path, run_dir: Path, role: str) -> Path:
     """Record that this process uses `local_dir` (one owner record per role process: several replicas,
-    or several nodes of one replica sharing a host's disk, own the same run directory)."""
-    local_dir.mkdir(parents=True, exist_ok=True)
+    or several nodes of one replica sharing a host's disk, own the same run directory). `local_dir` is
+    made (0700) or checked to be this user's own below directories nobody else can rename in
+    (rl.contract.privdirs.make_trusted_dirs): UnsafePath, one line, otherwise."""
+    privdirs.make_trusted_dirs(local_dir)
     p = local_dir / f"owner.{role}.json"
     atomic_write_json(p, {"run_dir": str(run_dir), "host": socket.gethostname(), "pid": os.getpid(),
                        "role": role, "time": time.time()})
     return p
 
 
+_MAX_OWNER = 1 << 16
+
+
+def _owner_records(d: Path) -> list:
+    """The owner records (`owner*.json`) in `d` and in its subdirectories, read through safefs: one that
+    is a link, a FIFO, or a file another user owns or can write counts as foreign ({})."""
+    out = []
+    for where in [d, *(d / n for n, m in safefs.scandir(d) if stat.S_ISDIR(m))]:
+        for name, _ in safefs.scandir(where):
+            if name.startswith("owner") and name.endswith(".json"):
+                try:
+                    out.append(json.loads(safefs.read_bytes(where / name, limit=_MAX_OWNER)))
+                except (OSError, ValueError):
+                    out.append({})  # unreadable, or not this user's: treat as foreign
+    return out
+
+
 def clean_stale(base: Path, keep: str) -> list[str]:
-    """Remove run directories under `base` (cluster.node_local_dir) that this code created and nobody uses.
+    """Remove run directories under `base` (this user's directory in cluster.node_local_dir) that this
+    code created and nobody uses.
 
     A directory is ours if it holds owner records (`owner*.json`, written by `claim`); it is stale if every
     one of them names this host and a process that is gone. Anything else is left alone: directories
     other tools made, and those of processes on other hosts (a node-local dir that is in fact shared).
     A Slurm run keeps its records one level down, in its per-node, per-incarnation directories
-    (rl.contract.paths.node_dir); they count as the run's."""
-    gone = []
-    if not base.is_dir():
+    (rl.contract.paths.node_dir); they count as the run's. A `base` this user does not own is not
+    looked into (it is not this user's to clean); nothing is followed through a link."""
+    gone: list[str] = []
+    try:
+        st = safefs.lstat(base)
+    except safefs.UnsafePath:
+        return gone
+    if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         return gone
     host = socket.gethostname()
-    for d in base.iterdir():
-        if d.name == keep or not d.is_dir():
+    for name, mode in safefs.scandir(base):
+        if name == keep or not stat.S_ISDIR(mode):
             continue
-        owners = []
-        for f in [*d.glob("owner*.json"), *d.glob("*/owner*.json")]:
-            try:
-                owners.append(json.loads(f.read_text()))
-            except (OSError, json.JSONDecodeError):
-                owners.append({})  # unreadable: treat as foreign
+        d = Path(base) / name
+        owners = _owner_records(d)
         if not owners:
             continue
         if all(isinstance(o, dict) and "run_dir" in o and o.get("host") == host
                and procs.is_pid(o.get("pid")) and not procs.alive(o["pid"]) for o in owners):
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d.name)
+            safefs.remove(d)
+            gone.append(name)
     return gone
 
 
 def _source(weights_dir: Path, *, dtype, fp8: bool) -> dict:
-    manifest = hashlib.sha256((weights_dir / MANIFEST).read_bytes()).hexdigest()
+    manifest = hashlib.sha256(read_in_step(weights_dir, MANIFEST)).hexdigest()
     return {"weights": str(weights_dir), "manifest_sha256": manifest, "fp8": fp8,
             "dtype": None if fp8 else str(dtype).removeprefix("torch.")}
 
 
 def _made_from(model_dir: Path, source: dict) -> bool:
-    try:
-        got = json.loads((model_dir / SOURCE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+    """Whether `model_dir` is this user's copy of `source`: the directory, its SOURCE_FILE and its
+    config.json this user's own and writable by nobody else (safefs), and SOURCE_FILE naming `source`.
+    A directory in its place that this user does not own is refused (UnsafePath), never reused."""
+    st = safefs.lstat(model_dir)
+    if st is None:
         return False
-    return all(got.get(k) == v for k, v in source.items())
+    if not stat.S_ISDIR(st.st_mode):
+        raise safefs.UnsafePath(f"{model_dir}: {safefs.what(st.st_mode)}, not a model directory")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise safefs.UnsafePath(f"{model_dir}: owned by uid {st.st_uid}, mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}; a model copy is reused only if it is this "
+                                f"user's own and nobody else can write it")
+    try:
+        got = json.loads(safefs.read_bytes(model_dir / SOURCE_FILE, limit=1 << 20))
+        safefs.read_bytes(model_dir / "config.json", limit=1 << 26)  # this user's own file, or rewritten
+    except (OSError, ValueError):
+        return False
+    return isinstance(got, dict) and all(got.get(k) == v for k, v in source.items())
 
 
 def _two_dim_weights(weights_dir: Path, index: dict) -> list[str]:
@@ -137,6 +182,28 @@ def _two_dim_weights(weights_dir: Path, index: dict) -> list[str]:
         with safe_open(str(weights_dir / fname), framework="pt") as f:
             out += [n for n in f.keys() if len(f.get_slice(n).get_shape()) == 2]
     return out
+
+
+def _put(path: Path, data: bytes) -> None:
+    """A new file (O_EXCL, safefs) in the pinned tmp dir."""
+    safefs.write_atomic(path, data)
+
+
+def _copy_in(step: Path, name: str, dst: Path) -> None:
+    """Copy the regular file `name` of `step` (opened without following a link, rl.exchange.open_in_step)
+    to the new file `dst` (safefs.open_write, O_EXCL)."""
+    src = open_in_step(step, name)
+    try:
+        out = safefs.open_write(dst, exclusive=True)
+        try:
+            off = 0
+            while n := os.sendfile(out, src, off, 1 << 30):  # file to file, across filesystems
+                off += n
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
 
 
 def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp8: bool) -> Path:
@@ -153,88 +220,134 @@ def materialize(assets_dir: Path, weights_dir: Path, out_dir: Path, *, dtype, fp
     share one disk (the nodes of the localhost test cluster): the check and the rename into place happen
     under a lock file next to `out_dir`, so the first copy wins, the others see it and drop theirs, and
     nobody replaces a copy of the same step another process's vLLM may be loading.
+
+    `out_dir`'s directory must be this user's own below directories nobody else can rename in
+    (rl.contract.privdirs.make_trusted_dirs; made 0700 when missing): UnsafePath, one line, otherwise.
     """
-    from safetensors.torch import save_file
-
-    from rl.exchange.layout import FP8_META, INDEX
-
-    from rl.exchange.shard_reader import ShardReader, dequantize_stream
+    from rl.exchange.shard_reader import ShardReader
 
     reader = ShardReader(weights_dir)  # manifest, index and digests; tensors are verified as read
     out_dir = Path(out_dir)
+    privdirs.make_trusted_dirs(out_dir.parent)
     source = _source(weights_dir, dtype=dtype, fp8=fp8)
     if _made_from(out_dir, source):
         return out_dir
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    return _build(assets_dir, weights_dir, out_dir, source, reader, dtype=dtype, fp8=fp8)
+
+
+def _build(assets_dir: Path, weights_dir: Path, out_dir: Path, source: dict, reader, *, dtype,
+           fp8: bool) -> Path:
+    """`materialize` past its checks of `out_dir`'s directory: the copy written into a fresh private
+    tmp dir beside `out_dir` through its pinned fd path, renamed into place under the lock."""
+    mine = f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+    for name, _ in safefs.scandir(out_dir.parent):  # this pid's leftovers (a pid reused on this host)
+        left = safefs.lstat(out_dir.parent / name) if name.startswith(mine) else None
+        if left is not None and left.st_uid == os.geteuid():
+            safefs.remove(out_dir.parent / name)
+    tmp = out_dir.with_name(mine + uuid.uuid4().hex[:8])  # a fresh name, made here: nothing there before
+    safefs.mkdir(tmp, mode=0o700)
+    ident = None
     try:
-        for p in assets_dir.iterdir():
-            if p.is_file() and p.name != MANIFEST:
-                shutil.copy2(p, tmp / p.name)
-        config = json.loads((tmp / "config.json").read_text())
-        stored = None
-        if reader.delta is not None:  # a delta step: rebuilt on the chain before it (rl.exchange.deltas)
-            from rl.exchange.deltas import stored_tensors
-            stored, reader = stored_tensors(weights_dir)
-        if fp8 and stored is not None:
-            index = json.loads((weights_dir / INDEX).read_text())
-            for fname in sorted(set(index["weight_map"].values())):
-                save_file({n: stored[n].contiguous() for n, f in index["weight_map"].items() if f == fname},
-                          str(tmp / fname), metadata={"format": "pt"})
-            shutil.copy2(weights_dir / INDEX, tmp / INDEX)
-        elif fp8:
-            for _ in reader.tensors(dequantize=False):  # every byte verified before it is copied
-                pass
-            for p in weights_dir.iterdir():
-                if p.suffix == ".safetensors" or p.name == INDEX:
-                    shutil.copy2(p, tmp / p.name)
-        if fp8:
-            index = json.loads((weights_dir / INDEX).read_text())
-            shapes_2d = _two_dim_weights(tmp, index)  # the files as written here (a delta step rebuilt)
-            holder = quant_holder(config)
-            holder["quantization_config"] = fp8_quant_config(
-                config, json.loads((weights_dir / FP8_META).read_text()), shapes_2d)
-        else:
-            index = json.loads((weights_dir / INDEX).read_text())
-            shard_of: dict[str, str] = {}
-            shards: dict[str, dict] = {}
-            items = reader.tensors(dequantize=True, dtype=dtype) if stored is None else \
-                dequantize_stream(stored.items(), reader.quantized, reader.block, dtype)
-            for name, t in items:
-                fname = index["weight_map"][name]
-                shards.setdefault(fname, {})[name] = t.contiguous()
-                shard_of[name] = fname
-            total = 0
-            for fname, tensors in shards.items():
-                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-                total += sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shard_of},
-                                                indent=1, sort_keys=True))
-            # dequantized: whatever quantization the checkpoint declared no longer describes these tensors
-            name = str(dtype).removeprefix("torch.")
-            for c in (config, config.get("text_config")):
-                if isinstance(c, dict):
-                    c.pop("quantization_config", None)
-                    if c is config or "dtype" in c or "torch_dtype" in c:
-                        c["torch_dtype"] = c["dtype"] = name  # transformers 5 reads dtype, older ones torch_dtype
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        (tmp / SOURCE_FILE).write_text(json.dumps(
-            {**source, "fp8_meta": json.loads((weights_dir / FP8_META).read_text())}))
+        with privdirs.pinned_dir(tmp) as pinned:
+            st = os.stat(pinned)
+            ident = (st.st_dev, st.st_ino)
+            _fill(assets_dir, weights_dir, pinned, source, reader, dtype=dtype, fp8=fp8)
+            return _swap(tmp, out_dir, pinned, source)
     except BaseException:  # a corrupt shard (or a full disk) leaves no half-made copy behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        now = safefs.lstat(tmp)
+        if now is not None and (now.st_dev, now.st_ino) == ident:
+            safefs.remove(tmp)
         raise
+
+
+def _swap(tmp: Path, out_dir: Path, pinned: Path, source: dict) -> Path:
+    """Rename the filled tmp dir to `out_dir` under the lock beside it; checked to have moved `pinned`."""
     old = out_dir.with_name(f"{out_dir.name}.old-{socket.gethostname()}-{os.getpid()}")
-    with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
+    lock = safefs.open_write(out_dir.with_name(f".{out_dir.name}.lock"), mode=0o600)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the swap below is one step for every process on this disk
         if _made_from(out_dir, source):  # another process sharing this disk finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+            if privdirs.same_dir(tmp, pinned):
+                safefs.remove(tmp)
             return out_dir
-        try:
-            os.rename(out_dir, old)  # a copy of another version (an earlier start on this node)
-        except FileNotFoundError:
+        if not privdirs.same_dir(tmp, pinned):
+            raise _replaced(tmp)
+        if safefs.lstat(out_dir) is not None:
+            safefs.rename(out_dir, old)  # a copy of another version (an earlier start on this node)
+        else:
             old = None
-        os.rename(tmp, out_dir)
+        safefs.rename(tmp, out_dir)
+        if not privdirs.same_dir(out_dir, pinned):
+            safefs.remove(out_dir)  # what was renamed in was put at the tmp name by someone else
+            if old is not None:
+                safefs.rename(old, out_dir)  # the copy that was in place stays
+            raise _replaced(tmp)
+    finally:
+        os.close(lock)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        safefs.remove(old)
     return out_dir
+
+
+def _replaced(tmp: Path) -> safefs.UnsafePath:
+    return safefs.UnsafePath(f"{tmp}: renamed and replaced while being written (someone else can write "
+                             f"{tmp.parent}); the model copy is not used")
+
+
+def _fill(assets_dir: Path, weights_dir: Path, tmp: Path, source: dict, reader, *, dtype, fp8: bool) -> None:
+    """Write the copy into `tmp`, the pinned path of the private tmp dir."""
+    from safetensors.torch import save_file
+
+    from rl.exchange.layout import FP8_META, INDEX
+    from rl.exchange.shard_reader import dequantize_stream
+
+    for name, mode in safefs.scandir(assets_dir):
+        if stat.S_ISREG(mode) and name != MANIFEST:
+            _copy_in(assets_dir, name, tmp / name)
+    config = json.loads(safefs.read_bytes(tmp / "config.json"))
+    stored = None
+    if reader.delta is not None:  # a delta step: rebuilt on the chain before it (rl.exchange.deltas)
+        from rl.exchange.deltas import stored_tensors
+        stored, reader = stored_tensors(weights_dir)
+    index = json.loads(read_in_step(weights_dir, INDEX))
+    if fp8 and stored is not None:
+        for fname in sorted(set(index["weight_map"].values())):
+            save_file({n: stored[n].contiguous() for n, f in index["weight_map"].items() if f == fname},
+                      str(tmp / fname), metadata={"format": "pt"})
+        _copy_in(weights_dir, INDEX, tmp / INDEX)
+    elif fp8:
+        for _ in reader.tensors(dequantize=False):  # every byte verified before it is copied
+            pass
+        for name, mode in safefs.scandir(weights_dir):
+            if stat.S_ISREG(mode) and (name.endswith(".safetensors") or name == INDEX):
+                _copy_in(weights_dir, name, tmp / name)
+    if fp8:
+        shapes_2d = _two_dim_weights(tmp, index)  # the files as written here (a delta step rebuilt)
+        holder = quant_holder(config)
+        holder["quantization_config"] = fp8_quant_config(
+            config, json.loads(read_in_step(weights_dir, FP8_META)), shapes_2d)
+    else:
+        shard_of: dict[str, str] = {}
+        shards: dict[str, dict] = {}
+        items = reader.tensors(dequantize=True, dtype=dtype) if stored is None else \
+            dequantize_stream(stored.items(), reader.quantized, reader.block, dtype)
+        for name, t in items:
+            fname = index["weight_map"][name]
+            shards.setdefault(fname, {})[name] = t.contiguous()
+            shard_of[name] = fname
+        total = 0
+        for fname, tensors in shards.items():
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        _put(tmp / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": shard_of},
+                                     indent=1, sort_keys=True).encode())
+        # dequantized: whatever quantization the checkpoint declared no longer describes these tensors
+        name = str(dtype).removeprefix("torch.")
+        for c in (config, config.get("text_config")):
+            if isinstance(c, dict):
+                c.pop("quantization_config", None)
+                if c is config or "dtype" in c or "torch_dtype" in c:
+                    c["torch_dtype"] = c["dtype"] = name  # transformers 5 reads dtype, older ones torch_dtype
+    _put(tmp / "config.json", json.dumps(config, indent=1).encode())
+    fp8_meta = json.loads(read_in_step(weights_dir, FP8_META))
+    _put(tmp / SOURCE_FILE, json.dumps({**source, "fp8_meta": fp8_meta}).encode())

@@ -41,17 +41,20 @@ it only once it serves the newest weights); a server marked down by failed polls
 /health answers 200 again. Records of extra servers (`launch scale`, rl.contract.elastic) are followed
 the same way.
 
-Run-dir mode: waits for `D/inference/server_<i>.json` of every planned replica (pools from
+Run-dir mode (rl.inference.router_role): waits for `D/inference/server_<i>.json` of every planned replica (pools from
 `D/plan.json`), re-reads them while it runs (a restarted server is picked up, its index cleared),
 serves on `inference.host`:`inference.router_port`, writes `D/inference/router.json` {"url", ...},
 and exits when `D/DONE` appears or it is signalled. `--backend URL[@pool]` runs it without a run dir.
+A server record names where the run's secret goes (every poll) and whose completions are trained on, so
+it is obeyed only if this run's user wrote it (docs/run-directory-safety.md): read through safefs (owned
+by this user, writable by nobody else, a regular file; a FIFO is refused without blocking the event
+loop), a refused one is a server that is not up, said once in the log. plan.json is read once, at the
+start; `--run-dir` is checked as every role's is (rl.runtime.parse_role_args).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import socket
 import sys
 import time
@@ -59,7 +62,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from rl.contract.elastic import given_up, server_records
+from rl.inference.discovery import Refusals, discover
 from rl.inference.auth import bearer, is_open, token_ok
 from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
@@ -70,18 +73,13 @@ from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, 
 FORWARDED_PATHS = ("/v1/models", "/version")
 
 
-def discover(run_dir: Path) -> tuple[list[tuple[str, str, str]], int]:
-    """([(name, url, pool)] of the servers up now, how many are planned) from the run directory."""
-    found, planned = server_records(run_dir)
-    return [(name, url, pool) for name, (url, pool, _) in found.items()], planned
-
-
 # -- the HTTP side -----------------------------------------------------------------------------------
 class Router:
     """The proxy: an aiohttp app around a Policy, polling the servers' /metrics."""
 
     def __init__(self, backends: list[tuple[str, str, str]], cfg: RouterConfig | None = None, *,
-                 secret: str | None = None, run_dir: Path | None = None, log=print):
+                 secret: str | None = None, run_dir: Path | None = None, log=print, plan=None,
+                 refused: "Refusals | None" = None):
         self.cfg = cfg or RouterConfig()
         self.policy = Policy(self.cfg)
         self.backends: dict[str, Backend] = {}
@@ -89,7 +87,9 @@ class Router:
             self.backends[name] = Backend(name, url.rstrip("/"), pool, PrefixIndex(self.cfg.index_blocks))
         self.secret = secret  # a property: setting it also sets the digest the middleware compares
         self.run_dir = run_dir
+        self._plan = plan     # run-dir mode: the plan read at the start (read here on first use if not given)
         self.log = log
+        self.refused = refused or Refusals(lambda msg: self.log(msg))
         self.started = time.time()
         # How long a request waits for a server when none is up (all down or restarting in place) before
         # it is answered 503; in run-dir mode inference.startup_timeout_s, a restart's worst case.
@@ -228,9 +228,12 @@ class Router:
         """Follow the server records: a record that disappears is a server that failed (its role withdrew
         it and is being restarted in place): down at once, and held down, whatever its polls say, until a
         record appears again. A record with another pid or URL is a restarted server: up, its index cleared
-        (its cache is empty), since its role writes the record only once it serves the newest weights."""
-        from rl.contract.elastic import server_records
-        found, _ = server_records(self.run_dir)
+        (its cache is empty), since its role writes the record only once it serves the newest weights.
+        A refused record (`discover`) is one that disappeared."""
+        if self._plan is None:
+            from rl.contract.plan import Plan
+            self._plan = Plan.read(self.run_dir)
+        found = discover(self._plan, self.run_dir, self.refused)
         for name, b in self.backends.items():
             if name not in found and not b.held:
                 b.held = True
@@ -473,95 +476,15 @@ class Router:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-# -- the role ----------------------------------------------------------------------------------------
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m rl.inference.router", description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", type=Path, help="run directory (servers from D/inference/server_*.json)")
-    p.add_argument("--backend", action="append", default=[],
-                   help="URL[@pool] of a server (repeatable; instead of --run-dir)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    for f in RouterConfig.__dataclass_fields__.values():
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
-    ns = p.parse_args(argv)
-    if not ns.run_dir and not ns.backend:
-        p.error("give --run-dir or --backend")
-    return ns
-
-
-async def _serve(ns) -> int:
-    from rl import runtime
-    from omegaconf import OmegaConf
-    from rl.contract import paths
-    stop = runtime.StopFlag()
-    log = lambda msg: runtime.log("router", msg)  # noqa: E731
-    run_dir = ns.run_dir.resolve() if ns.run_dir else None
-    base: dict = {}
-    secret, host, port = None, ns.host or "127.0.0.1", ns.port or 8100
-    if run_dir is not None:
-        rcfg = runtime.load_config(run_dir)
-        rplan = runtime.load_plan(run_dir).inference.router
-        if rplan is None:
-            raise SystemExit(f"{paths.plan_file(run_dir)}: the plan has no router (inference.router=false)")
-        base = OmegaConf.to_container(rcfg.inference.routing)
-        host, port = ns.host or rplan.host, ns.port or rplan.port
-        # never a router open to anyone: a missing, empty or short secret stops it here (one line), unless
-        # the run has none on purpose (HETRL_UNAUTHENTICATED=1 and no file: rl/contract/secret.py)
-        from rl.contract.secret import SecretError, secret_or_none
-        try:
-            secret = secret_or_none(run_dir)
-        except SecretError as e:
-            raise SystemExit(f"router: {e}") from None
-        timeout = float(rcfg.inference.startup_timeout_s)
-        deadline, said = time.monotonic() + timeout, False
-        while True:
-            found, planned = discover(run_dir)
-            # a server the job's supervisor gave up on (lost before its first record) will not come
-            if len(found) >= planned or (found and len(found) + len(gone := given_up(run_dir)) >= planned):
-                if len(found) < planned:
-                    log(f"starting with {len(found)} of {planned} servers: {', '.join(sorted(gone))} given up by the job")
-                break
-            if stop.is_set() or runtime.is_done(run_dir):
-                return runtime.EXIT_PREEMPTED if stop.is_set() else 0
-            if time.monotonic() > deadline:
-                log(f"only {len(found)} of {planned} servers up after {timeout:.0f} s; routing to those")
-                break
-            if not said:
-                log(f"waiting for {planned} server(s) in {run_dir}/inference")
-                said = True
-            await asyncio.sleep(0.5)
-        backends = found
-    else:
-        backends = []
-        for i, spec in enumerate(ns.backend):
-            url, _, pool = spec.partition("@")
-            backends.append((f"inference_{i}", url, pool or "mixed"))
-    cfg = RouterConfig(**{**base, **{k: getattr(ns, k) for k in RouterConfig.__dataclass_fields__
-                                     if getattr(ns, k) is not None}})
-    router = Router(backends, cfg, secret=secret, run_dir=run_dir, log=log)
-    if run_dir is not None:
-        router.down_wait_s = float(rcfg.inference.startup_timeout_s)
-    url = await router.start(host, port)
-    pools = Counter(b.pool for b in router.backends.values())
-    log(f"routing ({cfg.policy}) on {url} to {len(backends)} server(s): {dict(pools)}")
-    if run_dir is not None:
-        from rl.contract.records import RouterRecord
-        RouterRecord(url=url, host=socket.gethostname(), port=port, pid=os.getpid(), policy=cfg.policy,
-                     backends=[[b.name, b.url, b.pool] for b in router.backends.values()]).write(run_dir)
-        runtime.record_role(run_dir, "router", url=url)
-    try:
-        while not stop.is_set() and not (run_dir is not None and runtime.is_done(run_dir)):
-            await asyncio.sleep(0.5)
-    finally:
-        log(f"stopping; decisions {json.dumps(router.policy.decisions)}")
-        await router.stop()
-        if run_dir is not None:
-            paths.router_record(run_dir).unlink(missing_ok=True)
-    return runtime.EXIT_PREEMPTED if stop.is_set() else 0
-
-
+# -- the role: rl/inference/router_role.py (run-dir discovery, the command line, the serving loop) -----
 def main(argv=None) -> int:
-    return asyncio.run(_serve(_parse(argv)))
+    from rl.inference.router_role import main as role_main
+    return role_main(argv)
+
+
+def _parse(argv):
+    from rl.inference.router_role import parse
+    return parse(argv)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ A server that fails is not the end of the run (issue 43): the head withdraws its
 loading weights into it), stops its child and exits non-zero, and the batch script restarts the role in
 place; the restarted role loads the newest published version and writes a new record (a new pid) only
 once it serves it. The replica may also be an extra row `launch scale` added (rl.contract.elastic, same
-code path); when its drain marker appears the head withdraws its record, lets the requests it holds
-finish (`drain`) and exits 0.
+code path: the row names only which plan replica it copies, its index, port and job, and its commands are
+rebuilt from plan.json; a row that is not this user's own, or is edited or of the earlier format, is
+refused in one line and nothing runs); when its drain marker appears the head withdraws its record, lets
+the requests it holds finish (`drain`) and exits 0.
 
 Every node then stays up until `D/DONE` appears or it is signalled, and stops its child (terminate, wait,
 kill) through rl.inference.guard, a small process that outlives a role killed by SIGKILL and takes the
@@ -63,7 +65,7 @@ import rl
 from rl import exchange, runtime
 from rl.contract import backends, elastic, paths, procs, safefs
 from rl.contract.secret import secret_or_none
-from rl.contract.plan import Replica, expand
+from rl.contract.plan import PlanFormatError, Replica, expand
 from rl.contract.records import RecordError, ReplicaStart, ServerRecord
 from rl.contract.vllm_log import describe as engine_death
 from rl.inference import guard
@@ -72,6 +74,7 @@ from rl.inference.model_dir import claim, clean_stale, materialize
 from rl.inference.worker_ext import VERIFIED_ENV, VERSION_ENV
 
 ROLE = "inference"
+EXIT_REFUSED = 2   # the replica's row was refused (one line on stderr): nothing was started
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -255,8 +258,12 @@ def port_in_use(host: str, port: int) -> bool:
 def serve(run_dir: Path, index: int = 0, node_rank: int | None = None) -> int:
     run_dir = Path(run_dir).resolve()
     cfg = runtime.load_config(run_dir)
-    plan = runtime.load_plan(run_dir)
-    replica = elastic.replica_row(plan, run_dir, index)   # a plan row, or one `launch scale` added
+    try:   # a plan row, or one `launch scale` added: its commands are the plan's (rl.contract.elastic)
+        plan = runtime.load_plan(run_dir)
+        replica = elastic.replica_row(plan, run_dir, index)
+    except PlanFormatError as e:   # a planted, edited or earlier-format row: nothing is run
+        print(f"rl.{ROLE}: refused: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     rank = node_rank_from_env(os.environ) if node_rank is None else node_rank
     planned = replica.vllm_argv(rank)  # refuses a node rank outside the replica
     head = replica.is_head(rank)

@@ -31,7 +31,6 @@ import io
 import itertools
 import json
 import math
-import shutil
 import socket
 import time
 import uuid
@@ -48,6 +47,9 @@ from rl.contract.plan import SERVED_MODEL_NAME as MODEL_NAME
 
 class InferenceError(RuntimeError):
     """A policy server answered with an error."""
+
+
+_MAX_RECORD = 1 << 20   # a reload report or router.json is a few KiB: a huge file in its place is refused
 
 
 def completion_key(request_id: str) -> str:
@@ -363,8 +365,10 @@ class InferenceClient:
             crash_point("reload.paused")
             kwargs = {"weights_dir": str(weights_dir), "version": int(version)}
             if report_dir is not None:
-                shutil.rmtree(report_dir, ignore_errors=True)  # a retried reload must not read old reports
-                safefs.makedirs(report_dir)   # in the run directory: never through a planted link
+                # a retried reload must not read old reports; in the run directory, so removed and made
+                # through safefs: a planted `inference/reloads` link is refused, never followed (rmtree)
+                safefs.remove(report_dir)
+                safefs.makedirs(report_dir)
                 kwargs["report_dir"] = str(report_dir)
             rpc = {"method": "load_policy", "kwargs": kwargs}
             if timeout is not None:
@@ -388,13 +392,21 @@ class InferenceClient:
 
 
 def collect_reports(report_dir: str | Path, workers: int, url: str, version: int) -> list[dict]:
-    """Every worker's load_policy result from `report_dir`; a missing or unreadable one is an error."""
+    """Every worker's load_policy result from `report_dir`; a missing or unreadable one is an error.
+
+    Read while every server is paused, so nothing here may block: the directory is listed and each report
+    read through safefs (no link followed; a FIFO, a file another user owns or can write refused at once,
+    without blocking), and a refused report fails the reload in one line naming it (the retry removes the
+    directory and asks again)."""
     results = []
-    for p in sorted(Path(report_dir).glob("*.json")):
+    for name in sorted(n for n, _ in safefs.scandir(report_dir) if n.endswith(".json")):
+        p = Path(report_dir) / name
         try:
-            r = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            r = json.loads(safefs.read_bytes(p, limit=_MAX_RECORD))
+        except (OSError, ValueError) as e:
             raise InferenceError(f"{url}: reload report {p} unreadable ({e})") from None
+        if not isinstance(r, dict):
+            raise InferenceError(f"{url}: reload report {p} is {type(r).__name__}, not an object")
         if r.get("error"):
             r["error"] = f"worker {p.stem}: {r['error']}"
         results.append(r)
@@ -433,25 +445,76 @@ def router_client_class():
     return RouterClient
 
 
+class Refusals:
+    """Records refused by the trust rule (docs/run-directory-safety.md), each said once.
+
+    A record that names an address is obeyed only if this run's user wrote it (rl.contract.safefs: owned
+    by this user, writable by nobody else, a regular file). One that fails is treated as absent (that
+    server is not up), but not silently: `note` says it in one line naming the file and why, the first
+    time it is seen, so a planted record shows in the log without repeating at every poll."""
+
+    def __init__(self, say):
+        self.say = say
+        self.seen: set[str] = set()
+
+    def note(self, error: Exception) -> str:
+        """Say `error` (a RecordError or OSError naming the file) unless already said; returns its line."""
+        line = " ".join(str(error).split())
+        if line not in self.seen:
+            self.seen.add(line)
+            self.say(f"refused: {line}; treated as absent")
+        return line
+
+
+def _orchestrator_log(msg: str) -> None:
+    from rl.runtime import log
+    log("orchestrator", msg)
+
+
+ROUTER_REFUSALS = Refusals(_orchestrator_log)   # router.json as the orchestrator reads it
+
+
 async def wait_for_router(run_dir: Path, stop=None, timeout: float = 600.0) -> str | None:
-    """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE."""
+    """The router's URL from `D/inference/router.json` once it is up; None when stopped or DONE.
+
+    The record is read through safefs: a FIFO in its place is refused without blocking, so the wait
+    keeps its own timeout, and a record another user wrote or can write is refused (ROUTER_REFUSALS says
+    so once): the run's secret goes with every request to this URL."""
     from rl import runtime
     from rl.contract import paths
     path = paths.router_record(run_dir)
     deadline = time.monotonic() + timeout
     while True:
+        refused = None
         try:
-            rec = json.loads(path.read_text())
-            stale = rec.get("host") == socket.gethostname() and not procs.alive(int(rec.get("pid") or 0))
-            if not stale:   # a record left by an earlier incarnation on this node names a dead pid
-                return rec["url"]
-        except (OSError, json.JSONDecodeError, KeyError, ValueError):
+            url, host, pid = router_address(path)
+            # a record left by an earlier incarnation on this node names a dead pid
+            if not (host == socket.gethostname() and not procs.alive(pid)):
+                return url
+        except FileNotFoundError:
             pass
+        except (OSError, ValueError) as e:
+            refused = ROUTER_REFUSALS.note(e)
         if (stop is not None and stop.is_set()) or runtime.is_done(run_dir):
             return None
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} missing after {timeout:.0f} s; see {run_dir}/logs/router.log")
+            raise TimeoutError(f"{path} missing after {timeout:.0f} s" + (f" ({refused})" if refused else "")
+                               + f"; see {run_dir}/logs/router.log")
         await asyncio.sleep(0.5)
+
+
+def router_address(path: Path) -> tuple[str, object, object]:
+    """(url, host, pid) of the router record at `path`, read through safefs (owner and mode checked, no
+    link followed, a FIFO refused): UnsafePath when the trust rule refuses it, ValueError naming the file
+    when it is not a record with a URL, FileNotFoundError when there is none."""
+    try:
+        rec = json.loads(safefs.read_bytes(path, limit=_MAX_RECORD))
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    url = rec.get("url") if isinstance(rec, dict) else None
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise ValueError(f"{path}: not a router record (url={str(url)[:80]!r}, not an http(s) URL)")
+    return rec["url"], rec.get("host"), rec.get("pid")
 
 
 async def router_reset_index(client) -> bool:

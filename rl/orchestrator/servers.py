@@ -7,7 +7,10 @@ events; it asks a `ServerView` each time it needs to know: which servers serve n
 one (`connect`), how many workers a reload must hear from (`workers`), and what the batch metrics say
 (`metrics`). `RunDirServers`, the default, reads it all from the run directory (server records, extra
 replica rows and drain markers: rl.contract.elastic). A world without a launcher (the benchmarks' load
-model, benchmarks/_async_world.py) passes its own view instead of patching the orchestrator.
+model, benchmarks/_async_world.py) passes its own view instead of patching the orchestrator. A server
+record is obeyed only if this run's user wrote it (docs/run-directory-safety.md): one another user owns
+or can write is refused by safefs, the server is not up (no secret, no pause, no weights sent to it),
+and the log says so once.
 
 `wait_for_start` is the orchestrator's start. Without the router every planned server must be up (the
 orchestrator sends each request to a server itself, so a missing one would fail requests). With it the
@@ -28,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl.contract import elastic, paths
+from rl.contract import elastic, paths, safefs
 from rl.contract.plan import Plan, PlanFormatError
 from rl.contract.records import RecordError, ServerRecord
 from rl.contract.secret import secret_or_none
-from rl.orchestrator.client import InferenceClient, wait_for_router
+from rl.orchestrator.client import InferenceClient, Refusals, wait_for_router
 from rl.runtime import is_done, log
 
 ROLE = "orchestrator"
@@ -51,18 +54,26 @@ class RunDirServers:
         self.run_dir = Path(run_dir)
         self.timeout = float(request_timeout_s)
         self._plan: Plan | None = None
+        # a server record another user wrote or can write (planted, or edited: chmod 666) names an address
+        # the run's secret and weights would go to: refused by safefs, the server counted as not up, and
+        # said once in the log (module `log` looked up at call time: tests capture it)
+        self.refusals = Refusals(lambda msg: log(ROLE, msg))
 
     @property
     def plan(self) -> Plan | None:
         """plan.json, or None outside a launched run (the unit tests' orchestrators)."""
-        if self._plan is None and paths.plan_file(self.run_dir).exists():
+        # lstat, not exists(): nothing is followed; a link or FIFO there is Plan.read's one-line refusal
+        if self._plan is None and safefs.lstat(paths.plan_file(self.run_dir)) is not None:
             self._plan = Plan.read(self.run_dir)
         return self._plan
 
     def record(self, index: int) -> ServerRecord | None:
+        """Server `index`'s record if it passes the trust rule (rl.contract.safefs, through records);
+        refused or damaged: None (down until readable), said once."""
         try:
             return ServerRecord.read(self.run_dir, index)
-        except (OSError, RecordError):  # being replaced or damaged: down until readable
+        except (OSError, RecordError) as e:
+            self.refusals.note(e)
             return None
 
     def up(self) -> dict[int, ServerRecord] | None:

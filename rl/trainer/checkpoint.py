@@ -7,7 +7,8 @@ its final name. Contents:
 - `dcp/`: model and optimizer through torch.distributed.checkpoint, using torchtitan's `ModelWrapper`
   and `OptimizersContainer` state dicts (FQN-keyed; the generic `get_state_dict` helper trips on the
   fused QKV projection). Under torchrun every rank writes its own shards into the same tmp directory
-  (rank 0 creates it and broadcasts its name, then publishes it once DCP's collective save returned);
+  (rank 0 creates it and broadcasts its name, then publishes it once DCP's collective save returned;
+  every rank opens and checks it itself and hands DCP its pinned fd path, rl.contract.privdirs.pinned_dir);
   DCP reshards on load, so a checkpoint resumes under any other (dp_shard, ep, cp) and world size,
   one process included (which runs without a process group).
 - `rng.safetensors` + the `rng` entry of `trainer_state.json`: torch, numpy and Python RNG states (no
@@ -60,6 +61,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from rl import exchange
+from rl.contract import privdirs, safefs
 from rl.faults import crash_point
 
 KIND = "checkpoints"
@@ -178,36 +180,48 @@ def save(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, pro
 
 def _publish(run_dir, step: int, model, optimizer, progress: TrainerProgress, *, producer: str,
              dist) -> exchange.Published | None:
-    """`save` without the check (tests use it to make what an older hetrl could have saved)."""
+    """`save` without the check (tests use it to make what an older hetrl could have saved).
+
+    Every file goes into the step's private tmp dir through the path rl.contract.privdirs.pinned_dir
+    hands out (`/proc/self/fd/<fd>` of the directory this process opened and checked: this user's,
+    mode 0700), never through its name: DCP resolves its path again for every file it writes, and a
+    name in the kind directory can be renamed and replaced by a link in between. Under torchrun rank 0
+    makes the directory and broadcasts its name; every other rank opens and checks it itself."""
     import torch.distributed.checkpoint as dcp
 
     with_opt = _has_state(optimizer)
     distributed = dist is not None and dist.distributed
     if distributed and not dist.is_main:
         tmp = Path(dist.broadcast(None))
-        dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
+        with privdirs.pinned_dir(tmp) as pinned:
+            _dcp_save(dcp, model, optimizer if with_opt else None, pinned)
         dist.barrier()  # rank 0 has published (renamed) the directory
         return None
 
-    def write(tmp: Path) -> None:
+    def write(pinned: Path, tmp: Path) -> None:
         if distributed:
             dist.broadcast(str(tmp))
         crash_point("checkpoint.save")
-        with _quiet():
-            md = dcp.save(_stateful(model, optimizer if with_opt else None), checkpoint_id=str(tmp / DCP_DIR))
+        md = _dcp_save(dcp, model, optimizer if with_opt else None, pinned)
         # the metadata as returned (every rank's plans merged), not read back: loads never unpickle
-        (tmp / METADATA_FILE).write_text(json.dumps(_metadata_to_json(md), separators=(",", ":")))
+        (pinned / METADATA_FILE).write_text(json.dumps(_metadata_to_json(md), separators=(",", ":")))
         tensors, rng_meta = _rng_state()
-        save_file(tensors, str(tmp / RNG_FILE))
-        (tmp / STATE_FILE).write_text(json.dumps(
+        save_file(tensors, str(pinned / RNG_FILE))
+        (pinned / STATE_FILE).write_text(json.dumps(
             {"step": step, "next_step": progress.next_step, "consumed": list(progress.consumed),
              "optimizer_state": with_opt, "rng": rng_meta}, indent=1))
 
     published = exchange.publish(run_dir, KIND, step, write, producer=producer, policy_version=step,
-                                 overwrite=True)
+                                 overwrite=True, named=True)
     if distributed:
         dist.barrier()
     return published
+
+
+def _dcp_save(dcp, model, optimizer, pinned: Path):
+    """DCP's save of the model (and optimizer) into `pinned`/dcp: the pinned path of the step's tmp dir."""
+    with _quiet():
+        return dcp.save(_stateful(model, optimizer), checkpoint_id=str(pinned / DCP_DIR))
 
 
 def load(run_dir, step: int, model, optimizer) -> TrainerProgress:

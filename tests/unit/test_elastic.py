@@ -4,6 +4,7 @@ writes and withdraws them, and the extra replica rows `launch scale` writes (rl.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 
@@ -159,7 +160,7 @@ def test_extra_rows_copy_a_plan_row_and_are_found_like_planned_ones(tmp_path):
     assert row.command[row.command.index("--index") + 1] == "3"
     assert [a for a in cmd if a not in (str(base.port + 3), row.model_dir)] == \
         [a for a in base.vllm_command if a not in (str(base.port), base.model_dir)]   # nothing else differs
-    elastic.write_row(run_dir, row, job="77")
+    elastic.write_row(run_dir, elastic.ExtraRow(template=0, index=3, port=base.port + 3, job="77"))
     assert elastic.replica_row(plan, run_dir, 3) == row and elastic.row_job(run_dir, 3) == "77"
     assert elastic.server_indexes(plan, run_dir) == [0, 3]
     with pytest.raises(PlanFormatError, match="replica 4: not in the plan"):
@@ -173,6 +174,7 @@ def test_extra_rows_copy_a_plan_row_and_are_found_like_planned_ones(tmp_path):
     (elastic.row_file(run_dir, 5)).write_text("{not json")
     with pytest.raises(PlanFormatError, match="replica_5.json: not an extra replica row"):
         elastic.read_row(run_dir, 5)
+    assert elastic.server_indexes(plan, run_dir) == [0]   # a row that does not read names no server
 
 
 def test_the_scale_jobs_script_passes_shellcheck_and_runs_the_rows(tmp_path):
@@ -206,6 +208,51 @@ def test_scale_refuses_a_run_without_the_router_and_bad_deltas(tmp_path):
         with pytest.raises(ConfigError, match="--inference="):
             scale.parse_delta(bad)
     assert scale.scale_down(tmp_path, 1) == []
+
+
+def test_scale_up_is_bounded_and_writes_nothing_past_the_cap(tmp_path):
+    """The cap counts the extra servers serving (drained ones not): --max-servers, by default
+    MAX_SERVERS_PER_REPLICA x the plan's replicas; a refused +N writes no row."""
+    from launch import scale
+    from rl.contract.config import ConfigError
+    run_dir = _run_dir(tmp_path, replicas=1)
+    plan = Plan.read(run_dir)
+    assert scale.max_servers(plan, None)[0] == scale.MAX_SERVERS_PER_REPLICA   # Slurm: no CPU bound
+    assert scale.max_servers(plan, 9)[0] == 9
+    for i in (1, 2):
+        elastic.write_row(run_dir, elastic.ExtraRow(template=0, index=i, port=19000 + i, job="5"))
+    with pytest.raises(ConfigError, match=r"--inference=\+2: 2 extra server\(s\) serve now and at most 3 may "
+                                          r"\(--max-servers\)"):
+        scale.scale_up(run_dir, 2, max_extra=3)
+    assert elastic.extra_indexes(run_dir) == [1, 2]
+    elastic.request_drain(run_dir, 1)   # drained: no longer counted, but its index is never reused
+    with pytest.raises(ConfigError, match="1 extra server"):
+        scale.scale_up(run_dir, 3, max_extra=3)
+    assert elastic.extra_indexes(run_dir) == [1, 2]
+
+
+def test_extra_rows_are_checked_field_by_field(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    plan = Plan.read(run_dir)
+    elastic.extra_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    good = {"template": 0, "index": 4, "port": 19004, "job": None}
+    for change, match in (({"template": 1}, r"replica_4.json: template=1: not a replica of the plan \(0 to 0"),
+                          ({"template": "0"}, r"template='0': not an integer"),
+                          ({"index": 5}, r"index=5: not 4, the file's own"),
+                          ({"port": 80}, r"port=80: not an integer from 1024 to 65535"),
+                          ({"port": True}, r"port=True"),
+                          ({"job": "1; rm -rf ~"}, r"job='1; rm -rf ~': not a Slurm job id"),
+                          ({"extra": 1}, r"extra: not a key of an extra replica row"),
+                          ({"vllm_command": ["touch", "x"]}, r"earlier hetrl .* re-run `launch scale`")):
+        elastic.row_file(run_dir, 4).write_text(json.dumps({**good, **change}))
+        with pytest.raises(PlanFormatError, match=match) as e:
+            elastic.replica_row(plan, run_dir, 4)
+        assert "\n" not in str(e.value)
+    elastic.row_file(run_dir, 4).write_text(json.dumps({k: v for k, v in good.items() if k != "port"}))
+    with pytest.raises(PlanFormatError, match="port: missing"):
+        elastic.replica_row(plan, run_dir, 4)
+    with pytest.raises(PlanFormatError, match="not an integer"):
+        elastic.write_row(run_dir, elastic.ExtraRow(template=0, index=4, port=99999))
 
 
 def test_a_port_that_keeps_refusing_health_is_a_dead_server(tmp_path):
@@ -309,7 +356,7 @@ def test_the_orchestrator_loads_weights_into_the_servers_its_view_shows_up(tmp_p
     assert orch._up_clients()[1] is first[1]
     plan = Plan.read(run_dir)
     row = elastic.extra_row(plan.replica(0), 2, 18999)
-    elastic.write_row(run_dir, row)
+    elastic.write_row(run_dir, elastic.ExtraRow(template=0, index=2, port=18999))
     _record(run_dir, 2, "http://127.0.0.1:7", pid=4)
     assert sorted(orch._up_clients()) == [0, 1, 2] and orch.servers.workers(2) == row.dp * row.tp
     elastic.request_drain(run_dir, 2)
@@ -332,8 +379,11 @@ def test_cancel_also_cancels_the_runs_scale_jobs_naming_them(tmp_path, monkeypat
     run_dir = _run_dir(tmp_path / "run", replicas=1)
     ls.record_job(run_dir, "40")
     plan = Plan.read(run_dir)
-    for index, job in ((1, "41"), (2, "41"), (3, "42"), (4, "local:123"), (5, "7 --user=x")):
-        elastic.write_row(run_dir, elastic.extra_row(plan.replica(0), index, 19000 + index), job=job)
+    for index, job in ((1, "41"), (2, "41"), (3, "42"), (4, "local:123")):
+        elastic.write_row(run_dir, elastic.ExtraRow(template=0, index=index, port=19000 + index, job=job))
+    # a row the launcher would not write (write_row refuses the job), edited by hand: cancel names it
+    elastic.row_file(run_dir, 5).write_text(json.dumps({"template": 0, "index": 5, "port": 19005,
+                                                         "job": "7 --user=x"}))
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     (bin_dir / "scancel").write_text(f'#!/bin/bash\necho "scancel $*" >>{calls}\n')

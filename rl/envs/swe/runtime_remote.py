@@ -30,11 +30,12 @@ import httpx
 
 from rl.contract import paths
 from rl.contract.plan import Plan
-from rl.contract.records import SandboxServiceRecord
+from rl.contract.records import RecordError, SandboxServiceRecord
 from rl.contract.secret import read_secret
 from rl.envs.swe import trees
 from rl.envs.swe.grading import Grade
 from rl.envs.swe.sandbox import Result, SandboxError
+from rl.runtime import log
 
 _MARGIN_S = 120.0  # HTTP wait beyond a command's own time limit (queueing, start rate limit, transfer)
 
@@ -52,6 +53,7 @@ class ServicePool:
         self.counts = [0] * services
         self._urls: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._refused: set[str] = set()   # service records refused so far, each said once
 
     @classmethod
     def from_run_dir(cls, run_dir: str, wait_s: float = 600.0) -> "ServicePool":
@@ -63,20 +65,41 @@ class ServicePool:
         return cls(run_dir, len(plan.sandboxes.services), read_secret(run_dir), wait_s)
 
     def url(self, i: int, fresh: bool = False) -> str:
-        """Service i's URL from its record, waiting up to wait_s for it to appear."""
+        """Service i's URL from its record, waiting up to wait_s for it to appear.
+
+        The record decides where the run's secret is sent and whose grade an episode's reward is, so it
+        is taken only if it passes the trust rule (rl.contract.records through safefs: owned by this
+        user, writable by nobody else, a regular file; a FIFO refused without blocking). A refused one
+        is absent (the service is not up), said once, and named in the error that ends the wait."""
         if not fresh and i in self._urls:
             return self._urls[i]
         deadline = time.monotonic() + self.wait_s
         while True:
-            rec = SandboxServiceRecord.read(self.run_dir, i)
+            refused = None
+            try:
+                rec = SandboxServiceRecord.read(self.run_dir, i)
+            except (OSError, RecordError) as e:
+                rec, refused = None, self._refuse(e)
             if rec is not None:
                 self._urls[i] = rec.url
                 return rec.url
             if time.monotonic() > deadline:
-                raise SandboxError(f"sandbox service {i}: no record at "
-                                   f"{paths.sandbox_service_record(self.run_dir, i)} after {self.wait_s:.0f} s "
+                what = (f"usable record ({refused})" if refused else
+                        f"record at {paths.sandbox_service_record(self.run_dir, i)}")
+                raise SandboxError(f"sandbox service {i}: no {what} after {self.wait_s:.0f} s "
                                    f"(see {paths.log_file(self.run_dir, f'sandbox_{i}')})")
             time.sleep(0.5)
+
+    def _refuse(self, error: Exception) -> str:
+        """One line naming the refused record and why, printed the first time it is seen."""
+        line = " ".join(str(error).split())
+        with self._lock:
+            first = line not in self._refused
+            self._refused.add(line)
+        if first:
+            log("orchestrator", f"sandbox pool: refused: {line}; treated as absent (no secret sent, no grade "
+                                f"taken)")
+        return line
 
     def request(self, i: int, method: str, path: str, timeout_s: float | None = None, **kw) -> httpx.Response:
         """One call to service i; a failed connection re-reads its record once (it may have restarted)."""

@@ -30,8 +30,9 @@ follow links.
 Records: `RUN_DIR/sandboxes/service_<I>.json` (SandboxServiceRecord: URL, node) once it listens, removed
 when it stops; `roles/sandbox_<I>.json` like every role; one line per closed sandbox in
 `RUN_DIR/sandboxes/sandboxes_<I>.jsonl` (task, node, number of commands and tool calls, graded or not),
-so what ran where can be checked after the run. It exits when `RUN_DIR/DONE` appears (0) or on
-SIGTERM/SIGUSR1 (EXIT_PREEMPTED), closing its sandboxes.
+so what ran where can be checked after the run. Every one of them is written through rl.contract.safefs
+(docs/run-directory-safety.md): a link or FIFO planted in their place is refused, never followed. It
+exits when `RUN_DIR/DONE` appears (0) or on SIGTERM/SIGUSR1 (EXIT_PREEMPTED), closing its sandboxes.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from rl import runtime
-from rl.contract import backends, paths
+from rl.contract import backends, paths, safefs
 from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe import trees
@@ -233,8 +234,7 @@ class Service:
                "host": self.host, "pid": os.getpid(), "runtime": self.env.config.runtime["name"],
                "commands": s.commands, "tool_calls": s.tool_calls, "graded": s.graded, "reward": s.reward,
                "opened": s.opened, "closed": time.time()}
-        with open(paths.sandbox_log(self.run_dir, self.index), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        log_closed(self.run_dir, self.index, rec)
         self.log(f"sandbox {s.id} ({s.task.instance_id}) closed: {s.commands} commands, "
                  f"{s.tool_calls} tool calls, graded={s.graded}")
 
@@ -243,6 +243,13 @@ class Service:
             left, self.open = list(self.open.values()), {}
         for s in left:
             self._close(s)
+
+
+def log_closed(run_dir, index: int, rec: dict) -> None:
+    """Append `rec` (a closed sandbox) to `sandboxes/sandboxes_<index>.jsonl` through rl.contract.safefs,
+    like every writer of the run directory: a link or FIFO planted at the log or at `sandboxes/` is
+    refused in one line (UnsafePath), never written through; one write(2), O_APPEND."""
+    safefs.append_bytes(paths.sandbox_log(run_dir, index), (json.dumps(rec) + "\n").encode())
 
 
 async def serve(run_dir: str, index: int) -> int:
@@ -271,7 +278,7 @@ async def serve(run_dir: str, index: int) -> int:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{socket.gethostname() if remote else '127.0.0.1'}:{port}"
-    paths.sandboxes_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    safefs.makedirs(paths.sandboxes_dir(run_dir))
     SandboxServiceRecord(url=url, host=socket.gethostname(), node=node, pid=os.getpid(), index=index,
                          runtime=env.config.runtime["name"], time=time.time(),
                          slurm_job_id=os.environ.get("SLURM_JOB_ID"),
@@ -286,7 +293,7 @@ async def serve(run_dir: str, index: int) -> int:
             except TimeoutError:
                 pass
     finally:
-        paths.sandbox_service_record(run_dir, index).unlink(missing_ok=True)
+        safefs.remove(paths.sandbox_service_record(run_dir, index))  # the record, never a link's target
         await runner.cleanup()
         svc.close_all()
         svc.log("stopped")
