@@ -62,15 +62,19 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
+
 from rl.inference.discovery import Refusals, discover
 from rl.inference.auth import bearer, is_open, token_ok
 from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
-                                  RequestKey, RouterConfig, Unreachable, completion_key, decode_body,
-                                  parse_metrics, prefill_body, reported_cached_tokens, request_key)
+                                  RequestKey, RouterConfig, Unreachable, completion_key, decode_answer,
+                                  decode_body, parse_metrics, prefill_body, reported_cached_tokens, request_key)
 
 # Server paths the router forwards as they are (GET, to the least loaded healthy server); read-only.
 FORWARDED_PATHS = ("/v1/models", "/version")
+_JSON = {"Content-Type": "application/json"}
+_DECODE = msgspec.json.Decoder()
 
 
 # -- the HTTP side -----------------------------------------------------------------------------------
@@ -258,10 +262,18 @@ class Router:
     # routed requests
     async def _routed(self, request):
         from aiohttp import web
+        # The body is parsed once (msgspec) for its key and forwarded as the caller's bytes unless the
+        # router changes it (a body `session_id` removed, a P/D leg): a 64k-token context is not encoded
+        # again (benchmarks/request_codec.py: the router's CPU per context token).
+        raw = await request.read()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, ValueError):
+            body = _DECODE.decode(raw)
+        except ValueError:   # msgspec.DecodeError
             return web.json_response({"error": "body must be JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        if "session_id" in body:
+            raw = None       # changed: encoded again when sent
         session = body.pop("session_id", None)
         session = request.headers.get(SESSION_HEADER) or (str(session) if session is not None else None)
         path = request.path
@@ -294,7 +306,7 @@ class Router:
             attempts += 1
             outcome: dict = {}
             try:
-                return await self._execute(request, path, body, d, key, outcome)
+                return await self._execute(request, path, body, raw, d, key, outcome)
             except Unreachable as e:
                 tried.add(e.backend.name)
                 self._down(e.backend, str(e))
@@ -303,10 +315,12 @@ class Router:
                 self.policy.finished(d, key, outcome.get("done"), outcome.get("cached"))
         return web.json_response({"error": f"router: {path} failed on every attempt"}, status=502)
 
-    async def _post(self, b: Backend, path: str, body: dict, request):
+    async def _post(self, b: Backend, path: str, body: dict | bytes, request):
+        """POST `body` (a dict, encoded here; or bytes, sent as they are) to server `b`."""
         import aiohttp
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
         try:
-            return await self._http.post(f"{b.url}{path}", json=body, headers=self._headers(request),
+            return await self._http.post(f"{b.url}{path}", data=data, headers={**self._headers(request), **_JSON},
                                          params=request.query)
         except (aiohttp.ClientConnectionError, ConnectionError) as e:   # refused, reset, disconnected
             raise Unreachable(b, f"{type(e).__name__}: {e}") from e
@@ -321,12 +335,13 @@ class Router:
             return True
         return False
 
-    async def _execute(self, request, path: str, body: dict, d: Decision, key: RequestKey,
+    async def _execute(self, request, path: str, body: dict, wire: bytes | None, d: Decision, key: RequestKey,
                        outcome: dict):
+        """Send the request to `d`'s server(s); `wire`: the caller's body as received, when it is `body`."""
         import aiohttp
         from aiohttp import web
         extra = {BACKEND_HEADER: d.backend.name}
-        send = body
+        send = wire if wire is not None else body
         if d.prefill is not None:
             extra[PREFILL_HEADER] = d.prefill.name
             r = await self._post(d.prefill, path, prefill_body(path, body), request)
@@ -361,10 +376,10 @@ class Router:
             raise Unreachable(d.backend, f"{path} -> {status} and /health is down: {raw[:200]!r}")
         if status == 200:
             try:
-                data = json.loads(raw)
-                outcome["done"] = completion_key(path, body, data, self.cfg)
+                data = decode_answer(raw)   # the token ids and usage only: routes and logprobs skipped
+                outcome["done"] = completion_key(path, body, data, self.cfg, key)
                 outcome["cached"] = reported_cached_tokens(data)
-            except (json.JSONDecodeError, ValueError):
+            except ValueError:   # msgspec.DecodeError: not an answer of that shape
                 pass
         self.counts[f"status_{status}"] += 1
         return web.Response(body=raw, status=status, content_type=ctype, headers=extra)

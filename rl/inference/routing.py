@@ -34,7 +34,10 @@ import math
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Iterable
+
+import msgspec
 
 from rl.contract.config import RoutingConfig as RouterConfig  # the schema's section inference.routing
 from rl.contract.http import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,  # noqa: F401
@@ -61,13 +64,15 @@ class RequestKey:
 
 
 def token_block_hashes(tokens: list[int], block: int, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Chained hashes of the full `block`-token blocks of `tokens` (and the token count at each end)."""
-    h, hashes, ends = seed, [], []
-    for i in range(0, len(tokens) - block + 1, block):
-        h = hash((h, *tokens[i:i + block]))
-        hashes.append(h)
-        ends.append(i + block)
-    return hashes, ends
+    """Chained hashes of the full `block`-token blocks of `tokens` (and the token count at each end): block
+    i's hash is hash((block i-1's, hash(block i's tokens))), `seed` before the first. The blocks are cut and
+    hashed in C (zip over one iterator); only the chain is a Python loop, one step per block."""
+    h, hashes = seed, []
+    append = hashes.append
+    for b in map(hash, zip(*[iter(tokens)] * block)):
+        h = hash((h, b))
+        append(h)
+    return hashes, list(range(block, len(hashes) * block + 1, block))
 
 
 def text_block_hashes(text: str, block_chars: int, chars_per_token: float, seed: int = 1):
@@ -109,7 +114,7 @@ def request_key(path: str, body: dict, session: str | None, cfg: RouterConfig) -
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]       # a batch of one
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and all(map(isinstance, prompt, repeat(int))):
         hashes, ends = token_block_hashes(prompt, cfg.block_tokens)
         return RequestKey(tuple(hashes), tuple(ends), len(prompt), session, "tokens")
     if isinstance(prompt, str):
@@ -118,8 +123,25 @@ def request_key(path: str, body: dict, session: str | None, cfg: RouterConfig) -
     return RequestKey(session=session)
 
 
-def completion_key(path: str, body: dict, response: dict, cfg: RouterConfig) -> RequestKey | None:
-    """Prompt + completion as the next turn will send it (what the server now holds), when knowable."""
+def extend_key(key: RequestKey, prompt: list, ids: list, cfg: RouterConfig) -> RequestKey | None:
+    """The tokens key of prompt + ids from `key` (the prompt's): its full blocks are kept and the chain goes
+    on from the last of them over the prompt's partial block and `ids`, so the prompt is not hashed again.
+    The same key as `request_key` of prompt + ids; None when `key` is not the prompt's tokens key."""
+    block = cfg.block_tokens
+    full = len(key.hashes)
+    if key.kind != "tokens" or key.n_tokens != len(prompt) or full != len(prompt) // block:
+        return None
+    if not all(map(isinstance, ids, repeat(int))):
+        return None
+    hashes, ends = token_block_hashes(prompt[full * block:] + list(ids), block, key.hashes[-1] if full else 0)
+    return RequestKey(key.hashes + tuple(hashes), key.ends + tuple(e + full * block for e in ends),
+                      len(prompt) + len(ids), None, "tokens")
+
+
+def completion_key(path: str, body: dict, response: dict, cfg: RouterConfig,
+                   key: RequestKey | None = None) -> RequestKey | None:
+    """Prompt + completion as the next turn will send it (what the server now holds), when knowable.
+    `key`: the request's own key (request_key of `body`), extended instead of hashing the prompt again."""
     try:
         ch = response["choices"][0]
         if path.endswith("/chat/completions"):
@@ -131,6 +153,9 @@ def completion_key(path: str, body: dict, response: dict, cfg: RouterConfig) -> 
         ids = ch.get("token_ids")
         prompt = body.get("token_ids") if path.endswith("/generate") else body.get("prompt")
         if ids and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            done = extend_key(key, prompt, ids, cfg) if key is not None else None
+            if done is not None:
+                return done
             return request_key("/inference/v1/generate", {"token_ids": list(prompt) + list(ids)}, None, cfg)
         text = ch.get("text")
         if isinstance(prompt, str) and isinstance(text, str):
@@ -138,6 +163,30 @@ def completion_key(path: str, body: dict, response: dict, cfg: RouterConfig) -> 
     except (KeyError, IndexError, TypeError, AttributeError):
         pass
     return None
+
+
+class _Choice(msgspec.Struct, gc=False):
+    token_ids: list | None = None
+    text: Any = None
+    message: Any = None
+
+
+class _Answer(msgspec.Struct, gc=False):
+    choices: list[_Choice] = []
+    usage: Any = None
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+def decode_answer(raw: bytes) -> dict:
+    """What the router reads of a server's answer, as the dict `completion_key` and
+    `reported_cached_tokens` take ({"choices": [{token_ids, text, message}], "usage"}): decoded by msgspec
+    into just those fields, so the routes' base64 and the logprobs are skipped, never built as Python
+    objects. ValueError (msgspec.DecodeError) when it is not a JSON object of that shape."""
+    a = _ANSWER.decode(raw)
+    return {"choices": [{"token_ids": c.token_ids, "text": c.text, "message": c.message} for c in a.choices],
+            "usage": a.usage}
 
 
 def reported_cached_tokens(response: dict) -> int | None:
@@ -471,7 +520,7 @@ class Policy:
 # -- P/D request bodies ------------------------------------------------------------------------------
 def prefill_body(path: str, body: dict) -> dict:
     """The prefill leg: one token, no streaming, KV kept for a remote decode."""
-    b = json.loads(json.dumps(body))
+    b = msgspec.json.decode(msgspec.json.encode(body))   # a deep copy
     if path.endswith("/generate"):
         sp = b.setdefault("sampling_params", {})
         sp["max_tokens"] = 1
