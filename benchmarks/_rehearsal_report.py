@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import _rehearsal_memory as mem
+import _rehearsal_workers as W
 from _rehearsal_engine import prompt_key as _key   # the engine's hash of a request's prompt ids
 
 # glm5_seed (conf/experiment/glm5_seed.yaml): 16 x 16 rollouts, max_inflight 2048, max_off_policy 8, its 3
@@ -220,6 +221,8 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     # the tokenizer's load after the servers are up (measured apart) is start-up, not a step's
     cpu = (steps[-1]["orch_cpu_abs"] - t["base"]["cpu"] - t["startup_cpu"]) / len(steps)
     seed_cpu = cpu * seed_tokens / tokens
+    rollout_side = W.keys(cpu, t, len(steps), tokens, seed_tokens, getattr(a, "seed_workers", 16),
+                          getattr(a, "baseline_cpu_per_token", None))
     base = t["fixed_rss"]
     peak = t["end"].get("hwm", 0)
     scale = SEED["inflight"] * SEED["mean_tokens"] / (a.inflight * m["tokens_mean"])
@@ -338,6 +341,6 @@ def report(a, t: dict, m: dict, work: Path) -> str:
         else int(all(s["only_own_shard"] for s in steps)),
         "routes_rows_eq_tokens": int(m["routes_rows_eq_tokens"]),
         "shards_partition_batch": int(all(s["shards_partition"] for s in steps)),
-        "wall_s": t["wall_s"],
+        "wall_s": t["wall_s"], **rollout_side,
     }
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items())

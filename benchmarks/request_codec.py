@@ -120,7 +120,7 @@ def new_client_answer(content: bytes, key: str):
 
 
 def new_router(body_bytes: bytes, answer: bytes, cfg):
-    from rl.inference.router import _DECODE
+    from rl.inference.proxy import _DECODE
     body = _DECODE.decode(body_bytes)
     wire = body_bytes if "session_id" not in body else None
     session = body.pop("session_id", None)

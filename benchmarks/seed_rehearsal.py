@@ -61,6 +61,13 @@ are the rank's own calls on a page-cache-resident file, and the replay records h
 was resident before it was read. The live ratio, four ranks sharing two cores with the orchestrator and
 the engines, is printed as plan_vs_rehearsal_live (at the median rates).
 
+Rollout workers (`--workers N`, issue 50: orchestrator.rollout_workers = N): each process's CPU from /proc
+(the centre as above; each worker's CPU at the last batch less its own start-up, over the batches),
+extrapolated linearly in tokens per step like the orchestrator's: `seed_central_cpu_s`, and
+`seed_busiest_rollout_cpu_s` = the workers' sum at the seed / `--seed-workers` (16) x the imbalance
+measured here; `cpu_sum_vs_one_process` = CPU per batch token of all processes over a `--workers 0` run of
+the same size (run first, or `--baseline-cpu-per-token`). benchmarks/_rehearsal_workers.py says how.
+
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
 takes 4-6 minutes with the three probe runs and the interleaved replays (`--no-probe` skips the
@@ -90,6 +97,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from _rehearsal_report import SEED, analyse, report  # noqa: E402  (the measuring half)
+import _rehearsal_workers as W  # noqa: E402  (rollout workers: --workers N)
 
 # the orchestrator's module run under tracemalloc, the peak of traced memory and its largest holders
 # written at exit (sampled every 2 s: tracemalloc's peak is a number, its snapshot only the moment's)
@@ -166,7 +174,21 @@ def args_(argv=None):
                    help="skip the three one-step probe runs (a quarter of the episodes in flight; episodes a "
                         "quarter as long in a quarter of the turns; as long in a quarter of the turns) that "
                         "separate the orchestrator's memory per episode, per token in flight and per answer byte")
+    p.add_argument("--workers", "--rollout-workers", dest="workers", type=int, default=0,
+                   help="orchestrator.rollout_workers: episodes played in N rollout worker processes (issue 50); "
+                        "the last line adds each process's CPU and its extrapolation (_rehearsal_workers.py)")
+    p.add_argument("--kill-worker", action="store_true",
+                   help="SIGKILL one rollout worker when the first batch appears (a fault: the centre counts its "
+                        "episodes in flight as lost, replays them and restarts the worker)")
+    p.add_argument("--seed-workers", type=int, default=16,
+                   help="rollout workers at the seed, for seed_busiest_rollout_cpu_s (default 16: one per 128 "
+                        "episodes in flight)")
+    p.add_argument("--baseline-cpu-per-token", type=float, default=None,
+                   help="one process's CPU seconds per batch token (cpu_per_token_us / 1e6 of a --workers 0 run "
+                        "of the same size); without it a --workers N > 0 run first runs that baseline itself")
     a = p.parse_args(argv)
+    if a.workers < 0:
+        p.error(f"--workers={a.workers}: must be >= 0")
     if a.fraction is not None:
         if not 0 < a.fraction <= 1:
             p.error(f"--fraction={a.fraction}: must be in (0, 1]")
@@ -199,7 +221,8 @@ def make_run(a, run_dir: Path):
             f"orchestrator.max_tokens={max(64, 4 * a.tokens_per_episode // a.turns)}",
             f"orchestrator.max_off_policy=1", f"inference.max_model_len={budget}", f"model.max_seq_len={budget}",
             "trainer.router_replay=true", f"trainer.micro_batch_tokens={budget}",
-            f"trainer.parallel.dp_shard={a.data_ranks}", f"trainer.max_steps={a.steps}", "eval.every=0"]
+            f"trainer.parallel.dp_shard={a.data_ranks}", f"trainer.max_steps={a.steps}", "eval.every=0",
+            *W.overrides(getattr(a, "workers", 0))]
     if a.data_ranks > 2:
         # the local backend refuses more than 2 CPU trainer ranks (this machine's cores): the config says
         # GPUs so the plan takes them; nothing here reads the trainer's device, the ranks run on the CPU
@@ -307,6 +330,7 @@ def run(a, work: Path, replay_rates: bool = True) -> dict:
         if getattr(a, "tracemalloc", None) and cmd[1:2] == ["-m"]:   # under tracemalloc: what Python holds
             cmd = [cmd[0], "-X", "tracemalloc=1", "-c", TRACED.format(out=str(Path(a.tracemalloc).absolute()),
                                                                         module=cmd[2]), *cmd[3:]]
+        cmd = W.command(cmd, getattr(a, "workers", 0))
         orch = procs.start("orchestrator", cmd, {**env, **role_env})
         # its base: imported and waiting for the servers (no episode yet); RSS steady over 1.5 s
         last, steady, t0 = -1, 0, time.monotonic()
@@ -354,9 +378,14 @@ def run(a, work: Path, replay_rates: bool = True) -> dict:
                 if ".tmp-" in name:
                     t["tmp_seen"].setdefault(n, now)
                 elif name[5:].isdigit() and n not in t["steps"]:
-                    t["steps"][n] = {"seen": now, **_proc(orch.pid)}
+                    t["steps"][n] = {"seen": now, **_proc(orch.pid), "workers": W.sample(orch.pid)}
+                    if getattr(a, "kill_worker", False) and "killed" not in t and W.children(orch.pid):
+                        t["killed"] = W.children(orch.pid)[0]
+                        os.kill(t["killed"], signal.SIGKILL)
+                        print(f"killed rollout worker pid {t['killed']} (SIGKILL) at rollouts/step_{n:06d}", flush=True)
             time.sleep(0.02)
         t["end"] = {**_proc(orch.pid)}
+        t["workers_n"], t["worker_startup"] = getattr(a, "workers", 0), W.startup(out / "orchestrator.log")
         t["engine_stats"] = []
         import httpx
         from rl.contract.secret import secret_or_none
@@ -405,6 +434,16 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
+        if a.workers and a.baseline_cpu_per_token is None:   # one process, same size: cpu_sum_vs_one_process
+            import copy
+            ba = copy.copy(a)
+            ba.workers, ba.profile, ba.tracemalloc = 0, None, None
+            bt = run(ba, work / "baseline", replay_rates=False)
+            a.baseline_cpu_per_token = W.one_process_per_token(bt)
+            print(f"baseline (rollout_workers=0): {a.baseline_cpu_per_token * 1e6:.1f} us CPU per batch token",
+                  flush=True)
+            if not a.keep and not a.work_dir:
+                shutil.rmtree(work / "baseline", ignore_errors=True)
         t = run(a, work)
         if not a.no_probe:
             # Three one-step runs that each change one driver of the orchestrator's memory (the parts are

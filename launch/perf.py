@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import dataplane
+from launch import dataplane, rollout_side
 from launch.simulate import SimConfig, SimResult, from_metrics, lognormal_source, read_jsonl, simulate
 from rl.contract.config import Config, ConfigError, typed
 
@@ -163,6 +163,7 @@ class Prediction:
     sync_s: float = 0.0           # mean version: publish + load (the version's latency to the servers)
     load_s: float = 0.0           # mean version: the servers' pause to read, verify and copy it in
     data: dataplane.DataPlane | None = None   # the rollout batch's bytes and seconds (launch.dataplane)
+    rollout: rollout_side.RolloutCPU | None = None   # the rollout side's CPU per step (launch.rollout_side)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -317,7 +318,8 @@ def _inference(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int, paus
         step = decode_step_s(cfg, s, p, hw, b, ctx)
     episode = w.turns * (w.env_s + pre_lat) + w.decode_tokens * step
     rate = min(inflight / episode, o.max_concurrency / max(w.decode_tokens * step, 1e-12))   # rollouts/s
-    env_rate = o.env_concurrency / (w.turns * w.env_s) if w.env_s > 0 else float("inf")   # env slots' bound
+    calls = rollout_side.env_calls_at_once(cfg)   # min(env_concurrency, threads) per process x processes
+    env_rate = calls / (w.turns * w.env_s) if w.env_s > 0 else float("inf")   # env slots' bound
     gen_s = rollouts / rate
     env_bound = rollouts / env_rate
     pre_s = rollouts * prefill_tok / pre_rate
@@ -327,10 +329,12 @@ def _inference(cfg: Config, s, p, hw: Hardware, w: Workload, rollouts: int, paus
              Term("inference", f"prefill: {rollouts * prefill_tok / 1e6:.1f}M tokens on {pre_gpus} GPUs", pre_s, pd,
                   "more inference.prefill_nodes")]
     if w.env_s > 0:
-        terms.append(Term("inference", f"environment: {rollouts * w.turns:.0f} calls of {w.env_s:g} s at "
-                                       f"orchestrator.env_concurrency={o.env_concurrency}", env_bound, True,
-                          f"a higher orchestrator.env_concurrency (>= {math.ceil(rate * w.turns * w.env_s)} keeps "
-                          f"up with the servers)"))
+        terms.append(Term("inference", f"environment: {rollouts * w.turns:.0f} calls of {w.env_s:g} s, {calls} at "
+                                       f"once (orchestrator.env_concurrency={o.env_concurrency} per process, "
+                                       f"{rollout_side.env_threads(cfg)} threads, x {rollout_side.processes(cfg)} "
+                                       f"process(es))", env_bound, True,
+                          f"a higher orchestrator.env_concurrency or more orchestrator.rollout_workers (>= "
+                          f"{math.ceil(rate * w.turns * w.env_s)} calls at once keep up with the servers)"))
     total = max(gen_s, pre_s) if pd else gen_s + pre_s
     total = max(total, env_bound)
     terms.append(Term("inference", "reload pause (read, verify, copy in)", pause, False,
@@ -407,6 +411,12 @@ def predict(cfg, workload: Workload | None = None, assume: dict | None = None,
     k = o.max_off_policy
     pipeline = (train_s + mean["total"] + inf["episode"]) / (k + 1)
     parts = {"trainer": train_s, "inference": inf["total"], "sync": mean["publish"], "pipeline": pipeline}
+    data = dataplane.predict(dataplane.Volume.from_cfg(cfg, w),   # its warnings print as perf notes
+                             fs=dataplane.SharedFS.from_hardware(hw, cfg.trainer.gpus_per_node))
+    roll = rollout_side.cpu(cfg, w, data, max(parts.values()))
+    terms += [Term("rollout", name, sec, True, hint) for name, sec, hint in rollout_side.terms(roll)]
+    if cfg.inference.gpus_per_node > 0:   # a process cannot do more than a core's worth per step (CPU
+        parts["rollout"] = roll.bound_s   # servers' steps are not modelled: shown, not compared)
     bottleneck = max(parts, key=parts.get)
     step = parts[bottleneck]
     role = {"pipeline": "trainer"}.get(bottleneck, bottleneck)
@@ -419,15 +429,14 @@ def predict(cfg, workload: Workload | None = None, assume: dict | None = None,
              f"{w.turns:g} turns, {w.env_s:g} s of environment per turn",
              f"hardware: {hw.gpu} presets (docs/perf.md), mfu {hw.mfu:g}, inference mfu {hw.inference_mfu:g}, "
              f"HBM efficiency {hw.hbm_efficiency:g}"]
-    data = dataplane.predict(dataplane.Volume.from_cfg(cfg, w),   # its warnings print as perf notes
-                             fs=dataplane.SharedFS.from_hardware(hw, cfg.trainer.gpus_per_node))
     notes += [f"warning: {x}" for x in dataplane.warnings(data, cfg.cluster.target_step_s, step)]
+    notes += rollout_side.lines(cfg, roll, w.env_s, inf["episode"])
     return Prediction(terms=terms, trainer_s=train_s, inference_s=inf["total"], publish_s=mean["publish"],
                       pipeline_s=pipeline, step_s=step, bottleneck=bottleneck, dominant=dominant,
                       sync_full_s=full["total"], sync_delta_s=delta["total"], rollouts_per_hour=inf["per_hour"],
                       episode_s=inf["episode"], decode_batch=inf["b"], decode_tok_s_gpu=inf["tok_s"], workload=w,
                       hardware=hw, token_s=inf["token_s"], prefill_turn_s=inf["prefill_turn_s"],
-                      sync_s=mean["total"], load_s=mean["load"], notes=notes, data=data)
+                      sync_s=mean["total"], load_s=mean["load"], notes=notes, data=data, rollout=roll)
 
 
 def data_volume(cfg, assume: dict | None = None) -> dataplane.Volume:

@@ -5,7 +5,8 @@ One heterogeneous Slurm job per run. Het group 0 holds the trainer nodes: one `t
 the trainer's world size. Het group 1 holds the inference nodes: vLLM replicas of `tp` x `dp` GPUs each
 (expert parallel over the whole replica when `inference.ep` > 1, the "wide EP" of large MoE models),
 optionally split into a prefill pool and a decode pool, the router and the orchestrator (CPU processes) on
-the first inference node. With `cluster.sandbox_nodes` > 0, het group 2 holds CPU nodes of their own
+the first inference node. With `cluster.sandbox_nodes` > 0 (or the count `cluster.sandbox_nodes_auto` derives:
+launch.rollout_side), het group 2 holds CPU nodes of their own
 (`cluster.sandbox_partition` / `sandbox_account`, default the cluster's) that run one SWE sandbox
 service each (rl.envs.swe.service, role `sandbox_<i>`); the orchestrator's episodes open their
 sandboxes there. The plan is computed once, written to `RUN_DIR/plan.json` and read by every role
@@ -275,9 +276,13 @@ def _check_ports(inf: InferencePlan, cfg: Config) -> None:
 
 # -- sandbox nodes -----------------------------------------------------------------------------------
 def _sandboxes(cfg: Config, run_dir: str, python: str) -> SandboxPlan | None:
-    """Het group 2: one sandbox service per CPU node, or None (sandboxes on the orchestrator's node)."""
+    """Het group 2: one sandbox service per CPU node, or None (sandboxes on the orchestrator's node). The
+    count is cluster.sandbox_nodes, or with cluster.sandbox_nodes_auto (and sandbox_nodes 0) what
+    launch.rollout_side derives from the episodes in flight (docs/sandboxes.md "Sizing sandbox nodes")."""
+    from launch import rollout_side
     cl = cfg.cluster
-    n = cl.sandbox_nodes
+    rollout_side.check(cfg)
+    n = rollout_side.planned_sandbox_nodes(cfg)
     if n == 0:
         return None
     services = [SandboxService(index=i, name=f"sandbox_{i}", node=i,

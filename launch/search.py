@@ -5,9 +5,11 @@ split between the trainer and the inference pools (prefill and decode when the c
 one mixed pool otherwise); the trainer's parallel layout (dp_shard x ep x cp = its GPUs, ep dividing
 the experts, 2*cp dividing max_seq_len, powers of two) and the inference replicas' size (tp x dp GPUs,
 wide EP as the config has it; every replica of both pools the same size, as launch.plan requires) are
-searched with it. Everything else (the model, the workload, max_concurrency, max_inflight, offloading)
-stays as configured: the search answers "how should these nodes be laid out", not "what should the run
-do".
+searched with it, and each layout gets the rollout worker count it needs (`orchestrator.rollout_workers`:
+the fewest whose busiest process stays under launch.rollout_side.ROLLOUT_SHARE of the step, in counts
+that deal the groups in flight evenly; 0 when one process does). Everything else (the model, the
+workload, max_concurrency, max_inflight, offloading) stays as configured: the search answers "how
+should these nodes be laid out", not "what should the run do".
 
 How a layout is judged: by the same models `launch plan` prints, nothing of its own. Memory per GPU and
 per node is launch.memory's estimate (a layout whose role does not fit is ruled out by the same check
@@ -42,6 +44,7 @@ class Layout:
     prefill_nodes: int       # 0: one mixed pool
     decode_nodes: int
     replica_gpus: int        # tp x dp of every replica
+    rollout_workers: int = 0  # orchestrator.rollout_workers
 
     @property
     def inference_nodes(self) -> int:
@@ -54,7 +57,8 @@ class Layout:
                f"trainer.parallel.ep={self.ep}", f"trainer.parallel.cp={self.cp}",
                f"inference.nodes={self.inference_nodes}", f"inference.dp={dp}",
                f"inference.ep={self.replica_gpus if wide_ep else 1}",
-               f"inference.replicas={self.inference_nodes * gpn // self.replica_gpus}"]
+               f"inference.replicas={self.inference_nodes * gpn // self.replica_gpus}",
+               f"orchestrator.rollout_workers={self.rollout_workers}"]
         if self.prefill_nodes:
             out += [f"inference.prefill_nodes={self.prefill_nodes}", f"inference.decode_nodes={self.decode_nodes}"]
         return out
@@ -68,6 +72,7 @@ class Found:
     inference_s: float
     bottleneck: str
     dominant: str
+    rollout_s: float = 0.0   # CPU per step of the busiest rollout-side process
 
 
 @dataclass
@@ -114,6 +119,10 @@ def _memory_layout(c) -> dict:
     return {"trainer": dict(world_size=t.nodes * t.gpus_per_node, ep=t.parallel.ep, cp=t.parallel.cp,
                             gpus_per_node=t.gpus_per_node, nodes=t.nodes),
             "inference": {"gpus_per_node": gpn, "replicas": reps}}
+
+
+def _with_workers(c, workers: int):
+    return dataclasses.replace(c, orchestrator=dataclasses.replace(c.orchestrator, rollout_workers=workers))
 
 
 def _misfit(c, roles: str) -> str | None:
@@ -202,9 +211,13 @@ def search(cfg, workload=None, top: int = 5, assume: dict | None = None) -> Resu
             for _, pre, dec, size in inference_best.get(total - tn, []):
                 c = _with_inference(_with_trainer(base, tn, dp, ep, cp), pre, dec, total - tn, size)
                 p = perf.predict(c, w)
+                if p.rollout.needed != c.orchestrator.rollout_workers:   # the count this layout needs
+                    c = _with_workers(c, p.rollout.needed)
+                    p = perf.predict(c, w)
                 d = p.dominant
-                found.append(Found(Layout(tn, dp, ep, cp, pre, dec, size), p.step_s, p.trainer_s, p.inference_s,
-                                   p.bottleneck, f"{d.role}: {d.name}"))
+                found.append(Found(Layout(tn, dp, ep, cp, pre, dec, size, c.orchestrator.rollout_workers), p.step_s,
+                                   p.trainer_s, p.inference_s, p.bottleneck, f"{d.role}: {d.name}",
+                                   p.rollout.bound_s))
     found.sort(key=lambda f: (f.step_s, f.layout.trainer_nodes))
     # the best are planned for real: what is printed is what `launch plan` accepts
     from launch.plan import make_plan
@@ -262,7 +275,8 @@ def render(res: Result, tp: int = 1, wide_ep: bool = True) -> list[str]:
         miss = "" if not res.target or f.step_s <= res.target else f", misses target {res.target:g} s"
         lines.append(f"  {k}. {f.step_s:6.1f} s/step  trainer {lay.trainer_nodes} nodes "
                      f"dp_shard {lay.dp_shard} x ep {lay.ep} x cp {lay.cp}, {inf}; trainer {f.trainer_s:.0f} s, "
-                     f"inference {f.inference_s:.0f} s; bottleneck {f.bottleneck} ({f.dominant}){miss}")
+                     f"inference {f.inference_s:.0f} s, {lay.rollout_workers} rollout workers (busiest process "
+                     f"{f.rollout_s:.0f} s of CPU); bottleneck {f.bottleneck} ({f.dominant}){miss}")
         lines.append(f"     overrides: {' '.join(lay.overrides(tp, wide_ep, res.gpus_per_node))}")
     lines.append("ruled out:")
     for reason, (n, example) in sorted(res.ruled_out.items(), key=lambda kv: -kv[1][0]):

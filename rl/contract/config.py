@@ -183,7 +183,11 @@ class OrchestratorConfig:
     # Multi-turn rollouts (rl/orchestrator/multiturn.py); env.max_turns caps the turns.
     max_rollout_tokens: Optional[int] = None   # prompt + turns + observations; None = inference.max_model_len
     rollout_timeout_s: Optional[float] = None  # wall time of one rollout; None = no limit
-    env_concurrency: int = 8                   # environment calls (tool runs, grading) at once
+    env_concurrency: int = 8                   # environment calls (tool runs, grading) at once, per process
+    # Rollout worker processes per run; 0 runs episodes in the orchestrator process. One Python process
+    # needs ~300 s of CPU per glm5_seed step (issue 50); `launch plan` shows the busiest process's CPU per
+    # step and `--search` picks the count (docs/perf.md "Rollout side").
+    rollout_workers: int = 0
     # Where in-flight episodes' routed-expert rows (router replay) are spilled as they arrive, one file per
     # episode in a private per-process directory made under it (rl/orchestrator/spill.py); "" = node-local
     # scratch ($SLURM_TMPDIR, else $TMPDIR). Needs ~layers x top_k bytes per in-flight token of disk.
@@ -264,6 +268,9 @@ class SweConfig:
     runtime: str = "inprocess"
     image_cache: Optional[str] = None  # apptainer SIFs, built once per image: shared filesystem, never /tmp
     max_sandbox_starts_per_s: float = 8.0  # per process (token bucket): start storms break runtimes
+    # Cores one sandbox's command holds while it runs (sizing sandbox nodes: docs/sandboxes.md); its memory
+    # is limits.memory_bytes, the budget of all its processes together.
+    sandbox_cores: float = 1.0
 
 
 @dataclass
@@ -328,6 +335,11 @@ class ClusterConfig:
     # SWE sandboxes on CPU nodes of their own: het group 2, one sandbox service per node (docs/sandboxes.md).
     # 0 = sandboxes run on the orchestrator's node.
     sandbox_nodes: int = 0
+    # true: when sandbox_nodes is 0, launch plan derives the count from the episodes in flight and what a
+    # node holds (docs/sandboxes.md "Sizing sandbox nodes"); an explicit sandbox_nodes > 0 is taken as is.
+    sandbox_nodes_auto: bool = False
+    sandbox_node_cores: int = 128            # cores of one sandbox node its sandboxes may use (2 x 64-core CPUs)
+    sandbox_node_memory_gib: float = 512.0   # memory of one sandbox node its sandboxes may use
     sandbox_partition: Optional[str] = None  # default: cluster.partition
     sandbox_account: Optional[str] = None    # default: cluster.account
     hardware: HardwareConfig = field(default_factory=HardwareConfig)   # step-time prediction (docs/perf.md)

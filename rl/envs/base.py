@@ -21,7 +21,11 @@ conversation the orchestrator drives turn by turn (rl/orchestrator/multiturn.py)
     episode.close()                                 release the sandbox / tools
 
 Every method may be a plain function (run in a worker thread, so a slow tool does not stall the other
-rollouts' generation) or a coroutine function (awaited). The orchestrator owns the rollout limits
+rollouts' generation) or a coroutine function (awaited). The worker threads are the environment's own
+executor (`env_executor()`), not the event loop's default one: asyncio's default is min(32, cpus + 4)
+threads, so at most 32 blocking environment calls ran at once whatever `orchestrator.env_concurrency`
+said (issue 50). `set_env_threads(n)` sizes it (`make_env` does, from `orchestrator.env_concurrency`),
+capped at `ENV_THREADS_MAX` per process. The orchestrator owns the rollout limits
 (turns, tokens, wall time) and stops calling `step` when one is hit; an environment may end earlier by
 returning done=True. Environments never see token ids: the orchestrator tokenizes observations and keeps
 the model's own tokens as generated (see multiturn.py).
@@ -29,9 +33,15 @@ the model's own tokens as generated (see multiturn.py).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import json
+import os
 import re
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -57,11 +67,60 @@ def is_multi_turn(env: Any) -> bool:
     return callable(getattr(env, "start", None))
 
 
+# Environment calls block on subprocesses, sandboxes and HTTP to sandbox services, almost never on the
+# CPU, so a thread per call in flight is cheap: its stack is virtual (8 MiB reserved, tens of KiB
+# touched) and a blocked thread does not contend for the GIL. The cap bounds what one process holds at
+# once: every thread counts against RLIMIT_NPROC (per user: a non-root launcher's sandboxes and other
+# roles share it; clusters often set 4096), and many threads released at once (a batch of tool runs
+# ending together) queue on the GIL. More calls at once than this means more processes
+# (`orchestrator.rollout_workers`), each with its own executor. launch/rollout_side.py plans with it.
+ENV_THREADS_MAX = 1024
+_DEFAULT_THREADS = min(32, (os.cpu_count() or 1) + 4)   # asyncio's default executor, until sized
+_threads = _DEFAULT_THREADS
+_executors: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, ThreadPoolExecutor]]" = \
+    weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def set_env_threads(n: int) -> int:
+    """Size the environment executor of this process: `n` calls at once (orchestrator.env_concurrency),
+    at most ENV_THREADS_MAX; returns the size taken. Threads start only as calls need them; a loop whose
+    executor has another size gets a new one at its next call (the old one finishes what it runs)."""
+    global _threads
+    if int(n) < 1:
+        raise ValueError(f"environment threads: {n}; at least 1")
+    with _lock:
+        _threads = min(int(n), ENV_THREADS_MAX)
+        return _threads
+
+
+def env_threads() -> int:
+    """The environment executor's size in this process."""
+    return _threads
+
+
+def env_executor() -> ThreadPoolExecutor:
+    """The running event loop's environment executor, made at its first call (one per process and
+    loop; it goes with its loop)."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        size, ex = _executors.get(loop, (0, None))
+        if ex is None or size != _threads:
+            if ex is not None:
+                ex.shutdown(wait=False)   # its running and queued calls still finish
+            ex = ThreadPoolExecutor(_threads, thread_name_prefix="env")
+            _executors[loop] = (_threads, ex)
+        return ex
+
+
 async def call(fn, *args, **kwargs):
-    """Await a coroutine function; run a plain one in a worker thread."""
+    """Await a coroutine function; run a plain one in a thread of the environment executor (with the
+    caller's context variables, as asyncio.to_thread does)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    out = await asyncio.to_thread(fn, *args, **kwargs)
+    ctx = contextvars.copy_context()
+    out = await asyncio.get_running_loop().run_in_executor(
+        env_executor(), functools.partial(ctx.run, fn, *args, **kwargs))
     return await out if inspect.isawaitable(out) else out
 
 

@@ -97,6 +97,7 @@ class Orchestrator:
         self.servers = servers if servers is not None else RunDirServers(self.run_dir, self.o.request_timeout_s)
         self._clients: dict = {}    # weight-loading client of every server seen up so far, by index
         self.watcher: asyncio.Task | None = None  # the weight watcher, while run() runs
+        self.workers = None   # rl.orchestrator.workers.RolloutWorkers with orchestrator.rollout_workers > 0
         self.reload_backoff_s = 1.0
 
     # --- weights -------------------------------------------------------------------------------
@@ -109,15 +110,21 @@ class Orchestrator:
         sp = self.sampler
         t0 = time.monotonic()
         sp.gate.clear()
+        if self.workers is not None:
+            self.workers.gate(False)
         try:   # a server whose record is withdrawn is restarting in place and loads the newest weights itself
             results = await asyncio.gather(*(
                 c.update_weights(str(path), version, report_dir=self._reports(i), workers=self.servers.workers(i))
                 for i, c in self._up_clients().items()))
+            in_flight: dict[str, int] = {}
+            for r in results:
+                in_flight.update(r.get("in_flight", {}))
+            if self.workers is not None:   # their trackers label their requests' tokens
+                self.workers.reload(version, in_flight)
         finally:
             sp.gate.set()
-        in_flight: dict[str, int] = {}
-        for r in results:
-            in_flight.update(r.get("in_flight", {}))
+            if self.workers is not None:
+                self.workers.gate(True)
         sp.tracker.on_reload(version, in_flight)
         if sp.router_client is not None:  # the servers dropped their prefix caches
             await router_reset_index(sp.router_client)
@@ -184,7 +191,7 @@ class Orchestrator:
         oldest = offpolicy.oldest_version(step, self.o.max_off_policy)
         if not await self._wait_version(offpolicy.needed_version(step, self.o.max_off_policy)):
             return None
-        sp = self.sampler
+        sp, play = self.sampler, self.rollouts
         masking = stale_policy(self.o).keeps_groups
         t0, idle0 = time.monotonic(), sp.idle.idle_s()
         kept: list[list[Sample]] = []
@@ -197,7 +204,7 @@ class Orchestrator:
             rng = random.Random(f"{self.cfg.seed}-{step}-{attempt}")
             tasks = sp.env.sample_tasks(need, rng)
             base = len(kept) + dropped + failed
-            groups = await asyncio.gather(*(sp.sample_group_or_none(t, base + j, step, attempt)
+            groups = await asyncio.gather(*(play.sample_group_or_none(t, base + j, step, attempt)
                                             for j, t in enumerate(tasks)))
             for g in groups:
                 if g is None:
@@ -259,6 +266,8 @@ class Orchestrator:
             # per sample, where its prompt ends (`launch report`'s trajectory view; a list: not a metric)
             "prompt_tokens": [len(s.prompt_ids) for s in samples], **segments.meta(samples),
         }
+        if self.workers is not None:
+            meta.update(self.workers.meta())
         if self.sampler.multi_turn:
             meta.update(multiturn.batch_metrics(samples))
         elif samples and all("gen_s" in s.info for s in samples):   # single-turn: one turn per episode
@@ -338,10 +347,34 @@ class Orchestrator:
         missing = self.missing(first, max_steps)
         return missing[0] if missing else None
 
+    @property
+    def rollouts(self):
+        """What plays the rollout groups: the rollout workers (orchestrator.rollout_workers > 0), else this
+        process's own sampler."""
+        return self.workers if self.workers is not None else self.sampler
+
+    async def start_workers(self, secret: str | None, timeout: float) -> None:
+        """orchestrator.rollout_workers > 0: start the rollout worker processes (rl.orchestrator.workers),
+        each with the servers' (or the router's) addresses, the secret and the tokenizer's directory."""
+        if not getattr(self.cfg.orchestrator, "rollout_workers", 0):
+            return   # episodes in this process, as ever (the workers' modules are not even imported)
+        from rl.orchestrator.workers import RolloutWorkers, rollout_workers
+        n = rollout_workers(self.cfg)
+        sp = self.sampler
+        self.workers = RolloutWorkers(sp, n, self.stop)
+        try:
+            await self.workers.start(
+                servers=[(c.url, secret) for c in sp.clients],
+                router=(sp.router_client.url, secret) if sp.router_client is not None else None,
+                tokenizer=str(exchange.step_dir(self.run_dir, paths.ASSETS, 0)), timeout=timeout)
+        except BaseException:
+            await self.workers.aclose()
+            raise
+
     def continuous_pool(self, first: int, max_steps: int, restart: int) -> ContinuousPool:
         """schedule=continuous: the pool plays groups on this orchestrator's sampler and hands each batch
         back to be finished (advantages, meta) and published here."""
-        return ContinuousPool(self.sampler, self.run_dir, first, max_steps, restart, stop=self.stop,
+        return ContinuousPool(self.rollouts, self.run_dir, first, max_steps, restart, stop=self.stop,
                               publish=lambda n, groups, meta, refs=None: self.publish_batch(
                                   n, self.finish_batch(n, groups, meta, refs)),
                               check=self.check_watcher)
@@ -368,6 +401,7 @@ class Orchestrator:
         sp.tracker = VersionTracker(min(s.version for s in servers))
         for c in sp.clients:
             await c.health()
+        await self.start_workers(secret, timeout)
         first = resume_state(self.run_dir).checkpoint_step or 0
         max_steps = cfg.trainer.max_steps
         log(ROLE, f"{len(servers)} server(s) on version {sp.tracker.version}; building batches "
@@ -392,6 +426,8 @@ class Orchestrator:
                 await watcher
             except (asyncio.CancelledError, Exception):
                 pass
+            if self.workers is not None:
+                await self.workers.aclose()
             for c in sp.clients + ([sp.router_client] if sp.router_client else []):
                 await c.aclose()
         return 0

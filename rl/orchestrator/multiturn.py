@@ -60,7 +60,7 @@ import numpy as np
 from rl.envs.base import call, chat_prompt_ids, default_turn_info, observation_messages
 from rl.contract.batch import Sample
 from rl.orchestrator import accounting
-from rl.orchestrator.rollout import Rollout, Turn
+from rl.orchestrator.rollout import EpisodeStats, Rollout, Turn
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
 
@@ -307,7 +307,9 @@ async def sample_group(sampler: Any, task: Any, group: int, step: int, attempt: 
 def batch_metrics(samples: list[Sample]) -> dict:
     """Per-turn numbers of a batch's rollouts, flat and numeric (they reach metrics.jsonl as
     `orchestrator/<key>` through the batch meta)."""
-    rs: list[Rollout] = [s.info["multiturn"] for s in samples if isinstance(s.info.get("multiturn"), Rollout)]
+    # a Rollout (played here) or its EpisodeStats (played by a rollout worker, rl/orchestrator/wire.py)
+    rs: list[EpisodeStats] = [r.stats() if isinstance(r, Rollout) else r for s in samples
+                              if isinstance(r := s.info.get("multiturn"), (Rollout, EpisodeStats))]
     for s in samples:
         s.info.pop("multiturn", None)  # the batch meta is JSON; keep the rollout object out of it
     if not rs:
@@ -320,7 +322,7 @@ def batch_metrics(samples: list[Sample]) -> dict:
     calls = sum(t.tool_calls for t in turns)
     errors = sum(t.tool_errors for t in turns)
     n_turns = [sum(not t.summary for t in r.turns) for r in rs]
-    lengths = [len(r.prompt_ids) + len(r.ids) for r in rs]
+    lengths = [r.tokens for r in rs]
     out = {
         "episodes": len(rs),
         "turns_per_episode": float(np.mean(n_turns)), "turns_per_episode_max": int(max(n_turns)),
@@ -330,7 +332,7 @@ def batch_metrics(samples: list[Sample]) -> dict:
         "tokens_per_turn": gen_tokens / max(len(turns), 1),
         "obs_tokens_per_turn": obs_tokens / max(len(turns), 1),
         "obs_tokens": obs_tokens,
-        "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in rs])),
+        "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in rs])),
         "episode_tokens_mean": float(np.mean(lengths)), "episode_tokens_max": int(max(lengths)),
         "tool_calls": calls, "tool_errors": errors,
         "tool_calls_per_turn": calls / max(len(turns), 1),

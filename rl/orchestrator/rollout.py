@@ -49,6 +49,20 @@ class Turn:
     summary: bool = False   # the policy's summary of its context (not an environment step)
 
 
+@dataclass(slots=True)
+class EpisodeStats:
+    """What the batch's per-turn metrics (multiturn.batch_metrics) read of a finished episode, without its
+    token arrays: a rollout worker sends this in the sample's info instead of the `Rollout` itself, whose
+    arrays the sample already carries (rl/orchestrator/wire.py)."""
+    turns: list
+    prompt_tokens: int
+    tokens: int          # prompt + completion, every segment's
+    segments: int
+    seconds: float
+    end_reason: str
+    env_metrics: dict
+
+
 class Rollout:
     """One episode, growing turn by turn, then finished: what the trainer needs plus what the metrics need.
 
@@ -132,6 +146,11 @@ class Rollout:
         start = self._np + self._n
         self.add_env(prompt_ids)
         self._segs.append((start, len(prompt_ids)))
+
+    def stats(self) -> EpisodeStats:
+        return EpisodeStats(turns=self.turns, prompt_tokens=self._np, tokens=self._np + self._n,
+                            segments=self.segments, seconds=self.seconds, end_reason=self.end_reason,
+                            env_metrics=self.env_metrics)
 
     def closed(self) -> tuple[int, int]:
         """(segments closed so far, their policy tokens): what a cancelled episode had already finished.

@@ -69,6 +69,7 @@ class Sampler:
         self.env_sem = slots.make(int(self.o.env_concurrency), order)
         self._bridge: multiturn.ChatBridge | None = None
         self._ids = itertools.count(1)   # request ids, unique across views (one tracker)
+        self.rid_prefix = "hetrl"        # a rollout worker's own (rl/orchestrator/worker.py): unique per server
 
     def view(self, max_concurrency: int, **sampling) -> "Sampler":
         """The same servers, tracker, gate and environment with other sampling settings (`sampling`
@@ -98,7 +99,7 @@ class Sampler:
         await self.gate.wait()
         if self.router_client is not None:  # generation goes through the router (inference.router)
             client = self.router_client
-        rid = f"hetrl-{next(self._ids)}"
+        rid = f"{self.rid_prefix}-{next(self._ids)}"
         self.tracker.start(rid)
         self.idle.enter()
         try:

@@ -17,7 +17,7 @@ from rl.contract import elastic
 from rl.contract.plan import Plan, PlanFormatError
 from rl.contract.records import ServerRecord
 from rl.contract.elastic import server_records as records
-from rl.inference.router import Router
+from rl.inference.proxy import Router
 from rl.inference.routing import RouterConfig
 
 

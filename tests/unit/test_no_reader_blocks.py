@@ -105,7 +105,7 @@ def _server_view(run):
 
 def _router_poll(run):
     """The router's discovery and /metrics poll in run-directory mode (its event loop)."""
-    from rl.inference.router import Router
+    from rl.inference.proxy import Router
     from rl.inference.routing import RouterConfig
 
     async def case():

@@ -150,9 +150,11 @@ def test_real_cluster_experiments_render_consistent_commands(overrides, tmp_path
     # the script asks Slurm for exactly the plan's nodes and GPUs, and starts every role
     script = render_script(plan, cfg)
     comps = script.split("#SBATCH hetjob")
-    assert len(comps) == 2
+    # the sandboxes on CPU nodes of their own (cluster.sandbox_nodes_auto: docs/sandboxes.md)
+    assert len(comps) == len(plan.groups) == 3 and plan.sandboxes.nodes > 0
     assert f"#SBATCH --nodes={cfg['trainer']['nodes']} " in comps[0]
     assert f"#SBATCH --nodes={cfg['inference']['nodes']} " in comps[1]
+    assert f"--nodes={plan.sandboxes.nodes} " in comps[2]
     assert f"--gpus-per-node={gpn}" in comps[1]
     for r in plan.roles:
         assert f"--het-group={r.het_group} --nodes={r.nodes} --ntasks={r.nodes} --relative={r.node}" in script
@@ -366,7 +368,7 @@ def test_sandbox_nodes_are_a_third_component_running_the_service(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "sandbox_3" in out.stdout and "rl.envs.swe.service" in out.stdout and "HOSTS_2" in out.stdout
     # without sandbox nodes: two components, no HOSTS_2; refused for an environment without sandboxes
-    _, two = plan_of(KIMI, tmp=str(tmp_path / "two"))
+    _, two = plan_of(KIMI + ["cluster.sandbox_nodes_auto=false"], tmp=str(tmp_path / "two"))
     assert len(two.groups) == 2 and two.sandboxes is None
     assert "HOSTS_2" not in render_script(two, cfg)
     with pytest.raises(ConfigError, match=r"^cluster.sandbox_nodes=1: sandbox nodes serve SWE sandboxes; "

@@ -145,7 +145,7 @@ def _server(run_dir, index: int, url: str) -> None:
 def test_the_router_polls_only_servers_whose_record_passes(run, listener, how):
     """A planted server_<i>.json got the run's secret on the router's first /metrics poll and its share
     of the generation; now it is absent, said once however often the router looks."""
-    from rl.inference.router import Router
+    from rl.inference.proxy import Router
     from rl.inference.routing import RouterConfig
     secret = read_secret(run)
     good, bad = listener(), listener()

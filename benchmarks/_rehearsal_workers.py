@@ -1,0 +1,126 @@
+"""Rollout workers in benchmarks/seed_rehearsal.py (`--workers N`, issue 50): start the orchestrator with
+N rollout worker processes, measure each process's CPU from /proc, and extrapolate to the seed.
+
+Measured: the centre's CPU as before (all of it after start-up, over the batches) and each worker's the
+same way: its CPU (/proc/<pid>/stat utime + stime) when the last batch appeared, less its own start-up
+(the CPU seconds it reports when ready: imports, tokenizer, environment), over the batches. A worker
+restarted mid-run counts each of its pids.
+
+Extrapolated to the seed with the scaling the rehearsal uses for the orchestrator's CPU, linear in tokens
+per step (seed tokens / rehearsal tokens, at the rehearsal's turns per episode), for the centre and for
+the workers' sum; the busiest worker at the seed is that sum over the seed's worker count
+(`--seed-workers`, default 16: one per 128 episodes in flight, as the seed's own recipe runs its 2048
+episodes in 16 environment-server workers) times the imbalance measured here (busiest / mean).
+`cpu_sum_vs_one_process` is CPU per generated batch token of centre + workers over that of one process
+(a run with rollout_workers = 0 of the same size in the same invocation, or `--baseline-cpu-per-token`).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# the orchestrator with orchestrator.rollout_workers set, while the config schema has no such key yet
+WRAPPED = """
+import runpy, sys
+from omegaconf import OmegaConf, open_dict
+import rl.runtime as rt
+_load = rt.load_config
+def load_config(run_dir):
+    cfg = _load(run_dir)
+    OmegaConf.set_readonly(cfg, False)
+    with open_dict(cfg):
+        cfg.orchestrator.rollout_workers = {n}
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+rt.load_config = load_config
+sys.argv[0] = {module!r}
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+READY = re.compile(r"rollout-worker-\d+\] ready \(pid (\d+), start-up ([0-9.]+) CPU s\)")
+
+
+def schema_has_key() -> bool:
+    from rl.contract.config import OrchestratorConfig
+    return "rollout_workers" in getattr(OrchestratorConfig, "__dataclass_fields__", {})
+
+
+def overrides(n: int) -> list[str]:
+    return [f"orchestrator.rollout_workers={n}"] if n and schema_has_key() else []
+
+
+def command(cmd: list[str], n: int) -> list[str]:
+    """The orchestrator's command, wrapped to set rollout_workers when the schema cannot say it."""
+    if not n or schema_has_key() or cmd[1:2] != ["-m"]:
+        return cmd
+    return [cmd[0], "-c", WRAPPED.format(n=int(n), module=cmd[2]), *cmd[3:]]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(set(out))
+
+
+def cpu(pid: int) -> float | None:
+    import os
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        f = stat[stat.rindex(")") + 2:].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def sample(orch_pid: int) -> dict[int, float]:
+    """{worker pid: CPU s} of the orchestrator's live children now."""
+    return {p: c for p in children(orch_pid) if (c := cpu(p)) is not None}
+
+
+def startup(log: Path) -> dict[int, float]:
+    """{worker pid: start-up CPU s} from the workers' ready lines in the orchestrator's log."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return {int(m[1]): float(m[2]) for m in READY.finditer(text)}
+
+
+def measure(t: dict, n_steps: int) -> dict:
+    """Per batch: each worker's CPU (at the last batch, less its start-up) and the busiest."""
+    last = t["steps"][max(t["steps"])].get("workers", {})
+    start = t.get("worker_startup", {})
+    per = {p: (c - start.get(p, 0.0)) / n_steps for p, c in last.items()}
+    return {"per_worker": per, "sum": sum(per.values()), "busiest": max(per.values(), default=0.0),
+            "mean": sum(per.values()) / max(len(per), 1)}
+
+
+def keys(central_cpu: float, t: dict, n_steps: int, tokens: float, seed_tokens: float, seed_workers: int,
+         baseline_per_token: float | None) -> dict:
+    """The last line's rollout-side keys (see the module docstring for the scaling)."""
+    scale = seed_tokens / tokens
+    w = measure(t, n_steps) if t.get("workers_n") else {"sum": 0.0, "busiest": 0.0, "mean": 0.0}
+    if t.get("workers_n"):
+        imbalance = w["busiest"] / max(w["mean"], 1e-9)
+        busiest = w["sum"] * scale / seed_workers * imbalance
+    else:   # one process does everything
+        busiest = central_cpu * scale
+    per_token = (central_cpu + w["sum"]) / tokens
+    return {"rollout_workers": int(t.get("workers_n", 0)), "seed_rollout_workers": seed_workers if t.get("workers_n") else 0,
+            "seed_busiest_rollout_cpu_s": busiest, "seed_central_cpu_s": central_cpu * scale,
+            "central_cpu_s_per_step": central_cpu, "workers_cpu_s_per_step": w["sum"],
+            "busiest_worker_cpu_s_per_step": w["busiest"], "cpu_per_token_us": per_token * 1e6,
+            "cpu_sum_vs_one_process": per_token / baseline_per_token if baseline_per_token else float("nan")}
+
+
+def one_process_per_token(t: dict) -> float:
+    """A rollout_workers = 0 run's CPU per batch token: all its CPU after start-up over its batches (as
+    the report counts the orchestrator's), over the median tokens of a batch."""
+    import statistics
+    from rl import exchange
+    from rl.contract.batch import RolloutBatch
+    steps = sorted(t["steps"])
+    cpu = (t["steps"][steps[-1]]["cpu"] - t["base"]["cpu"] - t["startup_cpu"]) / len(steps)
+    tokens = statistics.median(len(RolloutBatch.load(exchange.step_dir(t["run_dir"], "rollouts", n)).tokens)
+                               for n in steps)
+    return cpu / tokens
