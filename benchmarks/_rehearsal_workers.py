@@ -19,40 +19,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# the orchestrator with orchestrator.rollout_workers set, while the config schema has no such key yet
-WRAPPED = """
-import runpy, sys
-from omegaconf import OmegaConf, open_dict
-import rl.runtime as rt
-_load = rt.load_config
-def load_config(run_dir):
-    cfg = _load(run_dir)
-    OmegaConf.set_readonly(cfg, False)
-    with open_dict(cfg):
-        cfg.orchestrator.rollout_workers = {n}
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
-rt.load_config = load_config
-sys.argv[0] = {module!r}
-runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
-"""
 READY = re.compile(r"rollout-worker-\d+\] ready \(pid (\d+), start-up ([0-9.]+) CPU s\)")
 
 
-def schema_has_key() -> bool:
-    from rl.contract.config import OrchestratorConfig
-    return "rollout_workers" in getattr(OrchestratorConfig, "__dataclass_fields__", {})
-
-
 def overrides(n: int) -> list[str]:
-    return [f"orchestrator.rollout_workers={n}"] if n and schema_has_key() else []
-
-
-def command(cmd: list[str], n: int) -> list[str]:
-    """The orchestrator's command, wrapped to set rollout_workers when the schema cannot say it."""
-    if not n or schema_has_key() or cmd[1:2] != ["-m"]:
-        return cmd
-    return [cmd[0], "-c", WRAPPED.format(n=int(n), module=cmd[2]), *cmd[3:]]
+    return [f"orchestrator.rollout_workers={n}"] if n else []
 
 
 def children(pid: int) -> list[int]:

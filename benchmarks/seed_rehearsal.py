@@ -330,7 +330,6 @@ def run(a, work: Path, replay_rates: bool = True) -> dict:
         if getattr(a, "tracemalloc", None) and cmd[1:2] == ["-m"]:   # under tracemalloc: what Python holds
             cmd = [cmd[0], "-X", "tracemalloc=1", "-c", TRACED.format(out=str(Path(a.tracemalloc).absolute()),
                                                                         module=cmd[2]), *cmd[3:]]
-        cmd = W.command(cmd, getattr(a, "workers", 0))
         orch = procs.start("orchestrator", cmd, {**env, **role_env})
         # its base: imported and waiting for the servers (no episode yet); RSS steady over 1.5 s
         last, steady, t0 = -1, 0, time.monotonic()
