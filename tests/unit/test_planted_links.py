@@ -77,6 +77,10 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     # the sandboxes (rl/envs/swe): their own trees, roots, caches and cgroups, never the run directory
     ("rl/envs/swe/_sandbox_init.py", "_bind", "os.open"): SANDBOX_ROOT + " (a bind mount's target file)",
     ("rl/envs/swe/_sandbox_init.py", "_dirs", "os.mkdir"): SANDBOX_ROOT,
+    ("rl/envs/swe/_pytest_plugin.py", "pytest_configure", "open"): SANDBOX_ROOT + " (the results file, in the sandbox's tree)",
+    ("rl/envs/swe/_pytest_plugin.py", "_install", "open"): SANDBOX_ROOT + " (dist-info files in its private /tmp; a generated _version.py in its tree)",
+    ("rl/envs/swe/_pytest_plugin.py", "_install", "os.mkdir"): SANDBOX_ROOT + " (the dist-info directory in its private /tmp)",
+    ("rl/envs/swe/_pytest_plugin.py", "_install", "os.makedirs"): SANDBOX_ROOT + " (parents of a generated version file in its tree)",
     ("rl/envs/swe/_sandbox_init.py", "_place", "os.symlink"): SANDBOX_ROOT + " (an allowlisted host link, recreated)",
     ("rl/envs/swe/_sandbox_init.py", "setup_filesystem", "os.mkdir"): SANDBOX_ROOT + " (/dev/shm of its private /dev)",
     ("rl/envs/swe/_sandbox_init.py", "setup_filesystem", "os.open"): SANDBOX_ROOT + " (device bind targets in its /dev)",

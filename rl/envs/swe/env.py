@@ -31,7 +31,7 @@ from typing import Any
 
 from rl.envs.swe.datasets import needs_container, playable
 from rl.envs.swe.sandbox import Limits
-from rl.envs.swe.grader import grade, run_tests_roots
+from rl.envs.swe.grader import grade, run_tests_install, run_tests_roots
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
 from rl.envs.swe.datasets import load_tasks
 from rl.envs.swe.tasks import Task, check_task, open_sandbox
@@ -94,13 +94,15 @@ class Episode:
         else:
             self.sandbox = open_sandbox(task, config.limits, config.runtime)
             self.tools = Tools(self.sandbox, output_chars=config.output_chars,
-                               timeout_s=config.tool_timeout_s, roots=run_tests_roots(task, config.runtime))
+                               timeout_s=config.tool_timeout_s, roots=run_tests_roots(task, config.runtime),
+                               install=run_tests_install(task, config.runtime))
         self._remote = sandboxes is not None
         self.turns = 0
         self.done = False
         self.end_reason: str | None = None
         self.t0 = time.monotonic()
         self._reward: float | None = None
+        self.grading_error = ""  # why the grade cannot be trusted, "" when it can (Grade.grading_error)
 
     def __enter__(self):
         return self
@@ -152,17 +154,19 @@ class Episode:
         """The hidden-test reward of the tree (grader.grade; partial credit per the config); graded once."""
         if self._reward is None:
             if self._remote:
-                self._reward = self.sandbox.grade().reward
+                g = self.sandbox.grade()
             else:
-                self._reward = grade(self.task, self.sandbox.tree, limits=self.config.grade_limits(),
-                                     timeout_s=self.config.grade_timeout_s,
-                                     partial_credit=self.config.partial_credit,
-                                     runtime=self.config.runtime).reward
+                g = grade(self.task, self.sandbox.tree, limits=self.config.grade_limits(),
+                          timeout_s=self.config.grade_timeout_s, partial_credit=self.config.partial_credit,
+                          runtime=self.config.runtime)
+            self._reward, self.grading_error = g.reward, g.grading_error
         return self._reward
 
     def metrics(self) -> dict:
+        # grading_errors: 1 when the grade could not be trusted (its reason: self.grading_error)
         return {"turns": self.turns, "end_reason": self.end_reason or "open",
-                "seconds": time.monotonic() - self.t0, "reward": self._reward}
+                "seconds": time.monotonic() - self.t0, "reward": self._reward,
+                "grading_errors": int(bool(self.grading_error))}
 
     def close(self):
         self.sandbox.close()

@@ -9,7 +9,8 @@ never modified):
 2. What the agent may not shape is put back as the starting tree has it, byte for byte (every file is
    read and written as bytes, whatever its encoding; executable bits kept):
    - every path test_patch touches (both sides of a rename; test files and data files alike), and the
-     test file of every graded test id (FAIL_TO_PASS + PASS_TO_PASS);
+     test file of every graded test id (FAIL_TO_PASS + PASS_TO_PASS), test files only: the module of a
+     doctest id (`pkg/mod.py::pkg.mod.f`) is the code under test, never reset;
    - the repository's conftest.py files: each one in the starting tree or in test_patch is reset, any
      other conftest.py in the copy (planted by the agent) is removed;
    - pytest's config files (pytest.ini, .pytest.ini, pyproject.toml, tox.ini, setup.cfg) in the root and
@@ -35,8 +36,12 @@ never modified):
    copy of the same package installed on the node cannot shadow the agent's edits. Under image
    runtimes with the row's own test command (SWE-rebench `install_config`), that command runs instead:
    the image has the package installed from its tree.
-5. The log is parsed (the row's parser, told the graded ids so that an id with spaces, brackets or
-   " - " inside is matched whole) and scored (grading.swebench_reward).
+   Before pytest starts, the tree is installed in the sandbox (rl/envs/swe/install.py: its metadata as
+   a dist-info in the sandbox's /tmp, generated version files; none under image runtimes).
+5. Outcomes are what pytest recorded (rl/envs/swe/pytest_report.py: our plugin's results file, subtests
+   included), scored by grading.swebench_reward; the row's own test command under image runtimes is
+   read by its log parser instead. A grading that cannot be trusted (pytest never started, none of
+   the graded tests ran, ids found nowhere) carries its reason in `Grade.grading_error`.
 
 R2E-Gym rows are graded against their expected output, as before.
 
@@ -46,6 +51,7 @@ in the task's image, a pristine sandbox of that image opened on first use.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import stat
@@ -53,7 +59,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rl.envs.swe import patches, testrun, trees
+from rl.envs.swe import install, patches, pytest_report, testrun, trees
 from rl.envs.swe.grading import Grade, expected_output_reward, parse_r2e, parser, swebench_reward
 from rl.envs.swe.sandbox import Limits
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
@@ -279,6 +285,15 @@ def task_roots(task: Task) -> list[str] | None:
     return source_roots(git_tree(task.repo_dir, task.base_commit))
 
 
+def run_tests_install(task: Task, runtime: dict | None) -> dict | None:
+    """The install spec of the agent's run_tests (install.spec of the starting tree, as grading uses);
+    None under image runtimes and for trees in an image."""
+    if (runtime or {}).get("name") in IMAGE_RUNTIMES or not (task.files or task.repo_dir):
+        return None
+    base = snapshot_tree(task.files) if task.files else git_tree(task.repo_dir, task.base_commit)
+    return install.spec(task, base)[0]
+
+
 def run_tests_roots(task: Task, runtime: dict | None) -> list[str] | None:
     """PYTHONPATH roots of the agent's run_tests tool: the grader's own (task_roots), none under image
     runtimes (the image has the package installed from its tree)."""
@@ -360,12 +375,17 @@ def _grade_in(task: Task, sb, base: BaseTree, extra_patch, timeout_s, partial_cr
         r = patches.apply(sb, extra_patch, timeout_s)
         if not r.ok:
             raise ValueError(f"{task.instance_id}: patch does not apply: {r.output}")
+    image = rt_name in IMAGE_RUNTIMES
+    inst, install_s = (None, 0.0) if image else install.spec(task, base)
     if task.format == "r2e_gym":  # the hidden tests are in the image; here, the repository's own
         if task.image and task.test_cmd:
             r = sb.run(["bash", "-c", task.test_cmd], timeout_s=timeout_s)
+            status = parse_r2e(r.stdout)
         else:
-            r = testrun.run(sb, [], None if rt_name in IMAGE_RUNTIMES else source_roots(base), timeout_s)
-        return expected_output_reward(parse_r2e(r.stdout), task.expected_output or {},
+            r, rep = testrun.run(sb, [], None if image else source_roots(base), timeout_s, inst)
+            status = {".".join(k.split("::")[1:]): v for k, v in rep.outcomes.items()
+                      if "::" in k and v in ("PASSED", "FAILED", "ERROR")}
+        return expected_output_reward(status, task.expected_output or {},
                                       partial_credit=partial_credit, output=r.stdout + r.stderr)
     tp = patches.changes(task.test_patch)
     tp_paths = list(dict.fromkeys(p for c in tp for p in c.paths))
@@ -379,22 +399,30 @@ def _grade_in(task: Task, sb, base: BaseTree, extra_patch, timeout_s, partial_cr
             graded_files.append(f)
     graded_files = list(dict.fromkeys(graded_files))
     roots = source_roots(base)
-    _protect(sb.tree, base, task, tp_paths, graded_files, roots)
+    # a doctest id in a source module names the code under test, not a test file: never reset to base
+    protected = list(dict.fromkeys(test_file(t) for t in task.graded if test_file(t) in graded_files
+                                   and not pytest_report.is_doctest(t)))
+    _protect(sb.tree, base, task, tp_paths, protected, roots)
     if task.test_patch:
         r = patches.apply(sb, task.test_patch, timeout_s)
         if not r.ok:
             raise ValueError(f"{task.instance_id}: test_patch does not apply: {r.output}")
     files = targets(sb.tree, task, graded_files, tp)
     known = list(dict.fromkeys(task.graded))
-    if task.image and task.test_cmd and rt_name in IMAGE_RUNTIMES:  # the row's own command (SWE-rebench)
+    error = ""
+    if task.image and task.test_cmd and image:  # the row's own command (SWE-rebench): its log parser
         r = sb.run(["bash", "-c", " ".join([task.test_cmd, *map(shlex.quote, files)])], timeout_s=timeout_s)
         outcomes = _parse(task.log_parser, r.stdout, known)
-    else:  # the same run as the agent's run_tests tool, on these files
-        r = testrun.run(sb, files, None if rt_name in IMAGE_RUNTIMES else roots, timeout_s)
-        outcomes = _parse("pytest", r.stdout, known)
+    else:  # the same run as the agent's run_tests tool, on these files: what pytest recorded
+        r, rep = testrun.run(sb, files, None if image else roots, timeout_s, inst)
+        outcomes = pytest_report.with_collect_errors(rep, known)
+        error = pytest_report.grading_error(rep, known, r.stdout + r.stderr, r.timed_out)
     output = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
-    return swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass, partial_credit=partial_credit,
-                           output=output)
+    if error:
+        output += f"\n[grading error: {error}]"
+    g = swebench_reward(outcomes, task.fail_to_pass, task.pass_to_pass, partial_credit=partial_credit,
+                        output=output)
+    return dataclasses.replace(g, grading_error=error, install_s=install_s)
 
 
 def _parse(name: str, log: str, known: list[str]) -> dict[str, str]:

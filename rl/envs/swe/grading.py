@@ -156,10 +156,15 @@ def parser(name: str):
 
 @dataclass(frozen=True)
 class Grade:
+    """`grading_error`: why the grade cannot be trusted ("" when it can): pytest never started, none of
+    the graded tests ran, graded ids found nowhere (pytest_report.grading_error); the reward stands as
+    computed (0 for what did not run). `install_s`: seconds spent installing the tree's metadata."""
     reward: float
     passed: list[str]
     failed: list[str]
     output: str
+    grading_error: str = ""
+    install_s: float = 0.0
 
 
 def swebench_reward(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str], *,

@@ -62,7 +62,7 @@ from rl.contract.records import SandboxServiceRecord
 from rl.contract.secret import SecretError, read_secret
 from rl.envs.swe import trees
 from rl.envs.swe.sandbox import SandboxError
-from rl.envs.swe.grader import grade, run_tests_roots
+from rl.envs.swe.grader import grade, run_tests_install, run_tests_roots
 from rl.envs.swe.tools import Tools
 
 # Blocking sandbox work runs in threads: one per command in flight, so many episodes' commands overlap.
@@ -85,7 +85,8 @@ class Served:
             return run(*a, **kw)
         rt.run = counted
         self.tools = Tools(rt, output_chars=config.output_chars, timeout_s=config.tool_timeout_s,
-                           roots=run_tests_roots(task, config.runtime))
+                           roots=run_tests_roots(task, config.runtime),
+                           install=run_tests_install(task, config.runtime))
 
 
 class Service:

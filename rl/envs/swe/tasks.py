@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.contract.sandbox_runtimes import IMAGE_RUNTIMES
-from rl.envs.swe import patches, repos, testrun
-from rl.envs.swe.grading import parse_pytest
+from rl.envs.swe import patches, pytest_report, repos, testrun
+from rl.envs.swe.grading import _ANSI
 from rl.envs.swe.runtimes import Runtime, open_runtime
 from rl.envs.swe.sandbox import Limits
 
@@ -313,17 +313,18 @@ def apply_patch(sb: Runtime, diff: str, timeout_s: float = 30):
     return sb.run(PATCH, timeout_s=timeout_s, input=diff)
 
 
-def run_pytest(sb: Runtime, targets: list[str], timeout_s: float,
-               roots: list[str] | None | str = "tree") -> tuple[dict[str, str], str]:
+def run_pytest(sb: Runtime, targets: list[str], timeout_s: float, roots: list[str] | None | str = "tree",
+               install: dict | None = None) -> tuple[dict[str, str], str]:
     """Run the repository's tests on targets in the sandbox, as the grader runs them (testrun.run);
-    returns ({test id: outcome}, combined output). `roots`: the source roots to put on PYTHONPATH
+    returns ({test id: outcome} as pytest recorded it, output with those outcomes summed up last). `roots`: the source roots to put on PYTHONPATH
     (grader.task_roots of the task), "tree" to read them from the sandbox's tree, None for none (image
     runtimes)."""
     if roots == "tree":
         roots = testrun.tree_roots(sb.tree)
-    r = testrun.run(sb, list(targets), roots, timeout_s)
-    out = r.stdout + r.stderr + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
-    return parse_pytest(r.stdout), out
+    r, rep = testrun.run(sb, list(targets), roots, timeout_s, install)
+    out = _ANSI.sub("", r.stdout + r.stderr) + (f"\n[timed out after {timeout_s:.0f}s]" if r.timed_out else "")
+    # the outcomes the grader would use (pytest's structured report), last: what the agent reads
+    return rep.outcomes, out.rstrip("\n") + "\n" + pytest_report.summary(rep)
 
 
 def open_sandbox(task: Task, limits: Limits = Limits(), runtime: dict | None = None,

@@ -6,8 +6,9 @@ one the repository's developers and SWE-bench's harness make: `python -m pytest`
 the repository's own configuration (conftest.py files, ini/toml options, `addopts` with its markers and
 `-p` plugins, `filterwarnings`) and the pytest plugins the task's environment has installed, loaded by
 their entry points as plain pytest loads them. What we add only changes how results are printed, never
-what passes: `-rA` (a summary line per test, which grading.parse_pytest reads), `-q`, `--tb=short`,
-`--no-header`. There is no `-W ignore` (a fix that adds a warning fails under `filterwarnings = error`,
+what passes: `-rA`, `-q`, `--tb=short`, `--no-header`, and our own plugin (`-p _hetrl_report`,
+rl/envs/swe/pytest_report.py), whose structured report gives each test's outcome, whatever the
+repository's colour, verbosity or capture options; the terminal text is only for reading. There is no `-W ignore` (a fix that adds a warning fails under `filterwarnings = error`,
 as it does upstream), no `-o addopts=` (`-m 'not stress'` keeps stress tests out), no
 `-p no:cacheprovider` (an `addopts` with `--lf` or `--sw` needs it), no `--noconftest`.
 
@@ -58,9 +59,15 @@ def env(roots: list[str] | None) -> dict[str, str]:
     return {} if roots is None else {"PYTHONPATH": os.pathsep.join(r or "." for r in roots)}
 
 
-def run(sb, targets: list[str], roots: list[str] | None, timeout_s: float):
-    """Run the repository's tests on `targets` in sandbox `sb`; the runtime's Result."""
-    return sb.run(argv(targets), timeout_s=timeout_s, env=env(roots))
+def run(sb, targets: list[str], roots: list[str] | None, timeout_s: float, install: dict | None = None):
+    """Run the repository's tests on `targets` in sandbox `sb`: (the runtime's Result, the
+    pytest_report.Report of what pytest recorded). `install`: the tree's install spec (install.py), None
+    for none (image runtimes: the image installed the package)."""
+    from rl.envs.swe import pytest_report
+    rel = pytest_report.report_name()
+    cmd, environ = pytest_report.command(targets, roots, install, rel)
+    r = sb.run(cmd, timeout_s=timeout_s, env=environ)
+    return r, pytest_report.collect(sb, rel)
 
 
 # -- where the tree's code is ------------------------------------------------------------------------

@@ -83,8 +83,10 @@ class Tools:
     turns true after `submit`."""
 
     def __init__(self, sandbox: Runtime, *, output_chars: int = 4000, timeout_s: float = 60,
-                 max_file_chars: int = 200_000, roots: list[str] | None | str = "tree"):
+                 max_file_chars: int = 200_000, roots: list[str] | None | str = "tree",
+                 install: dict | None = None):
         self.sb = sandbox
+        self.install = install  # the tree's install spec (grader.run_tests_install), as grading uses
         # PYTHONPATH of run_tests: the task's source roots (grader.task_roots), "tree" to read them
         # from the tree when no task says, None under image runtimes (the image installed the package)
         self.roots = roots
@@ -194,7 +196,7 @@ class Tools:
             self._resolve(p.split("::", 1)[0])  # inside the tree, never an option
             if p.startswith("-"):
                 return f"error: path {p[:80]!r} starts with '-'"
-        _, out = run_pytest(self.sb, paths, timeout, self.roots)
+        _, out = run_pytest(self.sb, paths, timeout, self.roots, self.install)
         return self._truncate(out.strip(), keep="tail")
 
     def submit(self) -> str:
