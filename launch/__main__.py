@@ -363,7 +363,9 @@ def main(argv=None) -> int:
                            help="workload: rollout_tokens, decode_tokens, turns, env_s")
             s.add_argument("--metrics", metavar="METRICS_JSONL", help="workload from a finished run's metrics.jsonl")
             s.add_argument("--calibrate", metavar="RUN_DIR", help="predict steps/h from a finished pilot run's "
-                           "measured trainer, token and tool times (launch/calibrate.py)")
+                           "measured trainer, token and tool times (launch/calibrate.py); the pilot is checked "
+                           "first (one line naming file, line and key) and the simulations bounded: 5,000,000 "
+                           "events each, 300 s in all, progress on stderr")
             s.add_argument("--search", action="store_true",
                            help="rank trainer/prefill/decode splits and trainer layouts of the same total nodes")
     s = sub.add_parser("resume", **_texts("resume"))

@@ -27,18 +27,34 @@ simulator's own error, measured out of sample (MODEL_ERROR): a trainer-bound pil
 narrower than the simulator's few per cent. Single-turn pilots are read as one turn per episode. The trainer and the servers of the target are the pilot's when the
 model, trainer and inference groups are equal; otherwise the measured times are scaled by launch.perf's
 ratio of the two configurations' predictions (its coefficients calibrated by the pilot).
+
+Why the pilot is checked and the work bounded: the pilot may be a teammate's run or a damaged one, and
+its numbers become simulated durations and counts. Its files are read as foreign data (safefs, `foreign`:
+not refused for another owner, never through a link, never blocking on a FIFO), and every value used is
+checked first (launch.sim_inputs.checked_rows: finite numbers within stated bounds, times and steps
+never going back, spans that add up; one line naming the file, line and key, exit status 2), because
+times going backwards, 1e12 turns or negative token counts made simulations that never ended and a NaN
+or a string a traceback. The simulations themselves are bounded (`Budget`): MAX_SIM_EVENTS events each,
+MAX_WALL_S seconds of wall time for all of them, a progress line on stderr every PROGRESS_S seconds once
+it runs that long, and a one-line stop naming the bound. A pilot of another environment or model family
+than the target is warned about on stderr (`kind_warning`): its times are then an extrapolation.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import stat
 import statistics
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from launch import perf
-from launch.simulate import SimConfig, lognormal_sigma, read_jsonl, simulate
+from launch.sim_inputs import MAX_TURNS, PilotError, checked_rows
+from launch.simulate import SimConfig, Simulation, SimulationBound, lognormal_sigma
 from launch.simulate import lognormal_source as _lognormal_source
+from rl.contract import safefs
 from rl.contract.config import ConfigError, typed
 
 # (favourable, unfavourable) ends of each coefficient; the assumed value is launch.perf's. mfu is a factor
@@ -113,6 +129,58 @@ def _pct(xs: list, q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))] if s else 0.0
 
 
+MAX_PILOT_BYTES = 256 << 20    # a pilot's metrics.jsonl: a few kB a step; beyond this it is not a pilot
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_foreign(path: Path, limit: int) -> bytes:
+    """A pilot's file: maybe a teammate's run, so not owned by this user (safefs's owner check skipped:
+    the bytes are validated instead), but never through a link and never blocking on a FIFO."""
+    try:
+        return safefs.read_bytes(path, limit, foreign=True)
+    except safefs.UnsafePath as e:
+        raise ConfigError(f"--calibrate: {e}") from None
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return safefs.lstat(path) is not None
+    except safefs.UnsafePath as e:   # a link on the way to it
+        raise ConfigError(f"--calibrate: {e}") from None
+
+
+def _pilot_rows(run_dir, path: Path) -> list[tuple[int, dict]]:
+    """The pilot's timed metrics.jsonl rows, checked (launch.sim_inputs.checked_rows)."""
+    if not _exists(path):
+        raise ConfigError(f"--calibrate {run_dir}: no metrics.jsonl (not a finished run's directory?)")
+    try:
+        return checked_rows(path, _read_foreign(path, MAX_PILOT_BYTES))
+    except PilotError as e:
+        raise ConfigError(f"--calibrate {run_dir}: {e}") from None
+
+
+def pilot_config(run_dir):
+    """The pilot's config.yaml on the schema (None without one), read as foreign data (`_read_foreign`);
+    one line naming the file when it is not a config."""
+    from omegaconf import OmegaConf
+
+    from rl.contract.config import one_line, structured
+    p = Path(run_dir) / "config.yaml"
+    if not _exists(p):
+        return None
+    text = _read_foreign(p, MAX_CONFIG_BYTES)
+    try:
+        raw = OmegaConf.create(text.decode())
+        if not isinstance(raw, type(OmegaConf.create({}))):
+            raise ValueError(f"a YAML {type(OmegaConf.to_container(raw)).__name__}, not a mapping")
+        cfg = structured(OmegaConf.to_container(raw))
+        typed(cfg)
+    except Exception as e:  # noqa: BLE001 - YAML, schema or type errors of someone else's file: one line
+        raise ConfigError(f"--calibrate {run_dir}: {p}: not a run's config ({one_line(e)[:300]})") from None
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
 @dataclass
 class Pilot:
     """What a finished run measured (see the module docstring); seconds per step and per token as
@@ -137,17 +205,18 @@ class Pilot:
         time-averaged number of them exceeds orchestrator.max_concurrency / env_concurrency, that share
         is queueing (launch.simulate models the slots itself)."""
         path = Path(run_dir) / "metrics.jsonl"
-        if not path.is_file():
-            raise ConfigError(f"--calibrate {run_dir}: no metrics.jsonl (not a finished run's directory?)")
-        rows = [r for r in read_jsonl(path) if "time" in r]
+        rows = [r for _, r in _pilot_rows(run_dir, path)]
         if len(rows) < 3:
             raise ConfigError(f"--calibrate {run_dir}: {len(rows)} trainer step(s) in metrics.jsonl; need 3 or more")
+        if rows[-1]["time"] <= rows[0]["time"]:
+            raise ConfigError(f"--calibrate {run_dir}: {path}: its {len(rows)} steps all have time="
+                              f"{rows[0]['time']!r}: no span to measure steps/h over")
         o = [r for r in rows if "orchestrator/turn_gen_s" in r]
         if not o:
             raise ConfigError(f"--calibrate {run_dir}: no orchestrator/turn_gen_s in metrics.jsonl (the per-turn "
                               f"generation seconds calibrate reads; a run older than single-turn rollouts' gen_s?)")
         if all("wait_s" in r for r in rows[1:]):   # busy = between two steps, less the wait for the batch
-            busy = [b["time"] - a["time"] - b["wait_s"] for a, b in zip(rows, rows[1:])]
+            busy = [max(b["time"] - a["time"] - b["wait_s"], 0.0) for a, b in zip(rows, rows[1:])]
         else:
             busy = [r["step_time_s"] + r.get("publish_s", 0.0) for r in rows if "step_time_s" in r]
         if not busy:
@@ -166,6 +235,10 @@ class Pilot:
                   if any(f"orchestrator/started_episode_tokens_{q}" in r for r in o) else 0.0 for q in ("mean", "p90"))
         sm, sp = (statistics.fmean(g(r, f"started_episode_s_{q}") for r in o if f"orchestrator/started_episode_s_{q}" in r)
                   if any(f"orchestrator/started_episode_s_{q}" in r for r in o) else 0.0 for q in ("mean", "p90"))
+        if gen_s <= 0 or tokens <= 0:
+            raise ConfigError(f"--calibrate {run_dir}: {path}: no generation measured (orchestrator/turn_gen_s "
+                              f"or tokens_per_turn x turns_total is 0 in every step): nothing to calibrate the "
+                              f"servers on")
         turns_mean = turns / max(episodes, 1.0)
         q_gen = q_env = 1.0
         if pilot_cfg is not None:
@@ -192,12 +265,14 @@ class Pilot:
 
 
 def pilot_source_of(p: Pilot, group_size: int, seed: int = 0):
-    """Episodes drawn like the pilot's: 1 + (turns - 1) x lognormal turns, lognormal tool seconds."""
+    """Episodes drawn like the pilot's: 1 + (turns - 1) x lognormal turns, lognormal tool seconds; an
+    episode is cut at MAX_TURNS turns (the pilot's mean is at most that; a far draw of the tail would
+    otherwise be millions of simulated turns, where a real run stops at env.max_turns)."""
     med_turns = 1 + (p.turns_mean - 1) * math.exp(-p.turns_sigma ** 2 / 2)   # mean of 1 + m e^(s Z) is the pilot's
     med_env = p.env_s * math.exp(-p.env_sigma ** 2 / 2)
     return _lognormal_source(group_size, turns_median=med_turns, turns_sigma=p.turns_sigma,
                              tokens_per_turn=max(1, round(p.tokens_per_turn)), env_median_s=med_env,
-                             env_sigma=p.env_sigma, seed=seed)
+                             env_sigma=p.env_sigma, max_turns=MAX_TURNS, seed=seed)
 
 
 # The simulator's own error out of sample, a relative factor on steps/h: what neither the pilot's
@@ -209,6 +284,54 @@ def pilot_source_of(p: Pilot, group_size: int, seed: int = 0):
 # held 12 of 12), rounded up.
 MODEL_ERROR = 0.13
 KNEES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # candidate decode knees (sequences); 0: flat
+
+
+# The work of one `--calibrate` (a few dozen simulations: the pilot's fit, then the target's range) is
+# bounded: each simulation by its events, all of them together by the wall clock, with a progress line
+# on stderr every PROGRESS_S seconds once it runs that long. A pilot far from its target (a debug run
+# carried to Kimi: trainer times x1.4e7) used to simulate for 17 minutes without a word, then end in a
+# traceback; launch.simulate now skips the pool's idle looks, and what still runs past a bound stops with
+# one line naming it.
+MAX_SIM_EVENTS = 5_000_000   # events of one simulation (the CI pilots' largest takes ~10^4)
+MAX_WALL_S = 300.0           # wall seconds of all of --calibrate's simulations together
+PROGRESS_S = 2.0             # wall seconds between two progress lines on stderr
+
+
+class Budget:
+    """Runs the simulations of one calibration within MAX_SIM_EVENTS each and MAX_WALL_S in all (or the
+    given bounds), printing progress to `err` every PROGRESS_S seconds; ConfigError, one line naming the
+    bound and what was being simulated, when one is hit."""
+
+    def __init__(self, max_events: int = MAX_SIM_EVENTS, wall_s: float = MAX_WALL_S, err=None,
+                 progress_s: float = PROGRESS_S):
+        self.max_events, self.wall_s, self.progress_s = max_events, wall_s, progress_s
+        self.err = err if err is not None else sys.stderr
+        self.start = self.said = time.monotonic()
+        self.runs = 0
+
+    def _say(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.said >= self.progress_s:
+            print(f"calibrate: {text} ({now - self.start:.0f} s)", file=self.err, flush=True)
+            self.said = now
+
+    def run(self, cfg: SimConfig, source, what: str):
+        self.runs += 1
+        self._say(f"simulation {self.runs}: {what}")
+
+        def progress(n: int, t: float, steps: int) -> None:
+            self._say(f"simulation {self.runs}: {what}: {n} events, {t:.4g} simulated s, {steps} of "
+                      f"{cfg.steps} steps trained")
+        try:
+            return Simulation(cfg, source).run(self.max_events, self.start + self.wall_s, progress,
+                                               min(self.progress_s, 0.5))
+        except SimulationBound as e:
+            bound = (f"the wall-time bound of {self.wall_s:g} s (MAX_WALL_S)" if "wall-time" in str(e) else
+                     f"the bound of {self.max_events} events a simulation (MAX_SIM_EVENTS)"
+                     if "events" in str(e) else "a pipeline that cannot finish")
+            raise ConfigError(f"--calibrate: stopped at {bound} in simulation {self.runs} ({what}; trainer "
+                              f"{cfg.train_s:.4g} s a step, {cfg.token_s:.4g} s a token, {cfg.steps} steps): "
+                              f"{e}") from None
 
 
 @dataclass
@@ -237,26 +360,29 @@ def _same(a, b, keys=("model", "trainer", "inference")) -> bool:
     return all(plain(a, k) == plain(b, k) for k in keys)
 
 
-def _at_knee(base: SimConfig, source, tok: float, knee: float):
+def _at_knee(base: SimConfig, source, tok: float, knee: float, budget: "Budget | None" = None):
     """(seconds per token below the knee, the replay) whose token-weighted seconds per token are `tok`:
     a secant on the logarithms (the replay's per-token seconds grow about as a power of it)."""
     t1 = tok
-    r1 = simulate(dataclasses.replace(base, token_s=t1, decode_knee=knee), source)
+    what = f"the pilot at a knee of {knee:g}"
+    sim = (budget or Budget()).run
+    r1 = sim(dataclasses.replace(base, token_s=t1, decode_knee=knee), source, what)
     if not knee or r1.gen_token_s <= 0:
         return t1, r1
     t2 = t1 * tok / r1.gen_token_s
-    r2 = simulate(dataclasses.replace(base, token_s=t2, decode_knee=knee), source)
+    r2 = sim(dataclasses.replace(base, token_s=t2, decode_knee=knee), source, what)
     for _ in range(2):
         if r2.gen_token_s <= 0 or abs(math.log(r2.gen_token_s / tok)) < 0.01 or r2.gen_token_s == r1.gen_token_s:
             break
         slope = (math.log(t2) - math.log(t1)) / (math.log(r2.gen_token_s) - math.log(r1.gen_token_s))
         t1, r1 = t2, r2
         t2 = math.exp(math.log(t2) + slope * (math.log(tok) - math.log(r2.gen_token_s)))
-        r2 = simulate(dataclasses.replace(base, token_s=t2, decode_knee=knee), source)
+        r2 = sim(dataclasses.replace(base, token_s=t2, decode_knee=knee), source, what)
     return t2, r2
 
 
-def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None) -> tuple:
+def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None,
+               budget: "Budget | None" = None) -> tuple:
     """The servers' load curve from the pilot: (seconds per token below the knee, knee, the replay).
 
     A pilot measures two things of its servers: its seconds per generated token, averaged over the loads
@@ -273,6 +399,7 @@ def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None) -> tup
     replay's steps/h only chooses between this curve and the former one (below). The load is over the
     servers' busy time where the pilot measured it so (`load_busy`), else over the wall time."""
     pc = typed(pilot_cfg)
+    budget = budget or Budget()
     base = dataclasses.replace(SimConfig.from_config(pc), steps=steps or max(pilot.steps, 3),
                                train_s=pilot.train_s[1])
     tok, want = pilot.token_s[1], max(pilot.load, 1e-9)
@@ -283,7 +410,7 @@ def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None) -> tup
 
     def at(knee: float):
         if knee not in fits:
-            t, r = _at_knee(base, source, tok, knee)
+            t, r = _at_knee(base, source, tok, knee, budget)
             fits[knee] = (t, r, math.log(max(load(r), 1e-9) / want))
         return fits[knee]
     grid = [k for k in KNEES if k < pc.orchestrator.max_concurrency]
@@ -305,7 +432,8 @@ def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None) -> tup
     # token up to its load, is the other candidate, and the one whose replay steps as the pilot did is
     # kept; and where no knee replays the pilot's load within 25% (a single-turn batch's requests start
     # and end together, at one load whatever the knee), the load says nothing of the knee: the former.
-    old = simulate(dataclasses.replace(base, token_s=tok, decode_knee=max(pilot.load, 1.0)), source)
+    old = budget.run(dataclasses.replace(base, token_s=tok, decode_knee=max(pilot.load, 1.0)), source,
+                     "the pilot under a flat curve")
     miss = lambda r: abs(math.log(max(r.steps_per_hour, 1e-9) / max(pilot.steps_per_hour, 1e-9)))  # noqa: E731
     if abs(fits[knee][2]) > math.log(1.25) or miss(old) < miss(fits[knee][1]):
         return tok, max(pilot.load, 1.0), old
@@ -313,7 +441,8 @@ def fit_server(pilot: Pilot, pilot_cfg, source, steps: int | None = None) -> tup
 
 
 def predict_target(cfg, pilot: Pilot, pilot_cfg=None, source=None, steps: int | None = None,
-                   seed: int = 0, pilot_source=None, model_error: float = MODEL_ERROR) -> Calibrated:
+                   seed: int = 0, pilot_source=None, model_error: float = MODEL_ERROR,
+                   budget: "Budget | None" = None) -> Calibrated:
     """Steps/h of config `cfg` from the pilot's measurements (see the module docstring): mid at the
     pilot's median trainer seconds and the servers' load curve fitted on the pilot (`fit_server`; without
     the pilot's config, a knee at the pilot's load); low and high the slowest and fastest of the
@@ -322,6 +451,7 @@ def predict_target(cfg, pilot: Pilot, pilot_cfg=None, source=None, steps: int | 
     leaves out of this machine or cluster, it left out of the pilot too. Then both ends move out by
     `model_error`, the simulator's own error measured out of sample (MODEL_ERROR)."""
     c = typed(cfg)
+    budget = budget or Budget()
     scale_t = scale_k = 1.0
     how = "the pilot's trainer and servers"
     if pilot_cfg is not None and not _same(c, typed(pilot_cfg)):
@@ -338,7 +468,8 @@ def predict_target(cfg, pilot: Pilot, pilot_cfg=None, source=None, steps: int | 
         pc = typed(pilot_cfg)
         key = (pilot.source, pilot.steps_per_hour, pilot.token_s, seed)   # one fit per pilot, many targets
         if getattr(pilot, "_fit", (None,))[0] != key:
-            pilot._fit = (key, fit_server(pilot, pc, pilot_source or pilot_source_of(pilot, pc.orchestrator.group_size, seed)))
+            src0 = pilot_source or pilot_source_of(pilot, pc.orchestrator.group_size, seed)
+            pilot._fit = (key, fit_server(pilot, pc, src0, budget=budget))
         t0, knee, replay = pilot._fit[1]
         err = pilot.steps_per_hour / max(replay.steps_per_hour, 1e-9)
 
@@ -346,7 +477,7 @@ def predict_target(cfg, pilot: Pilot, pilot_cfg=None, source=None, steps: int | 
         tok = {"flat": pilot.token_s[1], "fitted": t0, "saturated": pilot.token_s[1] / b}[curve] * scale_k
         s = dataclasses.replace(sim, train_s=train_s * scale_t, token_s=tok,
                                 decode_knee={"flat": 0, "fitted": knee, "saturated": 1}[curve])
-        return simulate(s, src)
+        return budget.run(s, src, f"the target, trainer at {train_s * scale_t:.3g} s, {curve} curve")
     res = {"mid": run(pilot.train_s[1], "fitted")}
     for name, ts in (("slow", pilot.train_s[2]), ("fast", pilot.train_s[0])):
         for curve in ("flat", "fitted", "saturated"):
@@ -361,20 +492,55 @@ def predict_target(cfg, pilot: Pilot, pilot_cfg=None, source=None, steps: int | 
                       results=res, knee=knee, knee_token_s=t0, model_error=model_error, raw=(low, high))
 
 
-def calibrate_lines(cfg, run_dir: str) -> list[str]:
-    """`launch plan --calibrate RUN_DIR`'s lines."""
-    from rl.contract.config import load
-    pilot_cfg = load(run_dir) if (Path(run_dir) / "config.yaml").is_file() else None
+def _rate(x: float) -> str:
+    """Steps/h as printed: whole numbers, and two figures below 10 (a pilot far from its target can
+    predict 0.0004 steps/h, which '0' would hide)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def kind_warning(cfg, pilot_cfg) -> str | None:
+    """One line when the pilot ran another environment or model family than the target (None if not):
+    its times then say little of the target's, however launch.perf scales them (a debug pilot of the
+    digits task on a 0.2M-parameter qwen3 carried to Kimi on SWE scales the trainer x1.4e7)."""
+    if pilot_cfg is None:
+        return None
+    c, pc = typed(cfg), typed(pilot_cfg)
+    pairs = (("environment", pc.env.name, c.env.name), ("model family", pc.model.family, c.model.family))
+    diff = [f"{what} {a} (pilot) vs {b} (target)" for what, a, b in pairs if a != b]
+    if not diff:
+        return None
+    return (f"calibrate: warning: the pilot differs from the target in {' and '.join(diff)}: its measured "
+            f"times are carried over by launch.perf's ratio of the two configurations, an extrapolation; "
+            f"a pilot of the target's environment and model family measures what this predicts")
+
+
+def calibrate_lines(cfg, run_dir: str, budget: Budget | None = None) -> list[str]:
+    """`launch plan --calibrate RUN_DIR`'s lines. The pilot may be a teammate's run: its files are read as
+    foreign data (not required to be this user's) and checked instead (`Pilot.from_run`,
+    `pilot_config`); a pilot of another environment or model family is warned about on stderr; the
+    simulations are bounded (`Budget`)."""
+    run_dir = str(safefs.resolve_run_dir(run_dir))   # the user's own argument: a link to it is theirs
+    try:
+        st = safefs.lstat(run_dir)
+    except safefs.UnsafePath as e:
+        raise ConfigError(f"--calibrate: {e}") from None
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"--calibrate {run_dir}: {'missing' if st is None else safefs.what(st.st_mode)}, not "
+                          f"a directory (a finished pilot run's directory)")
+    pilot_cfg = pilot_config(run_dir)
     p = Pilot.from_run(run_dir, pilot_cfg)
-    r = predict_target(cfg, p, pilot_cfg)
+    budget = budget or Budget()
+    if (warn := kind_warning(cfg, pilot_cfg)) is not None:
+        print(warn, file=budget.err, flush=True)
+    r = predict_target(cfg, p, pilot_cfg, budget=budget)
     m = r.results["mid"]
-    replay = (f"; the pilot replayed: {r.results['pilot_replay'].steps_per_hour:.0f} steps/h against "
-              f"{p.steps_per_hour:.0f} measured" if "pilot_replay" in r.results else "; no config.yaml: no replay")
+    replay = (f"; the pilot replayed: {_rate(r.results['pilot_replay'].steps_per_hour)} steps/h against "
+              f"{_rate(p.steps_per_hour)} measured" if "pilot_replay" in r.results else "; no config.yaml: no replay")
     return [p.line(),
-            f"calibrated ({r.scaled}): {r.low:.0f} / {r.mid:.0f} / {r.high:.0f} steps/h low / mid / high "
+            f"calibrated ({r.scaled}): {_rate(r.low)} / {_rate(r.mid)} / {_rate(r.high)} steps/h low / mid / high "
             f"(step {3600 / max(r.high, 1e-9):.2f} .. {3600 / max(r.low, 1e-9):.2f} s); mid: trainer idle "
             f"{m.trainer_idle:.1%}, wasted {m.wasted_fraction:.1%}, inference idle {m.inference_idle:.1%}{replay}",
             f"servers' load curve from the pilot: {r.knee_token_s * 1e3:.2f} ms/token up to "
             + (f"{r.knee:.3g} sequences decoding, slower in proportion beyond" if r.knee else "any load (flat)")
             + f"; range widened by the simulator's out-of-sample error x{1 + r.model_error:.2f} (from "
-            f"{r.raw[0]:.0f} / {r.raw[1]:.0f})"]
+            f"{_rate(r.raw[0])} / {_rate(r.raw[1])})"]

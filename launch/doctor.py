@@ -91,10 +91,13 @@ def version_rows() -> list[dict]:
 
 # -- shared filesystem ------------------------------------------------------------------------------------
 def fs_bandwidth(where: Path, size: int, block: int = 16 << 20) -> dict:
-    """Write `size` bytes + fsync, drop them from the page cache, read them back: seconds and GB/s.
+    """Write `size` bytes (at least one) + fsync, drop them from the page cache, read them back: seconds
+    and GB/s; ValueError for a size under one byte.
 
     The cache is dropped with posix_fadvise(DONTNEED) after the fsync, so the read comes from the
     filesystem (a filesystem that ignores the advice reports its cache's speed)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"fs_bandwidth: size {size!r} is not a positive number of bytes")
     where.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=".hetrl-doctor-", dir=where)
     buf = os.urandom(block)
@@ -119,6 +122,7 @@ def fs_bandwidth(where: Path, size: int, block: int = 16 << 20) -> dict:
         os.unlink(name)
     if got != size:
         raise OSError(f"{where}: read back {got} of {size} bytes")
+    w, r = max(w, 1e-9), max(r, 1e-9)   # a clock that did not move: bounded rates, never a division by zero
     return {"write_s": w, "read_s": r, "write_gbps": size / w / 1e9, "read_gbps": size / r / 1e9,
             "bytes": size}
 
@@ -145,7 +149,16 @@ def nearest_dir(path: Path) -> Path:
 
 
 def fs_rows(cfg: dict | None, fs: str | None, size_mib: int) -> list[dict]:
+    """The filesystem rows: bandwidth of `size_mib` MiB written and read back under `fs` (default: where
+    the run directory goes), and what a weight sync costs at it. A size under 1 MiB (or not an integer)
+    is a failed row naming it: `--fs-mib 0` once measured nothing and then divided the version's bytes
+    by its 0 GB/s (argparse refuses it on the command line, rl.doctor.args; this guards other callers)."""
     where = Path(fs) if fs else nearest_dir(Path(cfg["run_dir"])) if cfg else Path.cwd()
+    if isinstance(size_mib, bool) or not isinstance(size_mib, int) or not 1 <= size_mib <= 1 << 20:
+        return [row("filesystem write+fsync", "fail", f"--fs-mib {size_mib!r}: not a size in 1..1048576 MiB",
+                    "measure at least 1 MiB (the default is 256)"),
+                row("filesystem read", "skip", "no size to measure"),
+                row("weight sync on this filesystem", "skip", "no size to measure")]
     try:
         m = fs_bandwidth(where, size_mib << 20)
     except OSError as e:

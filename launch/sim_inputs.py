@@ -107,6 +107,89 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
+# -- a pilot's metrics, checked -------------------------------------------------------------------------
+# What launch.calibrate reads of a pilot's metrics.jsonl, and the values it accepts: a number (not a bool,
+# not a string), finite, in [0, the bound]. The bounds are far past any real run and only refuse what
+# would make a simulation absurd or endless (1e12 turns an episode: 1e12 simulated turns per rollout).
+MAX_SECONDS = 1e9          # any seconds field (a step, a step's summed generation seconds): 31 years
+MAX_COUNT = 1e9            # episodes and turns of one step
+MAX_TOKENS = float(1 << 30)  # tokens of a turn or of an episode
+MAX_TURNS = 10_000         # turns an episode (turns_total / episodes); agentic runs stop at a few hundred
+SPAN_SLACK_S = 1.0         # a step may report waiting this much longer than its interval (clock reads)
+PILOT_FIELDS = {
+    "time": (0.0, 1e11), "step": (0, float(2**31 - 1)),
+    "wait_s": (0.0, MAX_SECONDS), "step_time_s": (0.0, MAX_SECONDS), "publish_s": (0.0, MAX_SECONDS),
+    **{f"orchestrator/{k}": (0.0, MAX_SECONDS) for k in (
+        "turn_gen_s", "turn_env_s", "episode_s_mean", "started_episode_s_mean", "started_episode_s_p90")},
+    **{f"orchestrator/{k}": (0.0, MAX_COUNT) for k in ("turns_total", "episodes")},
+    **{f"orchestrator/{k}": (0.0, MAX_TOKENS) for k in (
+        "tokens_per_turn", "started_episode_tokens_mean", "started_episode_tokens_p90")},
+}
+
+
+class PilotError(ValueError):
+    """A pilot's metrics.jsonl that cannot be calibrated on; one line naming the file, line, key and value."""
+
+
+def _shown(v) -> str:
+    text = json.dumps(v) if isinstance(v, (str, bool)) or v is None else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def checked_rows(path: str | Path, data: bytes) -> list[tuple[int, dict]]:
+    """The rows of a pilot's metrics.jsonl (`data`, its bytes) that carry a `time`, as (line, row), after
+    checking what launch.calibrate reads of them: every PILOT_FIELDS value a finite number within its
+    bound, turns per episode at most MAX_TURNS, times and steps never going back, and no step
+    waiting longer than the interval since the one before (SPAN_SLACK_S aside). A torn line (a crash
+    mid-write) is skipped, as every reader of metrics.jsonl skips it. PilotError otherwise, naming
+    `path:line`, the key and the value: a NaN or a string there used to end in a traceback, and backwards
+    times, negative token counts or 1e12 turns in a simulation that never ended."""
+    def bad(n: int, why: str):
+        raise PilotError(f"{path}:{n}: {why}")
+
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        raise PilotError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    rows: list[tuple[int, dict]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if not isinstance(r, dict):
+            bad(n, f"a JSON {type(r).__name__}, not an object")
+        if "time" not in r:
+            continue
+        for k, (lo, hi) in PILOT_FIELDS.items():
+            if k not in r:
+                continue
+            v = r[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(n, f"{k}={_shown(v)}: not a number")
+            if not math.isfinite(v) or not lo <= v <= hi:
+                bad(n, f"{k}={_shown(v)}: not a finite number in [{lo:g}, {hi:g}]")
+        turns, eps = r.get("orchestrator/turns_total"), r.get("orchestrator/episodes")
+        if turns is not None and turns / max(eps or 0.0, 1.0) > MAX_TURNS:
+            bad(n, f"orchestrator/turns_total={_shown(turns)} for {_shown(eps)} episodes: more than {MAX_TURNS} "
+                   f"turns an episode")
+        if rows:
+            m, prev = rows[-1]
+            if r["time"] < prev["time"]:
+                bad(n, f"time={_shown(r['time'])} is before time={_shown(prev['time'])} of line {m}: the pilot's "
+                       f"times go backwards")
+            if "step" in r and "step" in prev and r["step"] < prev["step"]:
+                bad(n, f"step={_shown(r['step'])} after step={_shown(prev['step'])} of line {m}: the steps go "
+                       f"backwards")
+            if "wait_s" in r and r["wait_s"] > r["time"] - prev["time"] + SPAN_SLACK_S:
+                bad(n, f"wait_s={_shown(r['wait_s'])} is longer than the {r['time'] - prev['time']:.6g} s since line "
+                       f"{m}: the step's spans do not add up")
+        rows.append((n, r))
+    return rows
+
+
 # -- episode distributions ------------------------------------------------------------------------------
 def lognormal_source(group_size: int, *, turns_median: float, turns_sigma: float, tokens_per_turn: int,
                      env_median_s: float, env_sigma: float, outlier_prob: float = 0.0, outlier_factor: float = 1.0,

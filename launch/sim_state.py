@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import math
 
+MAX_EVENTS = 50_000_000   # a simulation's events before it stops (SimulationBound); launch.calibrate: fewer
+PROGRESS_S = 2.0          # wall seconds between two progress calls
+
+
+class SimulationBound(RuntimeError):
+    """A simulation stopped at a bound (events, wall time) or that cannot finish; the message is one line."""
+
 
 class SimRollout:
     def __init__(self, group, turns, index=0):
@@ -18,6 +25,7 @@ class SimRollout:
         self.gen_start, self.w_end = None, 0.0   # the running generation: its start (None: none), its end on the work clock
         self.queued = None                       # "gen" | "env" while waiting for a slot
         self.handle = None                       # the pending event's token (a stale event is ignored)
+        self.uid = 0                             # start order: breaks ties between equal ends reproducibly
 
     @property
     def tokens(self) -> int:

@@ -27,6 +27,8 @@ generation advances one token per decode step (processor sharing), so one clock 
 only the next end is scheduled, re-timed when the number decoding changes or a reload pauses decoding.
 It reports what a run measures of its servers too (`gen_token_s`, `decode_load`), so that
 launch.calibrate can find the knee under which a replay of a pilot measures what the pilot measured.
+Generations ending together end in the order they started (they were ordered by memory address, so
+two runs of one simulation could differ): a simulation is reproducible.
 
 Episodes come from a `GroupSource`: a callable from a group's key to its rollouts, each a list of
 `Turn(tokens, env_s)`: generate `tokens`, then hold an environment slot for `env_s` (a tool call, a
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 
 # the simulation's inputs and result, and the episode distributions (launch/sim_inputs.py), under the
@@ -48,14 +51,13 @@ from launch.sim_inputs import (GroupSource, SimConfig, SimResult, Turn, _median_
                                lognormal_sigma, lognormal_source, read_jsonl)
 from launch.sim_state import SimGroup as _Group
 from launch.sim_state import SimRollout as _Rollout
-from launch.sim_state import split_versions
-
+from launch.sim_state import MAX_EVENTS, PROGRESS_S, SimulationBound, split_versions  # noqa: F401
 
 class Simulation:
     def __init__(self, cfg: SimConfig, source: GroupSource):
         self.c, self.source = cfg, source
         self.policy = offpolicy.stale_policy(cfg.stale_policy)   # its flags, never its name (rl.contract.offpolicy)
-        self.now, self._seq, self._q = 0.0, 0, []
+        self.now, self._seq, self._q, self._uid = 0.0, 0, [], 0
         self.version, self.history = 0, [(0.0, 0)]
         self.gen_active, self.env_active = 0, 0
         self.gen_wait, self.env_wait = deque(), deque()
@@ -80,6 +82,7 @@ class Simulation:
         self.durations: deque = deque(maxlen=256)
         self.admit_waits = 0
         self.gen_busy_s, self.gen_done_tokens = 0.0, 0   # finished requests: decode seconds, tokens
+        self.version_waits: dict[int, float] = {}  # batch mode: step -> when its build began to wait
 
     # -- the clock ----------------------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> int:
@@ -87,17 +90,53 @@ class Simulation:
         heapq.heappush(self._q, (t, self._seq, fn, args))
         return self._seq
 
-    def run(self, max_events: int = 50_000_000) -> SimResult:
+    def run(self, max_events: int = MAX_EVENTS, deadline: float | None = None, progress=None,
+            progress_s: float = PROGRESS_S) -> SimResult:
+        """Play the events in time order until the last step is trained. Bounded: more than `max_events`
+        events, or the wall clock (time.monotonic) past `deadline`, raise SimulationBound in one line;
+        `progress(events, simulated_s, steps_trained)` is called every `progress_s` wall seconds.
+
+        Work follows events, not simulated time: the pool's tick (every pool_tick_s) that finds the state
+        its previous look left (no other event since, and not stale_policy=admit, whose holds are counted
+        per look) is moved to the first tick at or after the next event, where the original loop would
+        have looked in vain every 0.2 s; a pilot carried to a model 10^7 times slower (a debug pilot
+        for Kimi) otherwise spent 10^8 such looks a simulation. A quiet tick with nothing left to happen
+        is a pipeline that cannot finish: refused at once rather than after max_events."""
         self.at(0.0, self._trainer_poll, 0, 0.0)
         self.at(0.0, self._orchestrate)
-        n = 0
+        n, quiet, tick = 0, False, self.c.pool_tick_s
+        look = time.monotonic() + progress_s
         while self._q and not self.done:
             t, seq, fn, args = heapq.heappop(self._q)
+            if fn == self._orchestrate and args:
+                if args[0] != self.tick_token:
+                    continue                     # a tick a wake-up replaced: nothing to do
+                if quiet and not self.policy.admits:
+                    if not self._q:
+                        raise SimulationBound(f"simulation: no end: nothing left to happen at t={t:.1f} s with "
+                                              f"{len(self.metric_times)} of {self.c.steps} steps trained")
+                    nxt = self._q[0][0]
+                    if nxt > t and tick > 0:     # the looks before the next event would find nothing
+                        self._seq += 1
+                        k = max(1, math.ceil((nxt - t) / tick - 1e-9))
+                        heapq.heappush(self._q, (t + k * tick, self._seq, fn, args))
+                        continue
             self.now = t
             fn(*args)
+            quiet = fn == self._orchestrate
             n += 1
             if n > max_events:
-                raise RuntimeError(f"simulation: no end after {max_events} events (t={self.now:.1f} s)")
+                raise SimulationBound(f"simulation: stopped at the bound of {max_events} events (t={self.now:.1f} "
+                                      f"simulated s, {len(self.metric_times)} of {self.c.steps} steps trained)")
+            if not n & 255 and (deadline is not None or progress is not None):
+                wall = time.monotonic()
+                if deadline is not None and wall > deadline:
+                    raise SimulationBound(f"simulation: stopped at the wall-time bound after {n} events (t="
+                                          f"{self.now:.1f} simulated s, {len(self.metric_times)} of "
+                                          f"{self.c.steps} steps trained)")
+                if progress is not None and wall >= look:
+                    progress(n, self.now, len(self.metric_times))
+                    look = wall + progress_s
         return self._result()
 
     # -- servers: generation and environment slots ----------------------------------------------------
@@ -121,7 +160,7 @@ class Simulation:
         """Move the work clock to now at the step time of the sequences decoding (none during a pause)."""
         dt = self.now - self.work_t
         dt -= max(0.0, min(self.now, self.pause_until) - max(self.work_t, self.pause_from))
-        if self.gen_active > 0 and dt > 0:
+        if self.gen_active > 0 and dt > 0 and self.c.token_s > 0:   # token_s 0: generations take no time
             self.work += dt / self._step_s(self.gen_active)
         self.work_t = self.now
 
@@ -139,9 +178,14 @@ class Simulation:
         if token != self.gen_token:
             return
         self._advance()
+        # done: within 1e-9 tokens, or within what the clock can still resolve at this time (a few ulps of
+        # `now`, in tokens): late in a long simulation (t ~ 1e7 s, 1 ms a token) the rest of a generation
+        # can be shorter than the clock's step, its end rescheduled at `now` forever without this
+        step = self._step_s(max(self.gen_active, 1))
+        eps = 1e-9 + (4 * math.ulp(max(self.now, self.pause_until, 1.0)) / step if step > 0 else 0.0)
         done = []
         while self.generating and (self.generating[0][2].gen_start is None
-                                   or self.generating[0][0] <= self.work + 1e-9):
+                                   or self.generating[0][0] <= self.work + eps):
             _, _, r = heapq.heappop(self.generating)
             if r.gen_start is not None:
                 done.append(r)
@@ -157,7 +201,7 @@ class Simulation:
         r.queued = None
         r.gen_start = self.now
         r.w_end = self.work + r.turns[r.turn].tokens
-        heapq.heappush(self.generating, (r.w_end, id(r), r))
+        heapq.heappush(self.generating, (r.w_end, r.uid, r))
         self._schedule_gen()
 
     def _count(self, r: _Rollout, start: float, end: float, n: int) -> None:
@@ -216,6 +260,12 @@ class Simulation:
             self.step_s = dt if self.step_s is None else 0.7 * self.step_s + 0.3 * dt
         self.version, self.version_t = v, self.now
         self.history.append((self.now, v))
+        for s, t0 in list(self.version_waits.items()):   # batch mode's _wait_version: its next poll sees v
+            if self.builds.get(s) is not None and self.builds[s]["need"] <= v:
+                p = self.c.version_poll_s
+                k = max(1, math.ceil((self.now - t0) / p - 1e-9)) if p > 0 else 0
+                self.at(t0 + k * p, self._build_start, s)
+                del self.version_waits[s]
         if self.c.reload_pause_s > 0:   # the servers decode nothing while they load it
             self._advance()
             self.pause_from, self.pause_until = self.now, self.now + self.c.reload_pause_s
@@ -226,6 +276,11 @@ class Simulation:
     def _start_group(self, key: str, gid: int, step: int = -1) -> _Group:
         g = _Group(gid, self.version, self.now, step)
         g.rollouts = [_Rollout(g, list(turns), i) for i, turns in enumerate(self.source(key))]
+        if not g.rollouts:   # never finishes and fills no room: the pool would start such groups forever
+            raise SimulationBound(f"simulation: the episode source gave {key} no rollouts")
+        for r in g.rollouts:   # ties between generations ending together: in start order, not by address
+            self._uid += 1
+            r.uid = self._uid
         for r in g.rollouts:
             self._next_turn(r)
         return g
@@ -424,8 +479,8 @@ class Simulation:
         b = self.builds.get(s)
         if b is None or b["started"]:
             return
-        if self.version < b["need"]:       # _wait_version polls
-            self.at(self.now + self.c.version_poll_s, self._build_start, s)
+        if self.version < b["need"]:       # _wait_version polls: the look that sees the version (_switch)
+            self.version_waits[s] = self.now
             return
         b["started"] = True
         self._sample(s, self.c.prompts_per_step)

@@ -42,8 +42,8 @@ import numpy as np
 
 from rl.contract import record_schemas, safefs
 from rl.contract.batch_checks import (  # noqa: F401  (re-exported: the batch's API)
-    ARRAYS, PER_SAMPLE, PER_TOKEN, ChecksumMismatch, InvalidBatch, check_arrays, check_layout, check_meta,
-    read_file, read_safetensors)
+    ARRAYS, MAX_ADVANTAGE, PER_SAMPLE, PER_TOKEN, ChecksumMismatch, InvalidBatch, check_arrays, check_layout,
+    check_meta, read_file, read_safetensors, version_bound)
 from rl.contract.batch_files import (  # noqa: F401  (re-exported: the batch's API)
     INDEX, INDEX_FILE, META_FILE, SHARD, ShardPlan, _index, _write, batch_digest, expert_ids, micro_batches,
     shard_file, write_arrays, write_samples)
@@ -178,9 +178,11 @@ class RolloutBatch:
         """Raise InvalidBatch unless meta.json's bookkeeping describes these arrays (batch_checks.check_meta)."""
         check_meta(self.meta, self.groups, self.rewards, group_size, where)
 
-    def validate(self, vocab_size: int | None = None, where: str = "rollout batch") -> None:
-        """Raise InvalidBatch unless the trainer can train on this batch (batch_checks.check_arrays)."""
-        check_arrays(self, vocab_size, where)
+    def validate(self, vocab_size: int | None = None, where: str = "rollout batch",
+                 max_version: int | None = None) -> None:
+        """Raise InvalidBatch unless the trainer can train on this batch (batch_checks.check_arrays;
+        `max_version`: the newest version it may hold, where known)."""
+        check_arrays(self, vocab_size, where, max_version=max_version)
 
 
 def _totals(index: dict) -> dict:
@@ -197,8 +199,9 @@ def _assemble(step_dir: Path, meta: dict, index: dict, files: dict | None, vocab
     layout = meta["layout"]
     n = len(index["rewards"])
     parts, order = [], []
+    newest = version_bound(step_dir)
     for r in range(len(layout["ranks"])):
-        parts.append(_read_shard(step_dir, r, layout, index, files, vocab_size))
+        parts.append(_read_shard(step_dir, r, layout, index, files, vocab_size, newest))
         order += layout["ranks"][r]["samples"]
     order = np.asarray(order, np.int64)
     lengths = np.diff(index["offsets"])
@@ -213,7 +216,7 @@ def _assemble(step_dir: Path, meta: dict, index: dict, files: dict | None, vocab
                          rewards=index["rewards"], advantages=index["advantages"], groups=index["groups"],
                          routed_experts=cat["routed_experts"][take] if "routed_experts" in cat else None,
                          meta=meta, totals=_totals(index))
-    batch.validate(vocab_size, where=str(step_dir))
+    check_arrays(batch, vocab_size, str(step_dir), max_version=newest)
     return batch, sum(v.nbytes for p in parts for v in p.values())
 
 
@@ -270,9 +273,10 @@ def _read_head(step_dir: Path, files: dict | None) -> tuple[dict, dict, int]:
 
 
 def _read_shard(step_dir: Path, rank: int, layout: dict, index: dict, files: dict | None,
-                vocab_size: int | None) -> dict[str, np.ndarray]:
+                vocab_size: int | None, step: int | None = None) -> dict[str, np.ndarray]:
     """Shard `rank`'s per-token arrays, checked against the index (its samples' lengths, loss tokens and
-    versions) and as a batch (check_arrays)."""
+    versions) and as a batch (check_arrays; versions at most `step`, the batch's `version_bound`, group
+    ids those of the whole batch)."""
     f = step_dir / shard_file(rank)
     a = read_safetensors(f, _read(step_dir, shard_file(rank), files))
     if missing := [k for k in SHARD if k not in a]:
@@ -283,7 +287,7 @@ def _read_shard(step_dir: Path, rank: int, layout: dict, index: dict, files: dic
     b = RolloutBatch(tokens=a["tokens"], offsets=a["offsets"], loss_mask=a["loss_mask"], logprobs=a["logprobs"],
                      versions=a["versions"], rewards=index["rewards"][idx], advantages=index["advantages"][idx],
                      groups=index["groups"][idx], routed_experts=a.get("routed_experts"))
-    check_arrays(b, vocab_size, where=str(f))
+    check_arrays(b, vocab_size, where=str(f), max_version=step, num_samples=len(index["rewards"]))
     want = np.diff(index["offsets"])[idx]
     if len(a["offsets"]) != len(idx) + 1 or not np.array_equal(np.diff(a["offsets"]), want):
         raise InvalidBatch(f"{f}: its samples' lengths are not those of samples {record_schemas.shown(idx.tolist())} "
@@ -317,7 +321,7 @@ def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, fi
     if not 0 <= data_rank < len(layout["ranks"]):
         raise InvalidBatch(f"{step_dir / META_FILE}: layout has {len(layout['ranks'])} data ranks, no rank "
                            f"{data_rank}")
-    a = _read_shard(step_dir, data_rank, layout, index, files, vocab_size)
+    a = _read_shard(step_dir, data_rank, layout, index, files, vocab_size, version_bound(step_dir))
     e = layout["ranks"][data_rank]
     idx = np.asarray(e["samples"], np.int64)
     lengths = np.diff(index["offsets"])[idx]

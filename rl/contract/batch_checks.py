@@ -4,12 +4,27 @@ A checksum only proves a file is the one its producer wrote, not that the produc
 trainable, so every reader of a batch (the trainer's ranks, `launch report`, the orchestrator's resume)
 checks what it read: every array is there with its layout's dtype and length, offsets run from 0 to the
 number of tokens without going back, float arrays are finite, token ids lie in [0, vocab_size), the
-loss mask is 0/1, policy versions are -1 (not generated) or a version, and logprobs are logprobs (in
-[-1e4, 0], vLLM's -inf being -9999). The bookkeeping in meta.json (which groups and rollouts the batch
-trains) is checked against its schema (rl.contract.record_schemas.batch_meta) and against the per-sample
-arrays: entry j of `entries` is the samples of dense group j, and a part's rewards are those samples'
-rewards. The shard table (`layout`) must name every sample exactly once. Anything else is `InvalidBatch`
-with a one-line reason naming the file, the field and the value.
+loss mask is 0/1, policy versions are -1 (not generated) or a version the batch can hold, logprobs are
+logprobs (in [-1e4, 0], vLLM's -inf being -9999), advantages and group ids within bounds (below). The
+bookkeeping in meta.json (which groups and rollouts the batch trains) is checked against its schema
+(rl.contract.record_schemas.batch_meta) and against the per-sample arrays: entry j of `entries` is the
+samples of dense group j, and a part's rewards are those samples' rewards. The shard table (`layout`)
+must name every sample exactly once. Anything else is `InvalidBatch` with a one-line reason naming the
+file, the field and the value.
+
+Bounds that no writer of a real batch comes near, so that a value past them is damage or a hostile
+producer, never a run (each a one-line InvalidBatch naming the file, array, index and value):
+- a token's policy version is at most the newest version in the run's `weights/` plus VERSION_MARGIN
+  (`version_bound`): no server can have generated with weights that were never published, and the one
+  of margin covers the trainer reading batch N while its publish of version N is still being committed
+  (batch N is sampled from versions <= N). Before any weights (or for a batch outside a run's
+  `rollouts/`), at most MAX_STEP. A version of 2^30 would otherwise pass as the freshest of all and turn
+  off every staleness bound downstream.
+- advantages are finite and |advantage| <= MAX_ADVANTAGE (1e6): GRPO's are at most sqrt(group_size) in
+  size (32 for groups of 1024), Dr. GRPO's are differences of rewards (0..1 for hetrl's tasks); 3e38 is
+  finite in float32 and multiplied every token's loss of its sample into overflow.
+- group ids are the batch's dense group numbers (rl.orchestrator.loop renumbers them 0..n-1 in sample
+  order), so 0 <= group < the batch's number of samples: -5 named no group and was averaged nowhere.
 
 `read_safetensors` parses the safetensors format itself (an 8-byte header length, a JSON header, raw
 little-endian arrays) from bytes read through rl.contract.safefs, and returns numpy views of one buffer:
@@ -22,6 +37,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +55,25 @@ _DTYPES = {"I8": np.int8, "U8": np.uint8, "I16": np.int16, "U16": np.uint16, "I3
            "U32": np.uint32, "I64": np.int64, "U64": np.uint64, "F32": np.float32, "F64": np.float64,
            "BOOL": np.bool_}
 _MAX_HEADER = 16 << 20
+MAX_ADVANTAGE = 1e6   # |advantage| a sample may carry (module docstring)
+VERSION_MARGIN = 1    # versions a batch may hold past the newest published weights (module docstring)
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def version_bound(step_dir) -> int | None:
+    """The newest policy version the batch in `step_dir` may hold: the newest version in its run's
+    `weights/` plus VERSION_MARGIN; None when the batch is not a run's `rollouts/step_N` or the run has
+    published no weights yet (then only MAX_STEP bounds it). Read without following a link; a listing
+    that fails says nothing (None): what is wrong with `weights/` is its readers' to refuse."""
+    d = Path(os.path.normpath(os.fspath(step_dir)))
+    if d.parent.name != "rollouts":
+        return None
+    try:
+        found = [int(m.group(1)) for name, mode in safefs.scandir(d.parent.parent / "weights")
+                 if stat.S_ISDIR(mode) and (m := _STEP_DIR.match(name))]
+    except OSError:
+        return None
+    return max(found) + VERSION_MARGIN if found else None
 
 
 class InvalidBatch(ValueError):
@@ -112,10 +149,14 @@ def read_safetensors(path, data: memoryview) -> dict[str, np.ndarray]:
     return out
 
 
-def check_arrays(b: Any, vocab_size: int | None = None, where: str = "rollout batch") -> None:
+def check_arrays(b: Any, vocab_size: int | None = None, where: str = "rollout batch", *,
+                 max_version: int | None = None, num_samples: int | None = None) -> None:
     """Raise InvalidBatch (one line: `where`, the field, the value) unless the trainer can train on the
     batch `b` (a RolloutBatch): layout dtypes and lengths, offsets from 0 to len(tokens) never going back,
-    finite floats, token ids in [0, vocab_size) (vocab_size None: only >= 0), a 0/1 loss mask."""
+    finite floats, token ids in [0, vocab_size) (vocab_size None: only >= 0), a 0/1 loss mask, versions
+    -1 or in [0, max_version] (None: MAX_STEP; a published batch's is `version_bound`), |advantages| within
+    MAX_ADVANTAGE and group ids in [0, num_samples) (None: the samples of `b`; a rank's share passes the
+    whole batch's)."""
     def bad(msg: str):
         raise InvalidBatch(f"{where}: {msg}")
 
@@ -167,6 +208,20 @@ def check_arrays(b: Any, vocab_size: int | None = None, where: str = "rollout ba
     if (off := (v < -1) | (v > MAX_STEP)).any():
         i = _first(off)
         bad(f"versions[{i}] = {v[i]} is not a policy version (>= 0) nor -1 (a token no policy generated)")
+    if max_version is not None and (off := v > max_version).any():
+        i = _first(off)
+        bad(f"versions[{i}] = {v[i]} is newer than any published policy version (at most {max_version}: the "
+            f"newest weights + {VERSION_MARGIN}; {int(off.sum())} such of {n_tok})")
+    a = b.advantages
+    if (off := np.abs(a) > MAX_ADVANTAGE).any():
+        i = _first(off)
+        bad(f"advantages[{i}] = {a[i]} is beyond +-{MAX_ADVANTAGE:g} (MAX_ADVANTAGE: no group-relative "
+            f"advantage comes near it)")
+    g = b.groups.astype(np.int64)
+    top = len(b.offsets) - 1 if num_samples is None else num_samples
+    if (off := (g < 0) | (g >= max(top, 0))).any():
+        i = _first(off)
+        bad(f"groups[{i}] = {g[i]} is not a group of this batch (dense group numbers 0..{top - 1})")
     if (off := (b.logprobs < LOGPROB_MIN) | (b.logprobs > LOGPROB_MAX)).any():
         i = _first(off)
         bad(f"logprobs[{i}] = {b.logprobs[i]} is not a logprob (in [{LOGPROB_MIN:g}, 0]; "

@@ -20,6 +20,20 @@ steps of each kind (`published_epoch`) and refuses a resume.json below the highe
 below incarnations/. That costs a few stats per kind per check (`_newest_steps`: one listing, then only
 the names above the newest steps seen are probed), and a manifest only the first time a step is seen
 (cached by inode: a step republished under the same number is a new directory).
+
+That still leaves a rewind before the newer incarnation published anything (its trainer loading a
+checkpoint for minutes), or after its steps were discarded: nothing in the run directory that a rewind
+must leave alone then says incarnation 1 ever started. What the rewind cannot reach is the kernel's
+change time. rl.prepare writes resume.json exactly once per incarnation, before any role starts, and
+nothing else writes, renames or links it; so a fenced process notes resume.json's identity when it
+fences (`fence`: device, inode and st_ctime, which no unprivileged process can set back) and, while
+resume.json still names its own incarnation, publishes only while it is that very file. Restoring an
+old copy (a new inode, or the same inode rewritten: a new ctime), deleting it, or a newer prepare's
+(then the count is higher and the usual refusal says so) all change it. A rewind then refuses the
+frozen process (`Fenced`, one line) and the current one alike: neither can tell it is still the newest,
+and that is the safe side (a `chmod` or `touch` of resume.json by hand during a run does it too; the
+line says what changed). A process fenced before any resume.json existed (a role started by hand, an
+in-process test) keeps the earlier rules.
 Split from rl/exchange/__init__.py (issue 23); it reads files through rl.exchange.files.
 """
 from __future__ import annotations
@@ -48,6 +62,9 @@ _FENCES: dict[str, int] = {}
 # The highest restart count this process has seen recorded for a run directory: a resume.json that later
 # shows a lower one went backwards (rewound by hand, or an old copy restored) and is not believed.
 _SEEN: dict[str, int] = {}
+# resume.json as this process fenced on it: {resolved run dir: (st_dev, st_ino, st_ctime_ns) or None
+# when there was none}; a different file naming the same incarnation is a rewind (module docstring).
+_FENCED_ON: dict[str, tuple[int, int, int] | None] = {}
 RESUME = paths.RESUME  # rl.prepare's record of the incarnation (rl.contract.records.ResumeState)
 # rl.prepare's append-only record of every incarnation it started, `incarnations/restart_000003.json`:
 # resume.json is rewritten each time, so on its own a rewound count would be indistinguishable from an
@@ -207,13 +224,27 @@ def _job_words(job: str | None) -> str:
     return f" (Slurm job {job})" if job else ""
 
 
+def _resume_identity(run_dir: str | os.PathLike) -> tuple[int, int, int] | None:
+    """resume.json's (device, inode, change time in ns), None when it is missing."""
+    try:
+        st = os.stat(Path(run_dir) / RESUME, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
 def fence(run_dir: str | os.PathLike, epoch: int) -> None:
     """From now on this process publishes into `run_dir` as incarnation `epoch` (its restart count): a
     publish after a newer incarnation started is refused, and its steps carry the epoch, so readers can
-    tell a stale process's late step from the steps rl.prepare kept. Roles call it once, at start."""
+    tell a stale process's late step from the steps rl.prepare kept. Roles call it once, at start; it
+    notes resume.json's identity then (kept by a second call for the same epoch), so a rewind of it is
+    seen (module docstring)."""
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError(f"fence({run_dir}): epoch {epoch!r} is not a non-negative integer")
-    _FENCES[str(Path(run_dir).resolve())] = epoch
+    key = str(Path(run_dir).resolve())
+    if _FENCES.get(key) != epoch or key not in _FENCED_ON:
+        _FENCED_ON[key] = _resume_identity(run_dir)
+    _FENCES[key] = epoch
 
 
 def _check_fence(run_dir: str | os.PathLike, kind: str, step: int) -> int | None:
@@ -239,6 +270,15 @@ def check_fence(run_dir: str | os.PathLike, what: str) -> None:
         own = os.environ.get("SLURM_JOB_ID")
         raise Fenced(f"{what}: refused: this process belongs to incarnation {mine}{_job_words(own)} of "
                      f"{run_dir}, and incarnation {now.restart}{_job_words(now.job)} has started since ({RESUME})")
+    fenced_on = _FENCED_ON.get(key)
+    if fenced_on is not None and (got := _resume_identity(run_dir)) != fenced_on:
+        # the same incarnation named by another file than the one this process started from: a rewind
+        what_now = "is missing" if got is None else (
+            "is another file (inode %d, was %d)" % (got[1], fenced_on[1]) if got[:2] != fenced_on[:2] else
+            "was rewritten (its change time moved)")
+        raise Fenced(f"{what}: refused: {Path(run_dir) / RESUME} {what_now} since this process of "
+                     f"incarnation {mine} started from it; only rl.prepare writes it, once per incarnation, so "
+                     f"it was rewound or restored by hand and this process cannot tell it is still the newest")
     known = max(mine, _SEEN.get(key, 0))
     # Missing while this process knows only incarnation 0 is a run before its first prepare (roles started
     # by hand, in-process tests): no older incarnation exists that a missing record could let back in.

@@ -257,14 +257,17 @@ def test_the_trainer_role_never_trains_a_nan_batch_and_goes_on_with_the_republis
 
 @pytest.mark.parametrize("advantage,why", [(np.nan, "loss nan"), (3e38, "is not finite")])
 def test_a_non_finite_update_is_skipped_and_the_weights_stay_as_they_were(tmp_path, advantage, why):
-    """train_step on a batch that reached it anyway (NaN advantages) or a valid one whose loss overflows
-    (advantages near float32's maximum): no optimizer step, weights and Adam state untouched, counted."""
+    """train_step on a batch that reached it anyway (NaN advantages, or advantages near float32's maximum
+    whose loss overflows): no optimizer step, weights and Adam state untouched, counted. The read path
+    refuses both (3e38 is past MAX_ADVANTAGE); the trainer's guard is the line behind it."""
+    from rl.contract.batch import InvalidBatch
     from rl.trainer.train import Trainer
     tr = Trainer(tiny_cfg(tmp_path))
     b = good_batch()
     b.advantages[:] = advantage
     if math.isfinite(advantage):
-        b.validate(VOCAB)  # a batch the read path lets through: only the trainer's guard stops it
+        with pytest.raises(InvalidBatch, match=r"advantages\[0\] = 3\.0+\d*e\+38 is beyond"):
+            b.validate(VOCAB)
     before, adam = _weights(tr), _state(tr.optimizer)
     m = tr.train_step(b, 0)
     assert m["update_skipped"] == 1 and why in m["update_skip_reason"]

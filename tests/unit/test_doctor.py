@@ -61,6 +61,20 @@ def test_fs_rows_name_an_unwritable_directory(tmp_path):
     assert [r["status"] for r in rows[1:]] == ["skip", "skip"]
 
 
+@pytest.mark.parametrize("mib", [0, -5])
+def test_fs_rows_refuse_a_size_under_one_mib_instead_of_dividing_by_zero(tmp_path, mib):
+    """The probe: `--fs-mib 0` measured 0 bytes at 0 GB/s and then divided a version's bytes by it
+    (argparse refuses it on the command line; fs_rows, called with a config, refuses it too)."""
+    from launch.compose import compose_points
+    (cfg,) = compose_points([f"run_dir={tmp_path / 'run'}"], multirun=False)
+    rows = doctor.fs_rows(cfg, str(tmp_path), mib)
+    assert rows[0]["status"] == "fail" and f"--fs-mib {mib}" in rows[0]["figure"], rows[0]
+    assert "\n" not in rows[0]["figure"] and [r["status"] for r in rows[1:]] == ["skip", "skip"]
+    assert list(tmp_path.iterdir()) == []   # nothing written
+    with pytest.raises(ValueError, match="not a positive number of bytes"):
+        doctor.fs_bandwidth(tmp_path, mib << 20 if mib > 0 else mib)
+
+
 def test_one_version_of_kimi_is_the_readme_figure():
     """README: 1.03 TB of FP8 per version for kimi_swe, written by 128 trainer ranks."""
     from builders import compose_cfg

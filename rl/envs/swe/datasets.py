@@ -33,8 +33,10 @@ test_patch -> swe_smith; base_commit + test_patch + FAIL_TO_PASS (or `files`) ->
 FAIL_TO_PASS / PASS_TO_PASS may be lists or JSON-encoded strings (SWE-bench's own files use strings).
 A bad row is a ValueError of one line naming the file, the row (index and instance_id) and the field.
 Rows are untrusted input: every path they name must stay inside the task's tree, every value that reaches
-a command line must have its format, and every field has a size limit (tasks.ROW_LIMITS); all checked
-here, at load, so a bad row is refused before any episode (tasks.task_problem; docs/swe.md).
+a command line must have its format, every field has a size limit (tasks.ROW_LIMITS), and a binary file
+change in patch or test_patch must be one git apply takes (a full index line, readable `GIT binary patch`
+data, a literal matching its blob id: patches.binary_problem); all checked here, at load, so a bad row is
+refused before any episode rather than raising at every grading (tasks.task_problem; docs/swe.md).
 pyarrow and `datasets` are imported only for the files that need them.
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from rl.envs.swe import patches
 from rl.envs.swe.grading import PARSERS
 from rl.envs.swe.tasks import BUILTIN, ROW_LIMITS, SHIPPED, Task, task_problem
 
@@ -255,6 +258,9 @@ def normalize(row: dict, format: str, where: str = "row", limits: dict | None = 
     problem = task_problem(task, limits)
     if problem:
         bad(*problem)
+    for field in ("patch", "test_patch"):   # a binary change git apply would refuse at every grading
+        if why := patches.binary_problem(getattr(task, field), lim["file"]):
+            bad(field, why)
     return task
 
 

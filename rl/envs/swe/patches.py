@@ -217,6 +217,138 @@ def check_diff(diff: str | bytes) -> str | None:
     return unchanged()
 
 
+# -- binary files: what git apply will accept ---------------------------------------------------------
+# git apply takes a binary file's change only with a full index line (`index <40 hex>..<40 hex>`; 64 with
+# SHA-256), and, unless it deletes the file, with its data: `GIT binary patch`, then a `literal N` or
+# `delta N` block (base85 lines, each led by its byte count A-Z = 1..26, a-z = 27..52, ending at an empty
+# line; the bytes inflate with zlib to exactly N) and optionally the reverse block. A literal is the new
+# file whole, and git checks that its blob hash is the index line's new id. `Binary files a/x and b/x
+# differ` (git diff without --binary) has no data. A row carrying any of these wrong was accepted and
+# then every grading of it raised ("cannot apply binary patch ... without full index line", "corrupt
+# binary patch"); `binary_problem` finds it at load (rl.envs.swe.datasets.normalize).
+_B85 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz!#$%&()*+-;<=>?@^_`{|}~"
+_B85_SET = frozenset(_B85)
+_INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: [0-7]+)?$")
+_BLOCK = re.compile(r"^(literal|delta) (\d+)$")
+
+
+def _blob_id(data: bytes, hexlen: int) -> str:
+    import hashlib
+    h = hashlib.sha1 if hexlen == 40 else hashlib.sha256
+    return h(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """git's delta header size: 7 bits a byte, least significant first, high bit = more."""
+    value, shift = 0, 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated delta header")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not b & 0x80:
+            return value, pos
+
+
+def _binary_block(lines: list[str], i: int, max_bytes: int) -> tuple[str, bytes, int]:
+    """The block at lines[i] (`literal N` / `delta N` and its data lines): (kind, inflated bytes, index of
+    the line after its closing empty line). ValueError naming the line when git would not read it."""
+    import base64
+    import zlib
+    m = _BLOCK.match(lines[i]) if i < len(lines) else None
+    if not m:
+        raise ValueError(f"line {i + 1}: 'literal N' or 'delta N' expected after 'GIT binary patch', found "
+                         f"{(lines[i] if i < len(lines) else 'the end of the diff')[:40]!r}")
+    kind, size = m.group(1), int(m.group(2))
+    if size > max_bytes:
+        raise ValueError(f"line {i + 1}: a binary block of {size} bytes, over the limit of {max_bytes} "
+                         f"(ROW_LIMITS['file'])")
+    raw, j = bytearray(), i + 1
+    while j < len(lines) and lines[j] != "":
+        line = lines[j]
+        c = line[:1]
+        n = ord(c) - ord("A") + 1 if "A" <= c <= "Z" else ord(c) - ord("a") + 27 if "a" <= c <= "z" else 0
+        body = line[1:]
+        if not n or len(body) != (n + 3) // 4 * 5 or not set(body) <= _B85_SET:
+            raise ValueError(f"line {j + 1}: not a line of git's base85 binary data")
+        raw += base64.b85decode(body)[:n]
+        j += 1
+    if j >= len(lines):
+        raise ValueError(f"line {i + 1}: the {kind} block does not end with an empty line")
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(bytes(raw), size + 1)
+    except zlib.error as e:
+        raise ValueError(f"line {i + 1}: the {kind} block's data does not inflate ({e})") from None
+    if len(out) != size or not d.eof:
+        raise ValueError(f"line {i + 1}: the {kind} block says {size} bytes, its data inflates to "
+                         f"{len(out) if d.eof else f'more than {len(out)}'}")
+    if kind == "delta":
+        try:
+            _, pos = _varint(out, 0)
+            target, _ = _varint(out, pos)
+        except ValueError as e:
+            raise ValueError(f"line {i + 1}: {e}") from None
+        if target > max_bytes:
+            raise ValueError(f"line {i + 1}: the delta makes a file of {target} bytes, over the limit of "
+                             f"{max_bytes} (ROW_LIMITS['file'])")
+    return kind, out, j + 1
+
+
+def binary_problem(diff: str | bytes, max_bytes: int = 16 << 20) -> str | None:
+    """Why git apply would refuse a binary file's change in `diff` (one line naming the line and the
+    file), or None: a binary change without a full index line, a `Binary files ... differ` that is not a
+    deletion (no data), `GIT binary patch` data git cannot read (bad base85, not zlib, a size that is
+    not the block's), a literal whose blob id is not the index line's, a block over `max_bytes`."""
+    text = to_bytes(diff).decode("utf-8", "surrogateescape") if diff else ""
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("diff --git "):
+            i += 1
+            continue
+        start, pair = i, _header_pair(lines[i][len("diff --git "):])
+        path = (_strip(pair[1]) or _strip(pair[0]) or "?") if pair else "?"
+        ids, j, problem = None, i + 1, None
+        where = f"file {path[:80]!r} (diff --git at line {start + 1})"
+        while j < len(lines) and not lines[j].startswith("diff --git "):
+            h = lines[j]
+            if (m := _INDEX.match(h)) and ids is None:
+                ids = (m.group(1), m.group(2))
+            elif h.startswith("@@"):
+                break    # a text file's hunks: not binary
+            elif h.startswith("Binary files ") and h.endswith(" differ") or h == "GIT binary patch":
+                full = ids is not None and len(ids[0]) == len(ids[1]) and len(ids[0]) in (40, 64)
+                if not full:
+                    problem = (f"{where}: a binary change without a full index line (index <{40} hex>..<{40} "
+                               f"hex>: git diff --binary writes it); git apply refuses it")
+                elif h != "GIT binary patch":
+                    if set(ids[1]) != {"0"}:
+                        problem = (f"{where}: 'Binary files ... differ' carries no data (git diff without "
+                                   f"--binary); git apply cannot make the new file")
+                else:
+                    try:
+                        kind, data, j = _binary_block(lines, j + 1, max_bytes)
+                        if kind == "literal":
+                            new = ids[1]
+                            got = _blob_id(data, len(new))
+                            if (set(new) == {"0"} and data) or (set(new) != {"0"} and got != new):
+                                problem = (f"{where}: the literal's bytes are blob {got}, the index line says "
+                                           f"{new}; git apply refuses the result")
+                        if problem is None and j < len(lines) and _BLOCK.match(lines[j]):
+                            kind, data, j = _binary_block(lines, j, max_bytes)   # the reverse block
+                    except ValueError as e:
+                        problem = f"{where}: {e}"
+                    j -= 1
+                break
+            j += 1
+        if problem:
+            return problem
+        i = max(j, start + 1)
+    return None
+
+
 def touched(diff: str | bytes) -> list[str]:
     """Every path a diff reads or writes (both sides of a rename), in order, once each."""
     return list(dict.fromkeys(p for c in changes(diff) for p in c.paths))
