@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,8 +26,8 @@ from rl.contract import paths  # noqa: E402
 from rl.contract.batch import RolloutBatch, batch_digest  # noqa: E402
 from rl.faults import read_log  # noqa: E402
 import _fault_slurm  # noqa: E402
-from _fault_trial import (ENDS_INCARNATION, SLURM_KINDS, Trial, kill, leftover_processes,  # noqa: E402
-                          batch_groups, note_resume, wait_until)
+from _fault_trial import (ENDS_INCARNATION, SLURM_KINDS, WORKER_KINDS, Trial, kill,  # noqa: E402
+                          leftover_processes, batch_groups, note_resume, wait_until)
 
 # -- checks (after DONE) ------------------------------------------------------------------------------
 def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
@@ -128,7 +129,11 @@ def check_exactly_once(trial: Trial, fail) -> None:
       must be 0..S-1, each with the sha256 of the batch file now in rollouts/step_N, hashed here, which
       must also be its manifest's;
     - rollouts/groups.jsonl against the trained batches' group_ids: no group in two batches, every trained
-      group was started, every started group trained or recorded as dropped, none both."""
+      group was started, every started group trained or recorded as dropped, none both;
+    - and in the trained bytes themselves: each batch's samples.safetensors holds, per group (numbered
+      densely in the order of the meta's entries), exactly as many samples as its entry lists rollouts (one
+      sample per rollout unless an episode was cut into contexts, `segment` in the meta): a rollout played
+      again after its rollout worker died, or reported twice, would be a row more."""
     run_dir, steps = trial.run_dir, trial.steps
     recs = [e for e in exchange.read_jsonl(run_dir / "rollouts" / "consumed.jsonl") if e.get("consumer") == "trainer"]
     lineage: list[dict] = []
@@ -172,13 +177,23 @@ def check_exactly_once(trial: Trial, fail) -> None:
                for i in (e.get("rollouts") or range(G))}
     trained: dict[tuple[int, int], int] = {}
     for n in range(steps):
-        meta = json.loads((exchange.step_dir(run_dir, "rollouts", n) / "meta.json").read_text())
-        for g, idx in meta.get("entries") or [[g, range(G)] for g in meta.get("group_ids") or []]:
+        d = exchange.step_dir(run_dir, "rollouts", n)
+        meta = json.loads((d / "meta.json").read_text())
+        entries = meta.get("entries") or [[g, range(G)] for g in meta.get("group_ids") or []]
+        for g, idx in entries:
             for i in idx:
                 if (int(g), int(i)) in trained:
                     fail(f"group {g} rollout {i} trained in rollouts/step_{trained[(int(g), int(i))]:06d} and "
                          f"step_{n:06d}")
                 trained[(int(g), int(i))] = n
+        if "segment" not in meta:   # the file numbers the batch's groups densely, in the order of its entries
+            rows = sample_groups(d)
+            listed = Counter({j: len(idx) for j, (_, idx) in enumerate(entries)})
+            if rows != listed:
+                diff = {f"{j} (group {entries[j][0]})" if isinstance(j, int) and j < len(entries) else str(j):
+                        (rows[j], listed[j])
+                        for j in sorted(set(rows) | set(listed), key=str) if rows[j] != listed[j]}
+                fail(f"rollouts/step_{n:06d}: samples per group (in the file, in the meta) differ: {diff}")
     every = {(g, i) for g in started for i in range(G)}
     if lost := sorted(every - dropped - set(trained)):
         fail(f"rollouts (group, index) started but neither trained nor dropped: {lost[:10]}")
@@ -187,6 +202,16 @@ def check_exactly_once(trial: Trial, fail) -> None:
     if both := sorted(set(trained) & dropped):
         fail(f"rollouts (group, index) both trained and dropped: {both[:10]}")
     trial.groups = (len(started), len({g for g, _ in trained}), len({g for g, _ in dropped}))
+
+
+def sample_groups(step: Path) -> Counter:
+    """How many samples of each group a rollout batch holds, read from its samples.safetensors (the group
+    of every sample) with safetensors itself, not through rl.contract.batch."""
+    from safetensors.numpy import load
+    try:
+        return Counter(int(g) for g in load((step / "samples.safetensors").read_bytes())["groups"])
+    except (OSError, KeyError, ValueError) as e:
+        return Counter({f"unreadable: {e}": 1})
 
 
 def landed_after(trial: Trial) -> None:
@@ -201,6 +226,11 @@ def landed_after(trial: Trial) -> None:
             trial.proof.append(f"{e['point']} fired ({e['fired']}) in {e['role']} pid {e['pid']}, pass {e['pass']}")
         else:
             trial.not_landed = trial.not_landed or "the armed crash point was never reached"
+    if kind in WORKER_KINDS and not trial.parts and trial.at is None and trial.proof:
+        # a lost rollout worker is restarted in place: the run must finish in the incarnation it hit
+        if trial.incarnations != [0]:
+            trial.failures.append(f"launcher runs {trial.incarnations}: the incarnation a rollout worker fault "
+                                  f"hit must finish the run (exit 0, DONE) on its own")
     if trial.damaged:
         damage_outcome(trial)
     elif kind in ("bitflip", "truncate") and not trial.not_landed:

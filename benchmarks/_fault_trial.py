@@ -23,7 +23,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import _fault_slurm  # noqa: E402
 
 LOCAL_KINDS = ("kill_role", "kill_all", "stop", "crash_point", "disk_full", "bitflip", "truncate", "sigstop",
-               "zombie", "second_launcher")
+               "zombie", "second_launcher", "worker_kill", "worker_node_lost")
+# kinds that hit the orchestrator's rollout worker processes (rl/orchestrator/workers.py); their runs, and a
+# campaign holding one, play with WORKERS of them. The centre restarts a lost worker in place: the
+# incarnation goes on, so these are not in ENDS_INCARNATION (a second incarnation is a failure for them)
+WORKER_KINDS = ("worker_kill", "worker_node_lost")
+WORKERS = 2
 SLURM_KINDS = _fault_slurm.KINDS
 KINDS = LOCAL_KINDS + SLURM_KINDS
 # kinds whose fault ends the incarnation it hits: a later incarnation must have run
@@ -59,9 +64,12 @@ class Trial:
     groups: tuple | None = None                         # (started, trained, dropped) group ids
     resumes: dict = field(default_factory=dict)         # restart -> discarded lists, each resume.json seen
     parts: list = field(default_factory=list)           # a campaign's faults, one Trial each, in order
+    workers_lost: dict = field(default_factory=dict)    # worker kinds: {"killed", "lost", "restarts"}, by inject
 
     def overrides(self) -> list[str]:
-        return [*BASE, f"trainer.max_steps={self.steps}", f"orchestrator.max_off_policy={self.max_off_policy}",
+        # a worker kind, or a campaign ("a+b+...") holding one, plays with rollout workers
+        workers = set(self.kind.split("+")) & set(WORKER_KINDS)
+        return [*BASE, *([f"orchestrator.rollout_workers={WORKERS}"] if workers else []), f"trainer.max_steps={self.steps}", f"orchestrator.max_off_policy={self.max_off_policy}",
                 *self.extra, f"run_dir={self.run_dir}"]
 
     @property
@@ -148,14 +156,14 @@ def steps_done(run_dir: Path) -> int:
         return 0
 
 
-def wait_until(pred, timeout: float, p: subprocess.Popen | None = None) -> bool:
+def wait_until(pred, timeout: float, p: subprocess.Popen | None = None, every: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return True
         if p is not None and p.poll() is not None:
             return False
-        time.sleep(0.2)
+        time.sleep(every)
     return False
 
 

@@ -56,6 +56,13 @@ Fault kinds (`--kinds`, default all):
   zombie         the trainer stopped, everything else killed, a new incarnation started, then the old
                  trainer continued: its publishes must be refused (fencing) and change nothing
   second_launcher  a second `launch run` on the same run dir while the first runs: refused
+  worker_kill      SIGKILL one of the orchestrator's 2 rollout workers (orchestrator.rollout_workers=2) at a
+                   random moment: the centre counts its episodes in flight, restarts it in place, plays them
+                   again; the run must finish in that incarnation, the loss counted in the next batch's meta
+  worker_node_lost every rollout worker SIGKILLed at once (the workers are children of the orchestrator on its
+                   node, so a whole node lost is kill_all; this is what can die without the centre: the OOM
+                   killer or a cgroup kill of the workers; the centre has no liveness check of a frozen worker,
+                   so a SIGSTOP past a bound would not be detected and is not the kind)
   slurm_kill_batch      SIGKILL to the job's batch shell; the run resumed with `launch resume`
   slurm_kill_step       one role's step killed (scancel --signal=KILL JOB.STEP, or SIGKILL to its task)
   slurm_cancel_prepare  scancel while rl.prepare stalls inside prepare.mid (the first incarnation's, or
@@ -82,10 +89,11 @@ Measured (2 cores shared with other engineers' work, load 6-15; docs/faults.md h
 the trainer set aside is published again from new groups, so its groups are lost, found by the
 groups.jsonl check); 2 not landed (zombie: this harness did not record the incarnation it killed; fixed, a rerun passed).
 A local trial took 101-253 s, a Slurm trial 135-227 s, beside another trial.
+The worker kinds (2026-12-07, load 5-7): `--trials 20 --kinds worker_kill,worker_node_lost --seed 0`: 20 of 20
+passed in 1358 s, 99-214 s per trial beside another (one incarnation each; docs/faults.md).
 
-It prints one row per trial (with its landing proof) and a table by kind; the last line but one is
-machine-readable: `trials=N passed=P failed=F not_landed=L seconds=T ...`, the last `P passed, F failed,
-L not landed`.
+It prints one row per trial (with its landing proof) and a table by kind, then `P passed, F failed, L not
+landed`; the last line is machine-readable: `trials=N passed=P failed=F not_landed=L seconds=T ... kinds=K,...`.
 """
 from __future__ import annotations
 
@@ -109,7 +117,7 @@ import _fault_slurm  # noqa: E402
 import _fault_trial  # noqa: E402
 # the trial, its processes, the injection and the checks live in _fault_trial, _fault_inject and
 # _fault_checks (split along those seams, issue 23); the names are imported here for callers of this module
-from _fault_trial import (ENDS_INCARNATION, KINDS, NOT_INJECTED, SLURM_KINDS, STEPS, Trial,  # noqa: E402,F401
+from _fault_trial import (ENDS_INCARNATION, KINDS, NOT_INJECTED, SLURM_KINDS, STEPS, WORKER_KINDS, Trial,  # noqa: E402,F401
                           kill, kill_everything, launch, launcher_pid, role_pids, steps_done, wait_exit,
                           wait_until)
 from _fault_inject import CRASH_POINTS, inject  # noqa: E402
@@ -153,7 +161,9 @@ def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0,
     """Several faults one after the other in ONE run (the CI subset: one run's worth of time instead of one
     per fault), then the run completed and checked like a trial (max_off_policy=1, so without the
     bit-identical comparison, which needs a reference run). Each fault is a part (`trial.parts`, a Trial
-    of its own kind sharing the run dir) with its own proof and verdict (Trial.verdict).
+    of its own kind sharing the run dir) with its own proof and verdict (Trial.verdict). With a rollout
+    worker kind among them the whole run (every incarnation) plays with orchestrator.rollout_workers=2;
+    that part settles inside its injection (the centre's account of the loss and a batch counting it).
 
     Scheduled so that no fault can pre-empt an earlier one's proof: the next fault is injected only once
     the previous one has `settle`d (its effect seen, or its incarnation ended, with a bounded wait). A
@@ -164,6 +174,8 @@ def run_campaign(kinds: list[str], seed: int, out: Path, timeout: float = 420.0,
     so (`landed, neutralised`, damage_outcome), it is not counted missing."""
     if bad := [k for k in kinds if k in ("zombie", "disk_full")]:
         raise ValueError(f"campaign: {bad[0]} needs a run of its own")
+    if len([k for k in kinds if k in WORKER_KINDS]) > 1:
+        raise ValueError("campaign: one rollout worker kind at most (the whole run then plays with rollout workers)")
     rng = random.Random(seed)
     t0 = time.monotonic()
     trial = Trial(0, "+".join(kinds), 1, out / "campaign", steps=steps)
@@ -420,10 +432,10 @@ def main(argv=None) -> int:
         t = run_campaign(kinds, ns.seed, out, ns.incarnation_timeout)
         print(trial_line(t))
         st = t.status
+        print(f"{int(st == 'passed')} passed, {int(st == 'failed')} failed, {int(st == 'not_landed')} not landed")
         print(f"trials=1 passed={int(st == 'passed')} failed={int(st == 'failed')} not_landed={int(st == 'not_landed')} "
               f"seconds={t.seconds:.0f} faults={len(t.parts)} "
               + " ".join(f"{f.kind}={f.verdict.replace(', ', '+').replace(' ', '_')}" for f in t.parts))
-        print(f"{int(st == 'passed')} passed, {int(st == 'failed')} failed, {int(st == 'not_landed')} not landed")
         return 0 if st == "passed" else 1
     if ns.jobs < 1:
         ap.error(f"--jobs: {ns.jobs}, must be at least 1")
@@ -444,9 +456,9 @@ def main(argv=None) -> int:
     not_landed = sum(t.status == "not_landed" for t in trials)
     print(f"run dirs of failed / not landed trials kept under {out}" if failed + not_landed
           else f"(trial run dirs under {out} removed)")
-    print(f"trials={len(trials)} passed={passed} failed={failed} not_landed={not_landed} "
-          f"seconds={time.monotonic() - t0:.0f} jobs={ns.jobs} exit_fault={EXIT_FAULT}")
     print(f"{passed} passed, {failed} failed, {not_landed} not landed")
+    print(f"trials={len(trials)} passed={passed} failed={failed} not_landed={not_landed} "
+          f"seconds={time.monotonic() - t0:.0f} jobs={ns.jobs} exit_fault={EXIT_FAULT} kinds={','.join(kinds)}")
     return 0 if failed == 0 and not_landed == 0 else 1
 
 

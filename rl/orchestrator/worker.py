@@ -9,8 +9,9 @@ would play it in-process, and reports back over its inherited socket (rl/orchest
   servers, router, secret, policy version);
 - `("end", key, i, tokens, segments, segment_tokens, sample)` when rollout i of a group has its reward:
   the sample, routes as a spill-file reference; the centre frees its slot and may train it (release);
-- `("acct", key, {i: (tokens, segments, segment_tokens)})` twice a second for groups whose counts moved
-  (the pool's waste accounting and progress of long episodes);
+- `("acct", key, {i: (tokens, segments, segment_tokens)})` as soon as a group is started (its
+  acknowledgement: a replay the worker never acknowledged is not counted lost with it), then twice a
+  second for groups whose counts moved (the pool's waste accounting and progress of long episodes);
 - `("done", key, None | (kind, message))` when the group is over: None, or why it failed (`inference`:
   the role fails as it would in-process; `environment`: the group is dropped and counted).
 
@@ -43,8 +44,9 @@ class WorkerGroup:
     """The pool's view of a group inside the worker (what rl.orchestrator.accounting reports to): the
     rollouts' counts, and each finished rollout's sample sent to the centre as soon as it has its reward."""
 
-    def __init__(self, key: int, start_version: int, indices: list[int], send):
+    def __init__(self, key: int, start_version: int, indices: list[int], send, gid: int = 0):
         self.key, self.start_version, self.started = key, start_version, time.monotonic()
+        self.gid = int(gid)   # the pool's group id: with start_version, the slots' order (rl.orchestrator.slots)
         self.rollouts = {i: RolloutAcct() for i in indices}
         self.done: dict = {}
         self.sent: set[int] = set()
@@ -124,13 +126,15 @@ class Worker:
 
     def start_group(self, key, task, group, step, attempt, rollouts, start_version) -> None:
         idx = list(rollouts or range(int(self.sampler.o.group_size)))
-        g = WorkerGroup(key, start_version, idx, self.send)
+        g = WorkerGroup(key, start_version, idx, self.send, gid=group)
         g.spill_dir = self.spill_dir
         self.groups[key] = g
         ctx = contextvars.copy_context()
         ctx.run(accounting.GROUP.set, g)
         self.tasks[key] = asyncio.create_task(self.play(key, task, group, step, attempt, rollouts, start_version),
                                               context=ctx)
+        g.last = g.counts()
+        self.send(("acct", key, g.last))   # the acknowledgement: the centre counts it lost if this worker dies
 
     async def ticker(self) -> None:
         while True:

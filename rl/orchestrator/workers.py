@@ -79,6 +79,8 @@ class Pending:
     got: dict
     future: asyncio.Future
     worker: "Child"
+    replay: bool = False   # a replay after a lost worker
+    acked: bool = False    # the worker has said anything about it (it acknowledges a `play` at once)
 
 
 @dataclass
@@ -186,6 +188,8 @@ class RolloutWorkers:
             c.ready.set()
             return
         p = c.pending.get(msg[1])
+        if p is not None:
+            p.acked = True
         if kind == "end":
             _, _, i, tokens, segs, segtoks, s = msg
             s = wire.from_wire(s)   # maps and unlinks the route files even when nobody wants the sample
@@ -213,16 +217,23 @@ class RolloutWorkers:
             raise ValueError(f"unknown message {kind!r}")
 
     async def _lost(self, c: Child) -> None:
-        proc = c.proc
-        rc = await asyncio.to_thread(proc.wait) if proc is not None else None
-        lost = c.load
+        # Taken out of `_pick` and its groups failed over before the wait for its exit status: while that
+        # wait ran, a new group could be handed to the dead worker and then counted as lost and replayed.
+        was_ready = c.ready.is_set()
+        c.ready = asyncio.Event()
+        # A replay the worker never acknowledged never ran there: when several workers die at once (a
+        # node's), one's groups can be handed to another that is already dying before its end of stream
+        # is read; counting them again counted the same episodes lost twice (192 of 128 in flight, measured)
+        lost = sum(len(p.left) - len(p.got) for p in c.pending.values() if p.acked or not p.replay)
         for p in c.pending.values():
             if not p.future.done():
                 p.future.set_exception(WorkerLost())
         c.pending.clear()
+        proc = c.proc
+        rc = await asyncio.to_thread(proc.wait) if proc is not None else None
         if self.closing:
             return
-        if not c.ready.is_set():
+        if not was_ready:
             self.error = RuntimeError(f"rollout worker {c.index} exited with status {rc} before it was ready "
                                       f"(see its lines in the orchestrator's log)")
             return
@@ -274,7 +285,10 @@ class RolloutWorkers:
         while True:
             if self.error is not None:
                 raise self.error
-            ready = [c for c in self.children if c.ready.is_set() and c.writer is not None]
+            # and alive: a worker that died with another (one node's workers at once) is not handed the
+            # other's groups before its own end of stream is read, to be counted lost a second time
+            ready = [c for c in self.children if c.ready.is_set() and c.writer is not None
+                     and (c.proc is None or c.proc.poll() is None)]
             if ready:
                 return min(ready, key=lambda c: (c.load, c.index))
             await asyncio.sleep(0.05)
@@ -293,7 +307,7 @@ class RolloutWorkers:
                 left = [i for i in want if i not in got]
                 c = await self._pick()
                 key = next(self._keys)
-                p = Pending(g, left, got, asyncio.get_running_loop().create_future(), c)
+                p = Pending(g, left, got, asyncio.get_running_loop().create_future(), c, replay=replay > 0)
                 c.pending[key] = p
                 c.send(("play", key, task, group, step, attempt,
                         None if len(left) == int(self.o.group_size) else left, start_version))
