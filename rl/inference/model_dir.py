@@ -273,6 +273,7 @@ def _swap(tmp: Path, out_dir: Path, pinned: Path, source: dict) -> Path:
         if not privdirs.same_dir(tmp, pinned):
             raise _replaced(tmp)
         if safefs.lstat(out_dir) is not None:
+            safefs.remove(old)   # this process's own leftover of an earlier swap whose cleanup did not finish
             safefs.rename(out_dir, old)  # a copy of another version (an earlier start on this node)
         else:
             old = None
