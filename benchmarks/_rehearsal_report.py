@@ -9,6 +9,7 @@ are the ones the engine actually sent for it, counted per request, not inferred 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -71,14 +72,22 @@ def analyse(a, t: dict) -> dict:
         share = batch_bytes / a.data_ranks
         own = {r["rank"]: f"shard_{r['dp_rank']:05d}.safetensors" for r in ranks}
         shard_files = {k for k in data if k.startswith("shard_")}
-        small = sum(v for k, v in files.items() if k not in shard_files) + max(
+        # a batch whose routes are the rollout workers' part files: each rank's samples' route files are its own
+        layout = json.loads((sd / "meta.json").read_text())["layout"]["ranks"]
+        route_files = {k for k in data if k.startswith("routes_")}
+        own_routes = {r["rank"]: {f"routes_{i:06d}.safetensors" for i in layout[r["dp_rank"]]["samples"]} & route_files
+                      for r in ranks}
+        own_size = {r["rank"]: data.get(own[r["rank"]], 0) + sum(data[k] for k in own_routes[r["rank"]]) for r in ranks}
+        small = sum(v for k, v in files.items() if k not in shard_files | route_files) + max(
             sum(r["unlisted"].values()) for r in ranks)
         slack = 1 << 20   # lazily imported modules, /proc reads: what else a rank may read meanwhile
         only_own = None
         if shard_files and all(own[r["rank"]] in shard_files for r in ranks):
-            determinable = all(small + slack < min([data[k] for k in shard_files if k != own[r["rank"]]] or [math.inf])
-                               for r in ranks)
-            fits = all(data[own[r["rank"]]] <= r["rchar_load"] <= data[own[r["rank"]]] + small + slack for r in ranks)
+            others = {r["rank"]: min([data[k] for k in shard_files if k != own[r["rank"]]] +
+                                     [sum(data[k] for k in own_routes[q["rank"]]) for q in ranks
+                                      if q["rank"] != r["rank"] and route_files] or [math.inf]) for r in ranks}
+            determinable = all(small + slack < others[r["rank"]] for r in ranks)
+            fits = all(own_size[r["rank"]] <= r["rchar_load"] <= own_size[r["rank"]] + small + slack for r in ranks)
             only_own = fits if determinable or not fits else None
         elif not shard_files:
             only_own = False   # one batch file: every rank reads all of it
@@ -120,7 +129,8 @@ def analyse(a, t: dict) -> dict:
             # the data ranks' own shards are every shard of the step, once each, and add up to it
             "shards_partition": (sorted(own.values()) == sorted(shard_files) if shard_files else False)
             and sum(r["tokens"] for r in ranks) == len(batch.tokens)
-            and sum(data[k] for k in shard_files) == sum(data[o] for o in own.values()),
+            and sum(data[k] for k in shard_files) == sum(data[o] for o in own.values())
+            and sorted(k for o in own_routes.values() for k in o) == sorted(route_files),
             "orch_cpu_s": st.get("cpu", float("nan")) - prev.get("cpu", float("nan")),
             "orch_cpu_abs": st.get("cpu", float("nan")), "orch_hwm": st.get("hwm", 0), "orch_rss": st.get("rss", 0), "http_per_token": http / max(gen, 1),
             "episodes_matched": sum(bool(e["turns"]) for e in eps),

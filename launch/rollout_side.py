@@ -31,7 +31,10 @@ CONTEXT_TOKEN_S = 0.08 * 14e-3 / 8192   # whole-context request JSON 8%: per con
 POOL_ROLLOUT_S = 0.003 * 17.9 / 64      # pool and group log 0.3%: per rollout, at the centre
 # Route base64 decode (16%) is launch.dataplane's `decode` term (bytes over its measured rate), per
 # episode; batch build + sha256 + shard writes (16.5%) are its `build`, `hash` and `write` terms, at the
-# centre. Checked: these terms give 17.5 s for the rehearsal's batch (measured 17.9 s).
+# centre. Checked: these terms give 17.5 s for the rehearsal's batch (measured 17.9 s). With rollout
+# workers the routes' share of those bytes is written and hashed by the workers (rl/orchestrator/parts.py:
+# each sample's rows once, as a part file the batch takes by a rename) and the centre builds, hashes and
+# writes the rest (13 B a token).
 ROLLOUT_SHARE = 0.10   # a rollout process above this share of the step: warned, and the search's bound
 ENV_THREADS_MAX = 1024  # rl.envs.base.ENV_THREADS_MAX: environment threads per process (its comment: why)
 SERVICE_THREADS = 512   # rl.envs.swe.service.MAX_THREADS: commands one sandbox service runs at once
@@ -163,12 +166,14 @@ def busiest_s(train_s: float, centre_s: float, groups: int, workers: int) -> tup
     return train_s * most / max(groups, 1), most
 
 
-def workers_needed(train_s: float, centre_s: float, groups: int, reference_s: float) -> int:
+def workers_needed(train_s: float, centre_s: float, groups: int, reference_s: float,
+                   single_s: float | None = None) -> int:
     """The fewest rollout workers whose busiest stays under ROLLOUT_SHARE of the step: 0 when one process
-    does everything so, else the smallest divisor of the groups in flight that does (every worker holds
-    the same number of groups), at most one worker per group. The centre's own CPU is not theirs to cut."""
+    does everything so (`single_s`, default train + centre: its CPU without workers), else the smallest
+    divisor of the groups in flight that does (every worker holds the same number of groups), at most one
+    worker per group. The centre's own CPU is not theirs to cut."""
     limit = ROLLOUT_SHARE * reference_s
-    if train_s + centre_s <= limit:
+    if (train_s + centre_s if single_s is None else single_s) <= limit:
         return 0
     for w in range(1, max(groups, 1) + 1):
         if groups % w == 0 and busiest_s(train_s, centre_s, groups, w)[0] <= limit:
@@ -197,8 +202,16 @@ def cpu(cfg, workload, data, step_s: float, workers: int | None = None) -> Rollo
              "context sent": requests * w.rollout_tokens / 2 * CONTEXT_TOKEN_S,
              "route decode": decode}
     train, evaluation = rollouts * unit + decode, eval_per_step * unit
-    centre = (rollouts * POOL_ROLLOUT_S + evaluation
-              + (data.build_s + data.hash_s + data.write_s if data is not None else 0.0))
+    batch = data.build_s + data.hash_s + data.write_s if data is not None else 0.0
+    centre = rollouts * POOL_ROLLOUT_S + evaluation + batch
+    # with workers: the routes' share of the batch's bytes is theirs (part files), the rest the centre's
+    routes = data.route_bytes / data.batch_bytes if data is not None and data.batch_bytes else 0.0
+    train_w = train + (data.hash_s + data.write_s) * routes if data is not None else train
+    centre_w = rollouts * POOL_ROLLOUT_S + evaluation + batch * (1 - routes)
+    single = train + centre   # W = 0: one process does all of it
+    if n_workers:
+        parts["route part files"] = train_w - train
+        train, centre = train_w, centre_w
     groups = groups_inflight(cfg)
     busy, most = busiest_s(train, centre, groups, n_workers)
     target = cfg.cluster.target_step_s
@@ -207,7 +220,7 @@ def cpu(cfg, workload, data, step_s: float, workers: int | None = None) -> Rollo
     return RolloutCPU(workers=n_workers, episodes=episodes, requests=requests, parts=parts,
                       per_episode_s=train + evaluation, eval_s=evaluation, centre_s=centre if n_workers else busy,
                       busiest_s=busy, busiest_groups=most, reference_s=ref, compared=compared,
-                      needed=workers_needed(train, centre, groups, ref) if compared else n_workers)
+                      needed=workers_needed(train_w, centre_w, groups, ref, single_s=single) if compared else n_workers)
 
 
 def _workers_hint(r: RolloutCPU) -> str:
@@ -222,8 +235,8 @@ def terms(r: RolloutCPU) -> list[tuple[str, float, str]]:
         return [(f"orchestrator process CPU, episodes in it (rollout_workers=0): {r.requests:.0f} requests, "
                  f"pool and batch", r.busiest_s, hint)]
     return [(f"busiest rollout worker CPU: 1 of {r.workers}, {r.busiest_groups} groups in flight", r.busiest_s, hint),
-            ("centre CPU: pool, group log, batch build, sha256, shard writes, evaluation episodes", r.centre_s,
-             "the batch cut from the workers' files (issue 50 item 2), evaluation on the workers")]
+            ("centre CPU: pool, group log, batch build, sha256, shard writes (no routes), evaluation episodes",
+             r.centre_s, "evaluation on the workers")]
 
 
 # Where the rollout workers run: children of the orchestrator on its node (rl/orchestrator/workers.py,
@@ -254,8 +267,11 @@ def lines(cfg, r: RolloutCPU, env_s: float, episode_s: float) -> list[str]:
            f"{r.requests:.0f} requests at {REQUEST_S * 1e3:.1f} ms + {p['generated tokens']:.0f} s for "
            f"{p['generated tokens'] / GEN_TOKEN_S / 1e6:.2f}M generated tokens at {GEN_TOKEN_S * 1e6:.1f} us + "
            f"{p['context sent']:.0f} s for {p['context sent'] / CONTEXT_TOKEN_S / 1e6:.0f}M context tokens sent at "
-           f"{CONTEXT_TOKEN_S * 1e9:.0f} ns + {p['route decode']:.0f} s of route decode ({r.episodes:.0f} episodes "
-           f"per step, evaluation included); {share} (coefficients: docs/perf.md \"Rollout side\")"]
+           f"{CONTEXT_TOKEN_S * 1e9:.0f} ns + {p['route decode']:.0f} s of route decode"
+           + (f" + {p['route part files']:.0f} s writing and hashing the routes' part files"
+              if "route part files" in p else "")
+           + f" ({r.episodes:.0f} episodes per step, evaluation included); {share} (coefficients: docs/perf.md "
+           f"\"Rollout side\")"]
     threads = env_threads(cfg)
     per_proc = min(o.env_concurrency, threads, math.ceil(r.busiest_groups * o.group_size))
     calls = env_calls_at_once(cfg)

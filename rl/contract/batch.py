@@ -43,10 +43,10 @@ import numpy as np
 from rl.contract import record_schemas, safefs
 from rl.contract.batch_checks import (  # noqa: F401  (re-exported: the batch's API)
     ARRAYS, MAX_ADVANTAGE, PER_SAMPLE, PER_TOKEN, ChecksumMismatch, InvalidBatch, check_arrays, check_layout,
-    check_meta, read_file, read_safetensors, version_bound)
+    check_meta, read_file, read_routes, read_safetensors, version_bound)
 from rl.contract.batch_files import (  # noqa: F401  (re-exported: the batch's API)
     INDEX, INDEX_FILE, META_FILE, SHARD, ShardPlan, _index, _write, batch_digest, expert_ids, micro_batches,
-    shard_file, write_arrays, write_samples)
+    route_file, shard_file, write_arrays, write_samples)
 
 _MAX_META = 256 << 20   # meta.json lists a few numbers per sample; a file beyond this is not one
 
@@ -198,10 +198,12 @@ def _assemble(step_dir: Path, meta: dict, index: dict, files: dict | None, vocab
     """Every shard read back into the whole batch, in sample order; (batch, bytes read)."""
     layout = meta["layout"]
     n = len(index["rewards"])
-    parts, order = [], []
+    parts, order, n_read = [], [], 0
     newest = version_bound(step_dir)
     for r in range(len(layout["ranks"])):
-        parts.append(_read_shard(step_dir, r, layout, index, files, vocab_size, newest))
+        got, nread = _read_shard(step_dir, r, layout, index, files, vocab_size, newest, meta.get("route_files"))
+        parts.append(got)
+        n_read += nread
         order += layout["ranks"][r]["samples"]
     order = np.asarray(order, np.int64)
     lengths = np.diff(index["offsets"])
@@ -217,7 +219,7 @@ def _assemble(step_dir: Path, meta: dict, index: dict, files: dict | None, vocab
                          routed_experts=cat["routed_experts"][take] if "routed_experts" in cat else None,
                          meta=meta, totals=_totals(index))
     check_arrays(batch, vocab_size, str(step_dir), max_version=newest)
-    return batch, sum(v.nbytes for p in parts for v in p.values())
+    return batch, n_read
 
 
 def _read(step_dir: Path, name: str, files: dict | None) -> memoryview:
@@ -272,18 +274,37 @@ def _read_head(step_dir: Path, files: dict | None) -> tuple[dict, dict, int]:
     return meta, a, len(raw) + len(data)
 
 
+def _read_routes(step_dir: Path, idx: np.ndarray, lengths: np.ndarray, files: dict | None,
+                 row: list) -> tuple[np.ndarray, int]:
+    """The route files (meta `route_files` = [layers, top_k]: rollout workers' parts) of samples `idx`,
+    each verified against the manifest and its sample, read into one array in order; (rows, bytes read)."""
+    names = [route_file(i) for i in idx.tolist()]
+    if files is not None and (missing := [n for n in names if n not in files]):
+        raise ChecksumMismatch(f"{step_dir / missing[0]}: not in the step's manifest")
+    wants = [None if files is None else (files[n].get("sha256"), files[n].get("size")) for n in names]
+    return read_routes([step_dir / n for n in names], wants, [int(lengths[i]) for i in idx.tolist()], row)
+
+
 def _read_shard(step_dir: Path, rank: int, layout: dict, index: dict, files: dict | None,
-                vocab_size: int | None, step: int | None = None) -> dict[str, np.ndarray]:
+                vocab_size: int | None, step: int | None = None, route_files: list | None = None
+                ) -> tuple[dict[str, np.ndarray], int]:
     """Shard `rank`'s per-token arrays, checked against the index (its samples' lengths, loss tokens and
     versions) and as a batch (check_arrays; versions at most `step`, the batch's `version_bound`, group
-    ids those of the whole batch)."""
+    ids those of the whole batch); with `route_files` ([layers, top_k]), its samples' routes from their
+    route files. Returns (arrays, bytes of arrays read)."""
     f = step_dir / shard_file(rank)
-    a = read_safetensors(f, _read(step_dir, shard_file(rank), files))
+    a = dict(read_safetensors(f, _read(step_dir, shard_file(rank), files)))
     if missing := [k for k in SHARD if k not in a]:
         raise InvalidBatch(f"{f}: no array {missing[0]!r} (a shard has {', '.join(SHARD)})")
     if extra := sorted(set(a) - set(SHARD) - {"routed_experts"}):
         raise InvalidBatch(f"{f}: unknown array {extra[0]!r} (a shard has {', '.join(SHARD)}, routed_experts)")
     idx = np.asarray(layout["ranks"][rank]["samples"], np.int64)
+    n_read = sum(v.nbytes for v in a.values())
+    if route_files:
+        if "routed_experts" in a:
+            raise InvalidBatch(f"{f}: routed_experts in a shard of a batch whose routes are route files")
+        a["routed_experts"], n_routes = _read_routes(step_dir, idx, np.diff(index["offsets"]), files, route_files)
+        n_read += n_routes
     b = RolloutBatch(tokens=a["tokens"], offsets=a["offsets"], loss_mask=a["loss_mask"], logprobs=a["logprobs"],
                      versions=a["versions"], rewards=index["rewards"][idx], advantages=index["advantages"][idx],
                      groups=index["groups"][idx], routed_experts=a.get("routed_experts"))
@@ -300,7 +321,7 @@ def _read_shard(step_dir: Path, rank: int, layout: dict, index: dict, files: dic
         if not (np.array_equal(loss, index["loss_tokens"][idx]) and np.array_equal(vsum, index["version_sum"][idx])):
             raise InvalidBatch(f"{f}: its loss tokens or their versions differ from {INDEX_FILE}'s totals")
     return {**{k: a[k] for k in PER_TOKEN}, **({"routed_experts": a["routed_experts"]}
-                                               if "routed_experts" in a else {})}
+                                               if "routed_experts" in a else {})}, n_read
 
 
 def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, files: dict | None = None,
@@ -321,7 +342,8 @@ def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, fi
     if not 0 <= data_rank < len(layout["ranks"]):
         raise InvalidBatch(f"{step_dir / META_FILE}: layout has {len(layout['ranks'])} data ranks, no rank "
                            f"{data_rank}")
-    a = _read_shard(step_dir, data_rank, layout, index, files, vocab_size, version_bound(step_dir))
+    a, n_shard = _read_shard(step_dir, data_rank, layout, index, files, vocab_size, version_bound(step_dir),
+                             meta.get("route_files"))
     e = layout["ranks"][data_rank]
     idx = np.asarray(e["samples"], np.int64)
     lengths = np.diff(index["offsets"])[idx]
@@ -336,5 +358,5 @@ def load_share(step_dir: Path, data_rank: int, vocab_size: int | None = None, fi
                                 # the most micro-batches any rank trains: every rank runs that many rows
                                 "rows_per_rank": max(len(x["micro_batches"]) for x in layout["ranks"])},
                          totals=_totals(index))
-    return share, n_read + sum(v.nbytes for v in a.values())
+    return share, n_read + n_shard
 

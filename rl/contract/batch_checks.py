@@ -111,6 +111,85 @@ def read_file(path, want_sha256: str | None = None, size: int | None = None) -> 
     return view, n
 
 
+def _route_head(path, fd: int, size: int | None, row: list) -> tuple[bytes, np.dtype, int]:
+    """A route file's safetensors head (the bytes before its rows), the rows' dtype and count."""
+    def bad(why: str):
+        raise InvalidBatch(f"{path}: {why}")
+
+    n = os.fstat(fd).st_size
+    if size is not None and n != size:
+        raise ChecksumMismatch(f"{path}: {n} bytes, the manifest says {size} (truncated?)")
+    first = os.pread(fd, 8, 0)
+    hlen = int.from_bytes(first, "little") if len(first) == 8 else -1
+    if not 0 <= hlen <= min(_MAX_HEADER, n - 8):
+        bad(f"not a readable safetensors file of numpy arrays ({n} bytes, header of {hlen})")
+    head = first + os.pread(fd, hlen, 8)
+    try:
+        header = json.loads(head[8:])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        bad(f"not a readable safetensors file of numpy arrays (header is not JSON: {e})")
+    info = header.get("routed_experts") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or set(header) != {"routed_experts"} or not isinstance(info, dict):
+        bad(f"a route file holds routed_experts only, found {', '.join(sorted(map(str, header or {})))}")
+    dt, shape = {"U8": np.uint8, "U16": np.uint16}.get(info.get("dtype")), info.get("shape")
+    if dt is None or not isinstance(shape, list) or len(shape) != 3 or shape[1:] != list(row) or \
+            not all(record_schemas.is_int(v, 0, 1 << 40) for v in shape):
+        bad(f"routed_experts must be uint8/uint16 [tokens, {row[0]}, {row[1]}], found "
+            f"{record_schemas.shown(info.get('dtype'))} {record_schemas.shown(shape)}")
+    nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
+    if info.get("data_offsets") != [0, nbytes] or n != len(head) + nbytes:
+        bad(f"routed_experts of shape {shape} does not fill the file's {n - len(head)} bytes of data")
+    return head, np.dtype(dt), int(shape[0])
+
+
+def read_routes(paths: list, wants: list, lengths: list, row: list) -> tuple[np.ndarray, int]:
+    """Route files (one sample's routed-expert rows each) read straight into one [tokens, layers, top_k]
+    array, in order: no copy after the read. `wants`: per file (sha256, size) from the manifest or None;
+    each file is hashed as read and checked against its sample's length. (rows, bytes read)."""
+    heads = []
+    for path, want, m in zip(paths, wants, lengths):
+        fd = safefs.open_read(path)
+        try:
+            head, dt, rows = _route_head(path, fd, None if want is None else want[1], row)
+        finally:
+            os.close(fd)
+        if rows != m:
+            raise InvalidBatch(f"{path}: {rows} rows of routed experts, its sample has {int(m)} tokens")
+        heads.append((head, dt))
+    dtype = max((dt for _, dt in heads), key=lambda d: d.itemsize, default=np.dtype(np.uint8))
+    out = np.empty((int(sum(lengths)), *row), dtype)
+    off, n_read = 0, 0
+    for path, want, m, (head, dt) in zip(paths, wants, lengths, heads):
+        fd = safefs.open_read(path)
+        try:
+            again, _, _ = _route_head(path, fd, None if want is None else want[1], row)
+            if again != head:
+                raise ChecksumMismatch(f"{path}: changed while it was read")
+            if dt == dtype:   # straight into its place in the rank's array
+                dst = memoryview(out[off:off + m].reshape(-1).view(np.uint8))
+            else:             # a narrower file beside wider ones: read, then widened into place
+                tmp = np.empty(m * row[0] * row[1], dt)
+                dst = memoryview(tmp.view(np.uint8))
+            done = 0
+            while done < len(dst):
+                got = os.preadv(fd, [dst[done:]], len(head) + done)
+                if got == 0:
+                    raise ChecksumMismatch(f"{path}: ended after {len(head) + done} bytes")
+                done += got
+        finally:
+            os.close(fd)
+        if want is not None:
+            h = hashlib.sha256(head)
+            h.update(dst)
+            if h.hexdigest() != want[0]:
+                raise ChecksumMismatch(f"{path}: sha256 does not match the manifest")
+        if dt != dtype:
+            out[off:off + m] = tmp.reshape(m, *row)
+        off += m
+        n_read += len(head) + len(dst)
+    return out, n_read
+
+
 def read_safetensors(path, data: memoryview) -> dict[str, np.ndarray]:
     """The arrays of a safetensors file's bytes, as read-only numpy views of `data`."""
     def bad(why: str):

@@ -40,6 +40,11 @@ def shard_file(rank: int) -> str:
     return f"shard_{rank:05d}.safetensors"
 
 
+def route_file(sample: int) -> str:
+    """A batch whose routes came as rollout workers' part files (meta `route_files`): sample i's rows."""
+    return f"routes_{sample:06d}.safetensors"
+
+
 def expert_ids(r: np.ndarray) -> np.ndarray:
     """Expert ids in the batch layout: uint8 when they all fit, else uint16 (up to 65536 experts)."""
     r = np.asarray(r)
@@ -177,7 +182,10 @@ def write_samples(out_dir: Path, samples: list, meta: dict, plan: ShardPlan | No
 
     Memory: one shard's arrays at a time, filled sample by sample; a sample's routes (a memory map of the
     orchestrator's spill file) are copied in and their pages handed back to the kernel at once
-    (`_drop_pages`), so the mapped file never accumulates in the process's resident set."""
+    (`_drop_pages`), so the mapped file never accumulates in the process's resident set. Samples whose
+    routes are part files (anything with `move_to`: rl.orchestrator.parts.RoutePart) are not copied:
+    each part is renamed into `out_dir` as `route_file(i)`, its entry the writer's, and meta.json's
+    `route_files` gives the rows' [layers, top_k]."""
     plan = plan or ShardPlan()
     lengths = np.asarray([len(s) for s in samples], np.int64)
     routed = [s.routed_experts is not None for s in samples]
@@ -190,19 +198,29 @@ def write_samples(out_dir: Path, samples: list, meta: dict, plan: ShardPlan | No
     index = _index(lengths, [s.reward for s in samples], [s.advantage for s in samples],
                    [s.group for s in samples], stats)
     del stats
+    files = all(routed) and bool(routed) and all(hasattr(s.routed_experts, "move_to") for s in samples)
     if routed and all(routed):
         shapes = {tuple(np.shape(s.routed_experts)[1:]) for s in samples}
         if len(shapes) != 1:
             raise ValueError(f"routed experts of several shapes in one batch: {sorted(shapes)}")
         (row_shape,) = shapes
         wide = any(np.dtype(s.routed_experts.dtype) not in (np.uint8,) for s in samples)
+    known = {}
+    if files:   # rollout workers' part files (rl.orchestrator.parts): renamed in, never read here
+        for i, s in enumerate(samples):
+            if len(s.routed_experts) != lengths[i]:
+                raise ValueError(f"sample {i}: routed experts cover {len(s.routed_experts)} tokens, the sample "
+                                 f"has {lengths[i]}")
+        for i, s in enumerate(samples):
+            known[route_file(i)] = s.routed_experts.move_to(Path(out_dir) / route_file(i))
+        meta = {**meta, "route_files": [int(x) for x in row_shape]}
 
     def rank_arrays(idx: list[int]) -> dict[str, np.ndarray]:
         n = int(lengths[idx].sum()) if idx else 0
         out = {"tokens": np.empty(n, np.int32), "loss_mask": np.empty(n, np.uint8),
                "logprobs": np.empty(n, np.float32), "versions": np.empty(n, np.int32),
                "offsets": np.concatenate([[0], np.cumsum(lengths[idx], dtype=np.int64)]).astype(np.int64)}
-        if routed and all(routed):
+        if routed and all(routed) and not files:
             out["routed_experts"] = np.empty((n, *row_shape), np.uint16 if wide else np.uint8)
         off = 0
         for i in idx:
@@ -222,7 +240,7 @@ def write_samples(out_dir: Path, samples: list, meta: dict, plan: ShardPlan | No
         if "routed_experts" in out and wide:
             out["routed_experts"] = expert_ids(out["routed_experts"])   # uint8 when every id fits after all
         return out
-    return _write(out_dir, meta, plan, lengths, index, rank_arrays)
+    return {**known, **_write(out_dir, meta, plan, lengths, index, rank_arrays)}
 
 
 def _drop_pages(r) -> None:
@@ -242,6 +260,6 @@ def batch_digest(files: dict) -> str:
     records for the batch a step trained)."""
     h = hashlib.sha256()
     for name in sorted(files):
-        if name == META_FILE or name == INDEX_FILE or name.startswith("shard_"):
+        if name in (META_FILE, INDEX_FILE) or name.startswith(("shard_", "routes_")):
             h.update(f"{name}\0{files[name].get('sha256', '')}\n".encode())
     return h.hexdigest()

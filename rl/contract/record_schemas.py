@@ -193,6 +193,8 @@ def batch_meta(meta: Any, *, num_samples: int | None = None, group_size: int | N
                           "a list of token counts", False),
         "segment": (lambda v: isinstance(v, list) and all(is_int(n) for n in v),
                     "a list of segment numbers", False),
+        "route_files": (lambda v: isinstance(v, list) and len(v) == 2 and all(is_int(n) and n > 0 for n in v),
+                        "[layers, top_k] of the batch's route files", False),
     })
     if why is not None:
         return why

@@ -358,6 +358,7 @@ class Orchestrator:
         each with the servers' (or the router's) addresses, the secret and the tokenizer's directory."""
         if not getattr(self.cfg.orchestrator, "rollout_workers", 0):
             return   # episodes in this process, as ever (the workers' modules are not even imported)
+        from rl.orchestrator import parts
         from rl.orchestrator.workers import RolloutWorkers, rollout_workers
         n = rollout_workers(self.cfg)
         sp = self.sampler
@@ -366,7 +367,8 @@ class Orchestrator:
             await self.workers.start(
                 servers=[(c.url, secret) for c in sp.clients],
                 router=(sp.router_client.url, secret) if sp.router_client is not None else None,
-                tokenizer=str(exchange.step_dir(self.run_dir, paths.ASSETS, 0)), timeout=timeout)
+                tokenizer=str(exchange.step_dir(self.run_dir, paths.ASSETS, 0)), timeout=timeout,
+                parts_dir=str(parts.reset(self.run_dir)))
         except BaseException:
             await self.workers.aclose()
             raise

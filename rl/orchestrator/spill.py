@@ -23,12 +23,8 @@ without either). The file's dtype is what `rl.contract.batch.expert_ids` would c
 while every id fits, else uint16; a turn that first needs uint16 after uint8 rows were written rewrites
 the file once as uint16.
 
-Hand-off (rollout workers, rl/orchestrator/workers.py). In a rollout worker process `hand_off()` is on:
-`seal` maps the file but leaves it on disk, and the map remembers its path (`route_file`); the worker
-sends the centre that path, not the rows, and the centre's `adopt` maps the same file read-only and
-unlinks it, exactly as `seal` would have. So routes never cross the worker's socket and the centre never
-decodes or copies them; a worker killed before its file was adopted leaves it in its own spill
-directory, which the next worker to start removes (`clean_stale`: the pid runs no more).
+Rollout workers (rl/orchestrator/workers.py) seal the same way; the worker then writes the sealed rows
+once more, as a part file in the run directory that the batch takes by a rename (rl/orchestrator/parts.py).
 
 Memory bound. Per in-flight token the orchestrator holds the rollout's compact arrays (int32 id, uint8
 loss mask, float32 logprob, int32 version: 13 bytes, at most 16.25 with the arrays' spare capacity;
@@ -61,28 +57,6 @@ PREFIX = "hetrl-spill-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
 _dirs: dict[str, "SpillDir"] = {}
 _serial = itertools.count()
-_HANDOFF = [False]   # this process is a rollout worker: sealed files stay for the centre (`adopt`)
-
-
-def hand_off(on: bool = True) -> None:
-    """Keep sealed spill files on disk for the centre to `adopt` (a rollout worker process)."""
-    _HANDOFF[0] = bool(on)
-
-
-def route_file(rows) -> str | None:
-    """The spill file behind a sealed map in hand-off mode (None for anything else)."""
-    return getattr(rows, "route_file", None)
-
-
-def adopt(path: str | Path, dtype: str, shape: tuple) -> np.memmap:
-    """A rollout worker's sealed spill file, mapped read-only here; the file is unlinked at once (the
-    mapping stays valid), so its disk space goes with the last reference to the map, as after `seal`."""
-    fd = safefs.open_read(Path(path))
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return np.memmap(f, dtype=np.dtype(dtype), mode="r", shape=tuple(int(x) for x in shape))
-    finally:
-        safefs.remove(Path(path))
 
 
 def _host() -> str:
@@ -215,16 +189,11 @@ class RouteSpill:
             safefs.append_bytes(self.file, last * (n - self.rows), fsync=False)
             self.rows = n
         fd = safefs.open_read(self.file)  # opened without following links; np.memmap maps this fd's file
-        keep = _HANDOFF[0]
         try:
             with os.fdopen(fd, "rb") as f:
                 self._map = np.memmap(f, dtype=self.dtype, mode="r", shape=(n, *self.shape))
-            if keep:   # the centre adopts (maps and unlinks) the file: this process no longer owns it
-                self._finalizer.detach()
-                self._map.route_file = str(self.file)
         finally:
-            if not keep:
-                self.discard()
+            self.discard()
         return self._map
 
     def discard(self) -> None:

@@ -7,38 +7,27 @@ orchestrator on its node, so nothing else can connect to the pair (no address re
 authenticate) and both ends are the same code at the same version; pickle is what Python already has
 for dataclasses with numpy fields, and only small messages and finished episodes' token arrays cross it.
 
-Routes never cross it. A sample's routed-expert rows are a sealed spill file in the worker
-(rl/orchestrator/spill.py, hand-off mode); `to_wire` replaces the map by a `RouteRef` (path, dtype,
-shape) and `from_wire` in the centre maps the same file (`spill.adopt`): no base64, no Python list, no
-decode or copy of the rows in the centre; the batch writer copies them from the map into the shard as it
-does for the centre's own episodes. Single-turn routes (decoded arrays, not spilled) are spilled here
-first. A multi-turn sample's `Rollout` (in `info["multiturn"]`) becomes its `EpisodeStats`, since the
-sample itself already carries the rollout's token arrays.
+Routes never cross it. A finished sample's routed-expert rows are written by the worker as a part file
+in the run directory (rl/orchestrator/parts.py: hashed as written); `to_wire` replaces the rows by the
+`RoutePart` naming that file, and `from_wire` in the centre claims it: the centre never reads, copies or
+hashes the rows, and the batch takes the file by a rename. A multi-turn sample's `Rollout` (in
+`info["multiturn"]`) becomes its `EpisodeStats`, since the sample itself already carries the rollout's
+token arrays.
 """
 from __future__ import annotations
 
 import asyncio
 import pickle
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from rl.contract.batch import Sample
-from rl.orchestrator import spill
+from rl.orchestrator import parts
 from rl.orchestrator.rollout import Rollout
 
 HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 34   # 16 GiB: a length beyond it is a corrupt stream, not a message
-
-
-@dataclass(frozen=True)
-class RouteRef:
-    """A sealed spill file of routed-expert rows, handed from a rollout worker to the centre."""
-    path: str
-    dtype: str
-    shape: tuple
 
 
 def encode(msg: Any) -> bytes:
@@ -54,40 +43,36 @@ async def read(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(n))
 
 
-def _ref(rows: Any, spill_dir: str) -> Any:
-    """The rows as a RouteRef (spilled first if they are a plain array); None stays None."""
-    if rows is None or isinstance(rows, RouteRef):
+def _part(rows: Any, parts_dir: str, worker: int) -> Any:
+    """The rows as a RoutePart written into `parts_dir` (None stays None); a spill file's map is dropped."""
+    if rows is None or parts.is_part(rows):
         return rows
-    path = spill.route_file(rows)
-    if path is None:   # decoded in memory (single-turn): spill them so the rows travel as a file
-        rows = np.asarray(rows)
-        if rows.ndim != 3:
-            raise ValueError(f"routed_experts has shape {rows.shape}, expected [tokens, layers, top_k]")
-        s = spill.directory(spill_dir).new(rows.shape[1:])
-        s.append(rows)
-        rows = s.seal(len(rows))
-        path = spill.route_file(rows)
-    return RouteRef(path, np.dtype(rows.dtype).str, tuple(int(x) for x in rows.shape))
+    return parts.write(rows, parts_dir, worker)
 
 
-def to_wire(s: Sample, spill_dir: str = "") -> Sample:
-    """The worker's finished sample as it travels: routes as RouteRefs, the Rollout as its stats."""
+def to_wire(s: Sample, parts_dir: str, worker: int = 0) -> Sample:
+    """The worker's finished sample as it travels: routes as RouteParts, the Rollout as its stats."""
     info = dict(s.info)
     r = info.get("multiturn")
     if isinstance(r, Rollout):
         info["multiturn"] = r.stats()
     if info.get("segments"):
-        info["segments"] = [(a, b, p, _ref(rows, spill_dir), why) for a, b, p, rows, why in info["segments"]]
-    return replace(s, routed_experts=_ref(s.routed_experts, spill_dir), info=info)
+        info["segments"] = [(a, b, p, _part(rows, parts_dir, worker), why) for a, b, p, rows, why in info["segments"]]
+    return replace(s, routed_experts=_part(s.routed_experts, parts_dir, worker), info=info)
 
 
-def _adopt(rows: Any) -> Any:
-    return spill.adopt(rows.path, rows.dtype, rows.shape) if isinstance(rows, RouteRef) else rows
+def _claim(rows: Any, parts_dir: str) -> Any:
+    if rows is None:
+        return rows
+    if not parts.is_part(rows):
+        raise ValueError(f"a rollout worker sent routed_experts as {type(rows).__name__}, not a route part")
+    return parts.claim(rows, parts_dir)
 
 
-def from_wire(s: Sample) -> Sample:
-    """The sample as the centre keeps it: each RouteRef mapped read-only (its file unlinked)."""
+def from_wire(s: Sample, parts_dir: str) -> Sample:
+    """The sample as the centre keeps it: each RoutePart claimed (its file goes with the sample unless the
+    batch takes it)."""
     if s.info.get("segments"):
-        s.info["segments"] = [(a, b, p, _adopt(rows), why) for a, b, p, rows, why in s.info["segments"]]
-    s.routed_experts = _adopt(s.routed_experts)
+        s.info["segments"] = [(a, b, p, _claim(rows, parts_dir), why) for a, b, p, rows, why in s.info["segments"]]
+    s.routed_experts = _claim(s.routed_experts, parts_dir)
     return s

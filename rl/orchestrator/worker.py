@@ -8,7 +8,7 @@ would play it in-process, and reports back over its inherited socket (rl/orchest
 - `("ready", pid)` once its sampler is set up from the centre's `hello` (config, tokenizer directory,
   servers, router, secret, policy version);
 - `("end", key, i, tokens, segments, segment_tokens, sample)` when rollout i of a group has its reward:
-  the sample, routes as a spill-file reference; the centre frees its slot and may train it (release);
+  the sample, routes as a part file in the run directory (rl/orchestrator/parts.py); the centre frees its slot and may train it (release);
 - `("acct", key, {i: (tokens, segments, segment_tokens)})` as soon as a group is started (its
   acknowledgement: a replay the worker never acknowledged is not counted lost with it), then twice a
   second for groups whose counts moved (the pool's waste accounting and progress of long episodes);
@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from rl.orchestrator import accounting, spill, wire
+from rl.orchestrator import accounting, wire
 from rl.orchestrator.accounting import RolloutAcct
 from rl.runtime import log
 
@@ -52,7 +52,7 @@ class WorkerGroup:
         self.sent: set[int] = set()
         self.last: dict = {}
         self._send = send
-        self.spill_dir = ""
+        self.parts_dir, self.worker = "", 0
 
     def on_rollout_done(self) -> None:
         for i, s in list(self.done.items()):
@@ -62,7 +62,7 @@ class WorkerGroup:
 
     def send_end(self, i: int, s: Any) -> None:
         r = self.rollouts.get(i) or RolloutAcct()
-        self._send(("end", self.key, i, r.tokens, r.segments, r.segment_tokens, wire.to_wire(s, self.spill_dir)))
+        self._send(("end", self.key, i, r.tokens, r.segments, r.segment_tokens, wire.to_wire(s, self.parts_dir, self.worker)))
 
     def counts(self) -> dict:
         return {i: (r.tokens, r.segments, r.segment_tokens) for i, r in self.rollouts.items()}
@@ -96,7 +96,7 @@ class Worker:
             sp.router_client = router_client_class()(url, secret=sec, timeout=timeout)
         sp.tokenizer = AutoTokenizer.from_pretrained(hello["tokenizer"])
         sp.tracker = VersionTracker(int(hello["version"]))
-        self.spill_dir = str(getattr(cfg.orchestrator, "spill_dir", "") or "")
+        self.parts_dir = str(hello["parts"])
         self.sampler = sp
 
     async def play(self, key: int, task, group: int, step: int, attempt: int, rollouts, start_version: int):
@@ -127,7 +127,7 @@ class Worker:
     def start_group(self, key, task, group, step, attempt, rollouts, start_version) -> None:
         idx = list(rollouts or range(int(self.sampler.o.group_size)))
         g = WorkerGroup(key, start_version, idx, self.send, gid=group)
-        g.spill_dir = self.spill_dir
+        g.parts_dir, g.worker = self.parts_dir, self.index
         self.groups[key] = g
         ctx = contextvars.copy_context()
         ctx.run(accounting.GROUP.set, g)
@@ -150,7 +150,6 @@ class Worker:
     async def run(self) -> int:
         reader, self.writer = await asyncio.open_connection(sock=self.sock)
         self.setup(await wire.read(reader))
-        spill.hand_off()
         log(f"rollout-worker-{self.index}", f"ready (pid {os.getpid()}, start-up {sum(os.times()[:2]):.2f} CPU s)")
         self.send(("ready", os.getpid()))
         tick = asyncio.create_task(self.ticker())

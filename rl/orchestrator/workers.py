@@ -113,6 +113,7 @@ class RolloutWorkers:
         self.children = [Child(i) for i in range(self.n)]
         self._keys = itertools.count(1)
         self.hello: dict = {}
+        self.parts_dir = ""
         self.error: BaseException | None = None
         self.closing = False
         self.totals = {"worker_restarts": 0, "lost_episodes": 0, "replayed_groups": 0}
@@ -130,11 +131,13 @@ class RolloutWorkers:
         return [c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None]
 
     # --- processes -----------------------------------------------------------------------------
-    async def start(self, *, servers: list, router: Any, tokenizer: str, timeout: float) -> None:
+    async def start(self, *, servers: list, router: Any, tokenizer: str, timeout: float, parts_dir: str) -> None:
         """Start every worker and wait until each is ready. `servers`: [(url, secret)]; `router`:
-        (url, secret) or None; `tokenizer`: the directory to load it from."""
+        (url, secret) or None; `tokenizer`: the directory to load it from; `parts_dir`: where the workers
+        write their samples' routes (rl.orchestrator.parts)."""
+        self.parts_dir = str(parts_dir)
         self.hello = {"cfg": self.cfg, "servers": list(servers), "router": router, "tokenizer": str(tokenizer),
-                      "timeout": float(timeout)}
+                      "timeout": float(timeout), "parts": self.parts_dir}
         for c in self.children:
             self._spawn(c)
         await asyncio.gather(*(self._wait_ready(c) for c in self.children))
@@ -192,7 +195,7 @@ class RolloutWorkers:
             p.acked = True
         if kind == "end":
             _, _, i, tokens, segs, segtoks, s = msg
-            s = wire.from_wire(s)   # maps and unlinks the route files even when nobody wants the sample
+            s = wire.from_wire(s, self.parts_dir)   # claims the route parts: unwanted, their files go with it
             if p is None or i in p.got or i not in p.left:
                 return
             p.got[i] = s

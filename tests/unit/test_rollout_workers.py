@@ -1,7 +1,7 @@
 """Rollout workers (rl/orchestrator/workers.py, worker.py, wire.py): what crosses the socket and what the
 centre does when a worker dies.
 
-Routes travel as spill-file references (the centre maps the worker's file, no rows on the wire); a
+Routes travel as part files in the run directory (the centre never reads them, no rows on the wire); a
 multi-turn sample's Rollout travels as its EpisodeStats and the batch metrics read the same from either.
 The fault path runs the centre's real RolloutWorkers against in-process stand-in workers on real
 socketpairs (the real worker process needs servers: tests/integration/test_rollout_workers_run.py runs it,
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from rl.contract.batch import Sample
-from rl.orchestrator import accounting, multiturn, spill, wire
+from rl.orchestrator import accounting, multiturn, parts, spill, wire
 from rl.orchestrator.accounting import IdleClock, RolloutAcct
 from rl.orchestrator.groups import Group
 from rl.orchestrator.rollout import EpisodeStats, Rollout
@@ -29,46 +29,56 @@ from rl.orchestrator.workers import RolloutWorkers, rollout_workers
 
 
 @pytest.fixture
-def handoff(tmp_path):
-    spill.hand_off(True)
-    try:
-        yield str(tmp_path / "spill")
-    finally:
-        spill.hand_off(False)
+def parts_dir(tmp_path):
+    (tmp_path / "rollouts").mkdir()
+    return str(parts.reset(tmp_path))
 
 
 def _rows(n, layers=3, k=2):
     return (np.arange(n * layers * k) % 7).reshape(n, layers, k).astype(np.uint8)
 
 
-def test_routes_travel_as_a_file_the_centre_adopts(handoff):
-    r = Rollout([1, 2, 3], spill_dir=handoff)
+def test_routes_travel_as_a_part_file_the_centre_claims(tmp_path, parts_dir):
+    r = Rollout([1, 2, 3], spill_dir=str(tmp_path / "spill"))
     r.add_model([4, 5], [-0.1, -0.2], [0, 0])
     rows = _rows(5)
-    sp = spill.directory(handoff).new(rows.shape[1:])
+    sp = spill.directory(str(tmp_path / "spill")).new(rows.shape[1:])
     sp.append(rows)
     sealed = sp.seal(len(rows))
-    path = Path(spill.route_file(sealed))
-    assert path.exists(), "in hand-off mode the sealed file stays for the centre"
     s = Sample(prompt_ids=np.array([1, 2, 3]), completion_ids=np.array([4, 5]), completion_logprobs=np.zeros(2),
                completion_versions=np.zeros(2, np.int32), reward=1.0, group=0, routed_experts=sealed,
                info={"finish_reason": "stop", "multiturn": r})
-    w = wire.to_wire(s, handoff)
-    assert isinstance(w.routed_experts, wire.RouteRef) and isinstance(w.info["multiturn"], EpisodeStats)
+    w = wire.to_wire(s, parts_dir, worker=3)
+    assert isinstance(w.routed_experts, parts.RoutePart) and isinstance(w.info["multiturn"], EpisodeStats)
+    path = Path(w.routed_experts.path)
+    assert path.parent == Path(parts_dir) and path.exists()
     body = wire.encode(w)
     assert len(body) < 2000, "rows or the Rollout's arrays went on the wire"
-    back = wire.from_wire(pickle.loads(body[wire.HEADER.size:]))
+    back = wire.from_wire(pickle.loads(body[wire.HEADER.size:]), parts_dir)
     assert np.array_equal(np.asarray(back.routed_experts), rows)
-    assert not path.exists(), "the centre unlinks the adopted file (its map stays valid)"
+    del back, w
+    import gc
+    gc.collect()
+    assert not path.exists(), "a claimed part no batch took goes with its sample"
 
 
-def test_single_turn_routes_are_spilled_before_they_travel(handoff):
+def test_single_turn_routes_become_a_part(parts_dir):
     rows = _rows(6)
     s = Sample(prompt_ids=[1, 2], completion_ids=[3, 4, 5, 6], completion_logprobs=[0.0] * 4,
                completion_versions=[0] * 4, reward=0.0, group=1, routed_experts=rows, info={})
-    w = wire.to_wire(s, handoff)
-    assert isinstance(w.routed_experts, wire.RouteRef)
-    assert np.array_equal(np.asarray(wire.from_wire(w).routed_experts), rows)
+    w = wire.to_wire(s, parts_dir)
+    assert isinstance(w.routed_experts, parts.RoutePart) and len(w.routed_experts) == 6
+    assert np.array_equal(np.asarray(wire.from_wire(w, parts_dir).routed_experts), rows)
+
+
+def test_the_centre_refuses_a_part_outside_its_directory(tmp_path, parts_dir):
+    other = tmp_path / "victim.safetensors"
+    other.write_bytes(b"x")
+    s = Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[0.0], completion_versions=[0], reward=0.0,
+               group=0, routed_experts=parts.RoutePart(str(other), "|u1", (2, 3, 2), 1, "0" * 64), info={})
+    with pytest.raises(ValueError, match="not a part file in"):
+        wire.from_wire(s, parts_dir)
+    assert other.exists()
 
 
 def test_batch_metrics_read_the_same_from_episode_stats():
@@ -102,7 +112,8 @@ class StandIns(RolloutWorkers):
         c.proc, c.ready = None, asyncio.Event()
         c.reader_task = asyncio.create_task(self._serve(c, mine))
         dies = c.index == 0 and not c.restarts
-        asyncio.create_task(self._stand_in(theirs, dies))
+        # held: the loop keeps only a weak reference to a task, and a collected stand-in closes its socket
+        self.__dict__.setdefault("stand_ins", []).append(asyncio.create_task(self._stand_in(theirs, dies)))
 
     async def _stand_in(self, sock, dies):
         reader, writer = await asyncio.open_connection(sock=sock)
@@ -129,13 +140,13 @@ class StandIns(RolloutWorkers):
             writer.write(wire.encode(("done", key, None)))
 
 
-def test_a_dead_worker_loses_only_its_episodes_in_flight():
+def test_a_dead_worker_loses_only_its_episodes_in_flight(parts_dir):
     local = SimpleNamespace(cfg=None, o=SimpleNamespace(group_size=4), env=None, multi_turn=False,
                             tracker=VersionTracker(0), idle=IdleClock())
 
     async def main():
         ws = StandIns(local, 2)
-        await ws.start(servers=[], router=None, tokenizer="", timeout=1.0)
+        await ws.start(servers=[], router=None, tokenizer="", timeout=1.0, parts_dir=parts_dir)
         groups = [Group(gid=g, task={}, start_version=0, started=0.0,
                         rollouts={i: RolloutAcct() for i in range(4)}) for g in range(3)]
 
