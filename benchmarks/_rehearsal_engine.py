@@ -174,6 +174,10 @@ def build_app(engine: Engine, secret: str | None):
     async def weight_info(request):
         return web.json_response({"weight_version": engine.version})
 
+    async def metrics(request):   # what the router polls (vLLM's names); answers are instant: nothing queued
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                                 "vllm:kv_cache_usage_perc 0.0\n")
+
     async def stats(request):
         return web.json_response({"requests": engine.stats, "reloads": engine.reloads, "pid": os.getpid()})
 
@@ -182,7 +186,7 @@ def build_app(engine: Engine, secret: str | None):
                     web.post("/resume", ok), web.post("/collective_rpc", collective_rpc),
                     web.post("/update_weight_version", update_version), web.post("/reset_prefix_cache", reset),
                     web.get("/health", health), web.get("/weight_info", weight_info),
-                    web.get("/rehearsal/stats", stats)])
+                    web.get("/metrics", metrics), web.get("/rehearsal/stats", stats)])
     return app
 
 

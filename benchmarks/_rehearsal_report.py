@@ -231,8 +231,8 @@ def report(a, t: dict, m: dict, work: Path) -> str:
     # the tokenizer's load after the servers are up (measured apart) is start-up, not a step's
     cpu = (steps[-1]["orch_cpu_abs"] - t["base"]["cpu"] - t["startup_cpu"]) / len(steps)
     seed_cpu = cpu * seed_tokens / tokens
-    rollout_side = W.keys(cpu, t, len(steps), tokens, seed_tokens, getattr(a, "seed_workers", 16),
-                          getattr(a, "baseline_cpu_per_token", None))
+    rollout_side = {**W.keys(cpu, t, len(steps), tokens, seed_tokens, getattr(a, "seed_workers", 16),
+                             getattr(a, "baseline_cpu_per_token", None)), **W.router_keys(t, SEED)}
     base = t["fixed_rss"]
     peak = t["end"].get("hwm", 0)
     scale = SEED["inflight"] * SEED["mean_tokens"] / (a.inflight * m["tokens_mean"])
@@ -285,6 +285,12 @@ def report(a, t: dict, m: dict, work: Path) -> str:
           f"rank's share replayed after the run, nothing of it still running, as a rank with a core of its own)")
     print(f"  orchestrator CPU {seed_cpu:.0f} s per step = {cpu:.1f} s (per batch over the run) x {seed_tokens / tokens:.0f} (tokens per step, "
           f"at {m['turns_mean']:.0f} turns per episode)")
+    if "seed_router_cpu_s" in rollout_side:
+        r = rollout_side
+        print(f"  router CPU {r['seed_router_cpu_s']:.1f} s per step (one process) = {r['router_us_per_context_token']:.3f} us "
+              f"per context token ({r['router_cpu_s']:.1f} s over {r['router_context_tokens'] / 1e6:.1f} M context tokens of "
+              f"every request here) x {SEED['rollouts'] * SEED['mean_tokens'] * (SEED['turns'] + 1) / 2 / 1e6:.0f} M "
+              f"(rollouts x mean tokens x (turns + 1) / 2 at the seed)")
     print(f"  orchestrator memory ({how}): RssAnon {idle / GIB:.2f} GiB with {a.inflight} in flight between "
           f"builds, {anon / GIB:.2f} GiB at its peak while a step was written (build {build / GIB:.2f} GiB for a "
           f"{share / 1e6:.0f} MB share, x {seed_share / max(share, 1):.1f} at the seed)")

@@ -6,6 +6,9 @@ same way: its CPU (/proc/<pid>/stat utime + stime) when the last batch appeared,
 (the CPU seconds it reports when ready: imports, tokenizer, environment), over the batches. A worker
 restarted mid-run counts each of its pids.
 
+The centre's `seed_central_cpu_s` is its steady state: its CPU from the first batch to the last, over the
+batches between (`central_cpu_s_per_step_all` keeps all of it after the base sample over the batches,
+which also holds start-up done after that sample: clients, the router's wait; up to 1 s a step here).
 Extrapolated to the seed with the scaling the rehearsal uses for the orchestrator's CPU, linear in tokens
 per step (seed tokens / rehearsal tokens, at the rehearsal's turns per episode), for the centre and for
 the workers' sum; the busiest worker at the seed is that sum over the seed's worker count
@@ -13,6 +16,13 @@ the workers' sum; the busiest worker at the seed is that sum over the seed's wor
 episodes in 16 environment-server workers) times the imbalance measured here (busiest / mean).
 `cpu_sum_vs_one_process` is CPU per generated batch token of centre + workers over that of one process
 (a run with rollout_workers = 0 of the same size in the same invocation, or `--baseline-cpu-per-token`).
+
+The router (`--router`, on with `--workers`): the router role as the plan starts it, in front of the
+engines. Its CPU from /proc at the last batch, less its CPU when it wrote router.json (start-up), over the
+batches; extrapolated to the seed linearly in context tokens sent per step (every request carries its
+episode's context so far and the router decodes and hashes all of it: the engines' records give the
+rehearsal's, rollouts x mean tokens x (turns + 1) / 2 the seed's), which also over-counts its per-row
+answer work (linear in tokens): `seed_router_cpu_s`, per router process (the plan runs one).
 """
 from __future__ import annotations
 
@@ -51,6 +61,33 @@ def sample(orch_pid: int) -> dict[int, float]:
     return {p: c for p in children(orch_pid) if (c := cpu(p)) is not None}
 
 
+def router_ready(run_dir: Path, pid: int, failed, timeout: float = 120.0) -> float:
+    """Wait for the router's record (it serves); its CPU then (its start-up)."""
+    import time
+    rec = Path(run_dir) / "inference" / "router.json"
+    t0 = time.monotonic()
+    while not rec.exists():
+        if (why := failed()):
+            raise RuntimeError(why)
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"the router wrote no {rec} in {timeout:.0f} s")
+        time.sleep(0.1)
+    return cpu(pid) or 0.0
+
+
+def router_keys(t: dict, seed: dict) -> dict:
+    """The router's CPU per context token over the whole run (after its start-up, every request the
+    engines answered) and at the seed (module docstring), when it ran."""
+    if "router_pid" not in t or t.get("router_end") is None:
+        return {}
+    cpu_s = t["router_end"] - t["router_base"]
+    context = sum(r["prompt"] for r in t["engine_stats"])
+    seed_context = seed["rollouts"] * seed["mean_tokens"] * (seed["turns"] + 1) / 2
+    return {"router_cpu_s": cpu_s, "router_context_tokens": context,
+            "router_us_per_context_token": cpu_s / max(context, 1) * 1e6,
+            "seed_router_cpu_s": cpu_s / max(context, 1) * seed_context}
+
+
 def startup(log: Path) -> dict[int, float]:
     """{worker pid: start-up CPU s} from the workers' ready lines in the orchestrator's log."""
     text = log.read_text(errors="replace") if log.exists() else ""
@@ -77,9 +114,16 @@ def keys(central_cpu: float, t: dict, n_steps: int, tokens: float, seed_tokens: 
     else:   # one process does everything
         busiest = central_cpu * scale
     per_token = (central_cpu + w["sum"]) / tokens
+    # the centre's steady state: its CPU from the first batch to the last over the batches between (what
+    # it does after the base sample but before its first batch, e.g. clients' TLS contexts and the
+    # router's wait, is start-up that does not grow with the step; it was up to 1 s a step here)
+    steps = sorted(t["steps"])
+    between = ((t["steps"][steps[-1]]["cpu"] - t["steps"][steps[0]]["cpu"]) / (len(steps) - 1)
+               if t.get("workers_n") and len(steps) > 1 else central_cpu)
     return {"rollout_workers": int(t.get("workers_n", 0)), "seed_rollout_workers": seed_workers if t.get("workers_n") else 0,
-            "seed_busiest_rollout_cpu_s": busiest, "seed_central_cpu_s": central_cpu * scale,
-            "central_cpu_s_per_step": central_cpu, "workers_cpu_s_per_step": w["sum"],
+            "seed_busiest_rollout_cpu_s": busiest, "seed_central_cpu_s": between * scale,
+            "central_cpu_s_per_step": between, "central_cpu_s_per_step_all": central_cpu,
+            "workers_cpu_s_per_step": w["sum"],
             "busiest_worker_cpu_s_per_step": w["busiest"], "cpu_per_token_us": per_token * 1e6,
             "cpu_sum_vs_one_process": per_token / baseline_per_token if baseline_per_token else float("nan")}
 

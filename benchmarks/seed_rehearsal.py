@@ -66,7 +66,9 @@ Rollout workers (`--workers N`, issue 50: orchestrator.rollout_workers = N): eac
 extrapolated linearly in tokens per step like the orchestrator's: `seed_central_cpu_s`, and
 `seed_busiest_rollout_cpu_s` = the workers' sum at the seed / `--seed-workers` (16) x the imbalance
 measured here; `cpu_sum_vs_one_process` = CPU per batch token of all processes over a `--workers 0` run of
-the same size (run first, or `--baseline-cpu-per-token`). benchmarks/_rehearsal_workers.py says how.
+the same size (run first, or `--baseline-cpu-per-token`). With `--router` (on by default with
+`--workers`) the router role runs in front of the engines as the plan starts it (inference.router=true) and
+its CPU per context token gives `seed_router_cpu_s`. benchmarks/_rehearsal_workers.py says how.
 
 The last line is one `key=value ...` line. The default size (64 rollouts x 16k mean tokens x 20 turns,
 75 x 8 routes, 4 data ranks, 3 steps, 128 in flight: 6% of the seed's tokens per step, ~0.6 GB batches)
@@ -180,6 +182,9 @@ def args_(argv=None):
     p.add_argument("--kill-worker", action="store_true",
                    help="SIGKILL one rollout worker when the first batch appears (a fault: the centre counts its "
                         "episodes in flight as lost, replays them and restarts the worker)")
+    p.add_argument("--router", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the router role (inference.router=true) in front of the engines and measure its CPU "
+                        "(seed_router_cpu_s); default: on with --workers, off without")
     p.add_argument("--seed-workers", type=int, default=16,
                    help="rollout workers at the seed, for seed_busiest_rollout_cpu_s (default 16: one per 128 "
                         "episodes in flight)")
@@ -204,6 +209,8 @@ def args_(argv=None):
     if a.tokens_per_episode < 8 * a.turns:
         p.error(f"--tokens-per-episode={a.tokens_per_episode}: at least 8 tokens a turn ({8 * a.turns})")
     a.inflight = a.inflight or 2 * a.rollouts_per_step
+    if a.router is None:
+        a.router = a.workers > 0
     return a
 
 
@@ -222,7 +229,7 @@ def make_run(a, run_dir: Path):
             f"orchestrator.max_off_policy=1", f"inference.max_model_len={budget}", f"model.max_seq_len={budget}",
             "trainer.router_replay=true", f"trainer.micro_batch_tokens={budget}",
             f"trainer.parallel.dp_shard={a.data_ranks}", f"trainer.max_steps={a.steps}", "eval.every=0",
-            *W.overrides(getattr(a, "workers", 0))]
+            *W.overrides(getattr(a, "workers", 0)), *(["inference.router=true"] if getattr(a, "router", False) else [])]
     if a.data_ranks > 2:
         # the local backend refuses more than 2 CPU trainer ranks (this machine's cores): the config says
         # GPUs so the plan takes them; nothing here reads the trainer's device, the ranks run on the CPU
@@ -346,6 +353,10 @@ def run(a, work: Path, replay_rates: bool = True) -> dict:
                   "--tokens-per-episode", str(a.tokens_per_episode), "--turns", str(a.turns)]
         for r in plan.inference.replicas:
             procs.start(f"engine_{r.index}", engine + ["--index", str(r.index)], env)
+        if getattr(a, "router", False):   # the router role as the plan starts it, in front of the engines
+            rcmd, renv = role_processes(plan)["router"]
+            t["router_pid"] = procs.start("router", rcmd, {**env, **renv}).pid
+            t["router_base"] = W.router_ready(run_dir, t["router_pid"], procs.failed)
         port = _free_port()
         for r in range(a.data_ranks):
             procs.start(f"rank_{r}", [sys.executable, str(REPO / "benchmarks" / "_rehearsal_rank.py"), "--run-dir",
@@ -377,13 +388,16 @@ def run(a, work: Path, replay_rates: bool = True) -> dict:
                 if ".tmp-" in name:
                     t["tmp_seen"].setdefault(n, now)
                 elif name[5:].isdigit() and n not in t["steps"]:
-                    t["steps"][n] = {"seen": now, **_proc(orch.pid), "workers": W.sample(orch.pid)}
+                    t["steps"][n] = {"seen": now, **_proc(orch.pid), "workers": W.sample(orch.pid),
+                                     "router": W.cpu(t["router_pid"]) if "router_pid" in t else None}
                     if getattr(a, "kill_worker", False) and "killed" not in t and W.children(orch.pid):
                         t["killed"] = W.children(orch.pid)[0]
                         os.kill(t["killed"], signal.SIGKILL)
                         print(f"killed rollout worker pid {t['killed']} (SIGKILL) at rollouts/step_{n:06d}", flush=True)
             time.sleep(0.02)
         t["end"] = {**_proc(orch.pid)}
+        if "router_pid" in t:
+            t["router_end"] = W.cpu(t["router_pid"])
         t["workers_n"], t["worker_startup"] = getattr(a, "workers", 0), W.startup(out / "orchestrator.log")
         t["engine_stats"] = []
         import httpx

@@ -157,7 +157,10 @@ def read_routes(paths: list, wants: list, lengths: list, row: list) -> tuple[np.
             raise InvalidBatch(f"{path}: {rows} rows of routed experts, its sample has {int(m)} tokens")
         heads.append((head, dt))
     dtype = max((dt for _, dt in heads), key=lambda d: d.itemsize, default=np.dtype(np.uint8))
-    out = np.empty((int(sum(lengths)), *row), dtype)
+    # allocated as read_file allocates (a bytearray): the plan's read rate (launch.dataplane.measure_rates)
+    # is read_file's, so both of a rank's reads run at the rate it predicts with
+    rows_n = int(sum(lengths))
+    out = np.frombuffer(bytearray(rows_n * row[0] * row[1] * dtype.itemsize), dtype).reshape(rows_n, *row)
     off, n_read = 0, 0
     for path, want, m, (head, dt) in zip(paths, wants, lengths, heads):
         fd = safefs.open_read(path)

@@ -34,7 +34,7 @@ import math
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import takewhile
 from typing import Any, Iterable
 
 import msgspec
@@ -101,6 +101,13 @@ def chat_block_hashes(messages: list[dict], chars_per_token: float, seed: int = 
     return hashes, ends
 
 
+def _token_ids(x: Any) -> bool:
+    """`x` is a list of token ids, judged by its ends: checking every entry was a fifth of the router's
+    CPU per request (2 ms of 10 for a 64k-token context). The router only keys on the ids (an entry that
+    is no int gives a key that matches nothing, or TypeError when unhashable); the server validates them."""
+    return isinstance(x, list) and (not x or (type(x[0]) is int and type(x[-1]) is int))
+
+
 def request_key(path: str, body: dict, session: str | None, cfg: RouterConfig) -> RequestKey:
     """The key of a routed request (its prompt), whatever the endpoint."""
     prompt: Any = None
@@ -114,8 +121,11 @@ def request_key(path: str, body: dict, session: str | None, cfg: RouterConfig) -
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]       # a batch of one
-    if isinstance(prompt, list) and all(map(isinstance, prompt, repeat(int))):
-        hashes, ends = token_block_hashes(prompt, cfg.block_tokens)
+    if _token_ids(prompt):
+        try:
+            hashes, ends = token_block_hashes(prompt, cfg.block_tokens)
+        except TypeError:   # something unhashable inside: not token ids after all
+            return RequestKey(session=session)
         return RequestKey(tuple(hashes), tuple(ends), len(prompt), session, "tokens")
     if isinstance(prompt, str):
         hashes, ends = text_block_hashes(prompt, cfg.text_block_chars, cfg.chars_per_token)
@@ -131,9 +141,12 @@ def extend_key(key: RequestKey, prompt: list, ids: list, cfg: RouterConfig) -> R
     full = len(key.hashes)
     if key.kind != "tokens" or key.n_tokens != len(prompt) or full != len(prompt) // block:
         return None
-    if not all(map(isinstance, ids, repeat(int))):
+    if not _token_ids(ids):
         return None
-    hashes, ends = token_block_hashes(prompt[full * block:] + list(ids), block, key.hashes[-1] if full else 0)
+    try:
+        hashes, ends = token_block_hashes(prompt[full * block:] + list(ids), block, key.hashes[-1] if full else 0)
+    except TypeError:
+        return None
     return RequestKey(key.hashes + tuple(hashes), key.ends + tuple(e + full * block for e in ends),
                       len(prompt) + len(ids), None, "tokens")
 
@@ -250,37 +263,44 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 # -- prefix index ------------------------------------------------------------------------------------
 class PrefixIndex:
-    """LRU set of the block hashes one server was sent; `match` = leading blocks of a key it holds."""
+    """The block hashes one server was sent, least recently sent evicted first; `match` = the leading
+    blocks of a key it holds.
+
+    Each block maps to a stamp: an insert gives its blocks fresh stamps, the first block the newest (one
+    dict.update in C: moving each of a 64k-token context's 4096 blocks to the end of an OrderedDict was a
+    fifth of the router's CPU in benchmarks/seed_rehearsal.py). The first block newest: a context's later
+    blocks go before its earlier ones, as vLLM frees a request's blocks tail first, so what is held of a
+    chain of block hashes stays a prefix of it. Past capacity the oldest go, a sixteenth of capacity at a
+    time (one sort), so eviction is amortized."""
 
     def __init__(self, capacity: int):
         self.capacity = max(1, int(capacity))
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: dict[int, int] = {}
+        self._stamp = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def match(self, hashes: Iterable[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self._blocks.__contains__, hashes)))
 
     def insert(self, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
+        top = self._stamp + len(hashes)
+        self._blocks.update(zip(hashes, range(top, self._stamp, -1)))
+        self._stamp = top
+        if len(self._blocks) > self.capacity:
+            self._evict(len(self._blocks) - self.capacity + self.capacity // 16)
+
+    def _evict(self, n: int) -> None:
         b = self._blocks
-        for h in hashes:
-            if h in b:
-                b.move_to_end(h)
-            else:
-                b[h] = None
-        while len(b) > self.capacity:
-            b.popitem(last=False)
+        for h in sorted(b, key=b.__getitem__)[:n]:
+            del b[h]
 
     def resize(self, capacity: int) -> None:
         self.capacity = max(1, int(capacity))
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+        if len(self._blocks) > self.capacity:
+            self._evict(len(self._blocks) - self.capacity)
 
     def clear(self) -> None:
         self._blocks.clear()

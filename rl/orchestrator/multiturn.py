@@ -61,6 +61,7 @@ from rl.envs.base import call, chat_prompt_ids, default_turn_info, observation_m
 from rl.contract.batch import Sample
 from rl.orchestrator import accounting
 from rl.orchestrator.rollout import EpisodeStats, Rollout, Turn
+from rl.runtime import log
 
 _SENTINEL = "\u2063HETRL\u2063ASSISTANT\u2063"
 
@@ -268,6 +269,10 @@ async def run_episode(env: Any, task: Any, generate: Generate, bridge: ChatBridg
             m = await call(metrics_fn)
             r.env_metrics = {k: float(v) for k, v in (m or {}).items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if isinstance(why := (m or {}).get("grading_error"), str) and why:   # a grade not to be trusted
+                name = (getattr(task, "instance_id", None) or (task.get("id") if isinstance(task, dict) else None)
+                        or "?")
+                log("orchestrator", f"task {name}: grading error (reward {r.reward:g} kept): {why}")
         r.seconds = time.monotonic() - t0
         return r
     except BaseException:
@@ -346,7 +351,7 @@ def batch_metrics(samples: list[Sample]) -> dict:
     for reason, k in Counter(r.end_reason for r in rs).items():
         out[f"end/{reason}"] = k
     keys = sorted({k for r in rs for k in r.env_metrics})
-    for k in keys:
+    for k in keys:   # an environment's own namespace ("swe/grading_errors") is kept, others go under env/
         vals = [r.env_metrics[k] for r in rs if k in r.env_metrics]
-        out[f"env/{k}"] = float(np.mean(vals))
+        out[k if "/" in k else f"env/{k}"] = float(np.mean(vals))
     return out

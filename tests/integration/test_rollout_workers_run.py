@@ -1,7 +1,8 @@
 """Rollout workers in a real run (benchmarks/seed_rehearsal.py at a tiny size: the real orchestrator process,
 mock engines speaking vLLM's wire format, the trainer's data ranks): with orchestrator.rollout_workers=2
 the batches are the same kind as in-process (every group once, versions, masks, rewards, advantages,
-routes one row per token), the orchestrator's CPU is split across processes (measured from /proc by the
+routes one row per token, taken from the workers' part files), the router role in front of the engines,
+the orchestrator's CPU is split across processes (measured from /proc by the
 benchmark; reported, not asserted as a speed), and a worker killed with SIGKILL after the first batch is
 restarted in place, its episodes in flight counted, and no group is trained twice or lost.
 """
@@ -40,6 +41,11 @@ def _check_batches(run_dir: Path, steps: int) -> list[dict]:
         b = RolloutBatch.load(d)
         assert b.num_samples == m["num_samples"] and np.isfinite(b.advantages).all()
         assert m["version_min"] is not None and m["rollout_workers"] == 2
+        # the workers' route part files, taken by the batch: one per sample, none left behind
+        files = exchange.read_manifest(d)["files"]
+        assert m["route_files"] and sorted(f for f in files if f.startswith("routes_")) == \
+            [f"routes_{i:06d}.safetensors" for i in range(m["num_samples"])]
+        assert len(b.routed_experts) == len(b.tokens)
         metas.append(m)
     trained = [g for m in metas for g in m["group_ids"]]
     assert len(trained) == len(set(trained)), "a group trained twice"
@@ -59,6 +65,7 @@ def test_two_workers_then_one_killed(tmp_path):
                 "central_cpu_s_per_step", "workers_cpu_s_per_step"):
         float(kv[key])
     assert float(kv["workers_cpu_s_per_step"]) > 0
+    assert float(kv["seed_router_cpu_s"]) > 0, "the router ran in front of the engines (on with --workers)"
     assert "killed rollout worker" in out["stdout"]
     metas = _check_batches(tmp_path / "w" / "run", 3)
     assert metas[-1]["worker_restarts_total"] >= 1, out["log"][-3000:]

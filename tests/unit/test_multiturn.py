@@ -183,6 +183,21 @@ def test_swe_episode_through_the_multiturn_driver(tok):
     m = batch_metrics([r.sample(0)])
     assert m["tool_calls"] == 3 and m["tool_errors"] == 2 and m["end/submitted"] == 1
     assert all(isinstance(v, (int, float)) for v in m.values())
+    assert m["swe/grading_errors"] == 0.0 and not [k for k in m if k.endswith("/swe/grading_errors")]
+
+
+def test_a_grading_error_is_counted_and_its_reason_logged(tok, capsys):
+    class Graded(CountEnv):
+        def start(self, task):
+            ep = super().start(task)
+            ep.metrics = lambda: {"swe/grading_errors": 1, "grading_error": "none of the graded tests ran",
+                                  "turns": ep.turns}
+            return ep
+    r = asyncio.run(run_episode(Graded(), {"id": 7}, ScriptedPolicy(tok, ["submit"]), ChatBridge(tok), _limits()))
+    assert r.env_metrics == {"swe/grading_errors": 1.0, "turns": 1.0}
+    assert "task 7: grading error (reward 0.1 kept): none of the graded tests ran" in capsys.readouterr().out
+    m = batch_metrics([r.sample(0)])
+    assert m["swe/grading_errors"] == 1.0 and m["env/turns"] == 1.0
 
 
 class FakeClient:

@@ -132,10 +132,17 @@ def test_prefix_index_lru():
     ix.insert([1, 2, 3])
     assert ix.match([1, 2, 3, 4]) == 3 and ix.match([2, 3]) == 2 and ix.match([9, 1]) == 0
     ix.insert([1])              # 1 is now the most recent
-    ix.insert([4])              # evicts 2
-    assert ix.match([1, 2, 3]) == 1 and len(ix) == 3
+    ix.insert([4])              # evicts 3: a context's blocks go tail first, as vLLM frees them
+    assert ix.match([1, 2, 3]) == 2 and len(ix) == 3
     ix.resize(1)
     assert len(ix) == 1 and ix.match([4]) == 1
+    big = PrefixIndex(64)
+    for c in range(10):          # chains of 16 blocks sharing their first 4: what is held stays a prefix
+        chain = [f"s{k}" for k in range(4)] + [f"c{c}-{k}" for k in range(12)]
+        big.insert(chain)
+        assert big.match(chain) == 16 and len(big) <= 64
+    held = [f"c0-{k}" for k in range(12) if f"c0-{k}" in big._blocks]
+    assert held == [f"c0-{k}" for k in range(len(held))], "an evicted chain keeps a prefix, never a hole"
 
 
 # -- decisions ---------------------------------------------------------------------------------------

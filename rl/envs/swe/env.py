@@ -163,10 +163,10 @@ class Episode:
         return self._reward
 
     def metrics(self) -> dict:
-        # grading_errors: 1 when the grade could not be trusted (its reason: self.grading_error)
+        # swe/grading_errors: 1 when the grade could not be trusted; its reason goes to the log (the driver)
         return {"turns": self.turns, "end_reason": self.end_reason or "open",
                 "seconds": time.monotonic() - self.t0, "reward": self._reward,
-                "grading_errors": int(bool(self.grading_error))}
+                "swe/grading_errors": int(bool(self.grading_error)), "grading_error": self.grading_error}
 
     def close(self):
         self.sandbox.close()
