@@ -14,8 +14,9 @@ per step (seed tokens / rehearsal tokens, at the rehearsal's turns per episode),
 the workers' sum; the busiest worker at the seed is that sum over the seed's worker count
 (`--seed-workers`, default 16: one per 128 episodes in flight, as the seed's own recipe runs its 2048
 episodes in 16 environment-server workers) times the imbalance measured here (busiest / mean).
-`cpu_sum_vs_one_process` is CPU per generated batch token of centre + workers over that of one process
-(a run with rollout_workers = 0 of the same size in the same invocation, or `--baseline-cpu-per-token`).
+`cpu_sum_vs_one_process` is CPU per generated batch token of centre + workers (+ the router, when it ran)
+over that of one process (+ its router: a run with rollout_workers = 0 of the same size in the same
+invocation, or `--baseline-cpu-per-token`).
 
 The router (`--router`, on with `--workers`): the router role as the plan starts it, in front of the
 engines. Its CPU from /proc at the last batch, less its CPU when it wrote router.json (start-up), over the
@@ -113,7 +114,12 @@ def keys(central_cpu: float, t: dict, n_steps: int, tokens: float, seed_tokens: 
         busiest = w["sum"] * scale / seed_workers * imbalance
     else:   # one process does everything
         busiest = central_cpu * scale
-    per_token = (central_cpu + w["sum"]) / tokens
+    # the router's CPU counts with the rollout side's when it ran (routing moves into the workers with
+    # inference.routing.in_workers: the same work in another process)
+    router = 0.0
+    if "router_pid" in t and t["steps"][max(t["steps"])].get("router") is not None:
+        router = (t["steps"][max(t["steps"])]["router"] - t["router_base"]) / n_steps
+    per_token = (central_cpu + w["sum"] + router) / tokens
     # the centre's steady state: its CPU from the first batch to the last over the batches between (what
     # it does after the base sample but before its first batch, e.g. clients' TLS contexts and the
     # router's wait, is start-up that does not grow with the step; it was up to 1 s a step here)
@@ -136,6 +142,8 @@ def one_process_per_token(t: dict) -> float:
     from rl.contract.batch import RolloutBatch
     steps = sorted(t["steps"])
     cpu = (t["steps"][steps[-1]]["cpu"] - t["base"]["cpu"] - t["startup_cpu"]) / len(steps)
+    if "router_pid" in t and t["steps"][steps[-1]].get("router") is not None:   # its router too (keys())
+        cpu += (t["steps"][steps[-1]]["router"] - t["router_base"]) / len(steps)
     tokens = statistics.median(len(RolloutBatch.load(exchange.step_dir(t["run_dir"], "rollouts", n)).tokens)
                                for n in steps)
     return cpu / tokens

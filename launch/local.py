@@ -204,8 +204,10 @@ class _Progress:
         if self.live is not None:
             from rich.markup import escape   # a log line is text, not markup
             bar_n = int(20 * self.trained / max(self.max_steps, 1))
+            r = self.last.get("reward_mean")   # none before the first step: `-`, not a measured 0.000
+            reward = f"{r:.3f}" if isinstance(r, (int, float)) else "-"
             self.live.update(f"[bold][{'#' * bar_n}{'.' * (20 - bar_n)}][/bold] {self.trained}/{self.max_steps} "
-                             f"reward {self.last.get('reward_mean', 0):.3f}  {self.timing(now)}  {escape(phase)}")
+                             f"reward {reward}  {self.timing(now)}  {escape(phase)}")
 
     def close(self) -> None:
         if self.live is not None:
@@ -222,7 +224,11 @@ def recorded_processes(run_dir: Path) -> list[Recorded]:
         out += [Recorded(f"role {r}", launcher.host, pid, launcher.started, run_dir)
                 for r, pid in launcher.roles.items()]
     seen = {(r.host, r.pid) for r in out}
-    for rec in RoleRecord.read_all(run_dir):
+    refused: list[str] = []
+    recs = RoleRecord.read_all(run_dir, refused)
+    for line in refused:   # not counted as this run's: said, so a planted or stale record is seen
+        print(f"launch: {line}; not counted as one of this run's processes", file=sys.stderr, flush=True)
+    for rec in recs:
         if (rec.host, rec.pid) not in seen:
             out.append(Recorded(f"role {rec.role}", rec.host, rec.pid, rec.time, run_dir))
     return out

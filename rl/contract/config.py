@@ -137,6 +137,9 @@ class RoutingConfig:
     metrics_stale_s: float = 5.0
     fail_after: int = 2                 # failed polls before a server counts as down
     request_timeout_s: float = 7200.0
+    # rollout workers route their own requests (the same policy, the servers' /metrics), not through the
+    # router process (rl/orchestrator/local_routing.py); mixed servers only
+    in_workers: bool = True
 
 
 @dataclass

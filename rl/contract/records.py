@@ -141,15 +141,19 @@ class RoleRecord:
         safefs.append_bytes(paths.role_history(run_dir), (json.dumps(dataclasses.asdict(self)) + "\n").encode())
 
     @classmethod
-    def read_all(cls, run_dir) -> list["RoleRecord"]:
+    def read_all(cls, run_dir, refused: list | None = None) -> list["RoleRecord"]:
+        """Every role record that can be believed; each one that cannot (an older layout, or refused by the
+        trust rule: another user's, writable by others, not a regular file) is left out and, with
+        `refused`, its one-line reason appended there for the caller to say."""
         out = []
         for f in sorted(paths.roles_dir(run_dir).glob("*.json")):
             if f.name == paths.trainer_exit(run_dir).name:
                 continue
             try:
                 out.append(_read(cls, f))
-            except (RecordError, OSError):
-                continue  # a record of an older layout: status shows the others
+            except (RecordError, OSError) as e:
+                if refused is not None:
+                    refused.append(" ".join(str(e).split()) or f"{f}: {type(e).__name__}")
         return out
 
 

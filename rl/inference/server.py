@@ -213,12 +213,17 @@ def wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, 
 
 def _wait_start(run_dir: Path, index: int, stop: runtime.StopFlag) -> tuple[int, bool] | None:
     want = _incarnation(run_dir)
-    path, announced = start_record(run_dir, index), False
+    path, announced, said = start_record(run_dir, index), False, set()
     while not stop.is_set() and not runtime.is_done(run_dir):
         try:
             rec = ReplicaStart.read(run_dir, index)
-        except (OSError, RecordError):  # another layout (an older incarnation's): not this one's record
+        except FileNotFoundError:
             rec = None
+        except (OSError, RecordError) as e:   # another layout, or refused by the trust rule: said once
+            rec, line = None, " ".join(str(e).split())
+            if line not in said:
+                said.add(line)
+                log(f"refused: {line}; still waiting for this incarnation's record")
         if rec is not None and (rec.restart, rec.job) == want:
             return rec.version, rec.fp8
         if not announced:

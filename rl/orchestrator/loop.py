@@ -360,15 +360,21 @@ class Orchestrator:
             return   # episodes in this process, as ever (the workers' modules are not even imported)
         from rl.orchestrator import parts
         from rl.orchestrator.workers import RolloutWorkers, rollout_workers
+        from rl.orchestrator.local_routing import wanted
         n = rollout_workers(self.cfg)
         sp = self.sampler
         self.workers = RolloutWorkers(sp, n, self.stop)
+        plan = load_plan(self.run_dir)
+        local = sp.router_client is not None and wanted(self.cfg, [r.pool for r in plan.inference.replicas])
+        if local:
+            log(ROLE, "rollout workers route their own requests (inference.routing.in_workers): the router "
+                      "carries the evaluation's")
         try:
             await self.workers.start(
                 servers=[(c.url, secret) for c in sp.clients],
                 router=(sp.router_client.url, secret) if sp.router_client is not None else None,
                 tokenizer=str(exchange.step_dir(self.run_dir, paths.ASSETS, 0)), timeout=timeout,
-                parts_dir=str(parts.reset(self.run_dir)))
+                parts_dir=str(parts.reset(self.run_dir)), local_routing=local)
         except BaseException:
             await self.workers.aclose()
             raise

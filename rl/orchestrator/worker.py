@@ -91,7 +91,10 @@ class Worker:
         sp.rid_prefix = f"hetrl-w{self.index}-{os.getpid()}"   # request ids unique on a shared server
         timeout = float(hello["timeout"])
         sp.clients = [InferenceClient(url, secret=sec, timeout=timeout) for url, sec in hello["servers"]]
-        if hello.get("router"):
+        if hello.get("router") and hello.get("local_routing"):   # its own routing: rl.orchestrator.local_routing
+            from rl.orchestrator.local_routing import LocalRouter
+            sp.router_client = LocalRouter(hello["servers"], cfg.inference.routing, timeout)
+        elif hello.get("router"):
             url, sec = hello["router"]
             sp.router_client = router_client_class()(url, secret=sec, timeout=timeout)
         sp.tokenizer = AutoTokenizer.from_pretrained(hello["tokenizer"])
@@ -170,6 +173,8 @@ class Worker:
                     (self.sampler.gate.set if msg[1] else self.sampler.gate.clear)()
                 elif kind == "reload":
                     self.sampler.tracker.on_reload(int(msg[1]), msg[2])
+                    if hasattr(self.sampler.router_client, "reset_index"):   # local routing: caches dropped
+                        self.sampler.router_client.reset_index()
                 elif kind == "stop":
                     return 0
                 else:

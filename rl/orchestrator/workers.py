@@ -131,13 +131,15 @@ class RolloutWorkers:
         return [c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None]
 
     # --- processes -----------------------------------------------------------------------------
-    async def start(self, *, servers: list, router: Any, tokenizer: str, timeout: float, parts_dir: str) -> None:
+    async def start(self, *, servers: list, router: Any, tokenizer: str, timeout: float, parts_dir: str,
+                    local_routing: bool = False) -> None:
         """Start every worker and wait until each is ready. `servers`: [(url, secret)]; `router`:
         (url, secret) or None; `tokenizer`: the directory to load it from; `parts_dir`: where the workers
-        write their samples' routes (rl.orchestrator.parts)."""
+        write their samples' routes (rl.orchestrator.parts); `local_routing`: each worker routes its own
+        requests over `servers` instead of sending them through the router (rl.orchestrator.local_routing)."""
         self.parts_dir = str(parts_dir)
         self.hello = {"cfg": self.cfg, "servers": list(servers), "router": router, "tokenizer": str(tokenizer),
-                      "timeout": float(timeout), "parts": self.parts_dir}
+                      "timeout": float(timeout), "parts": self.parts_dir, "local_routing": bool(local_routing)}
         for c in self.children:
             self._spawn(c)
         await asyncio.gather(*(self._wait_ready(c) for c in self.children))

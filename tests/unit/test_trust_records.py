@@ -273,7 +273,7 @@ def test_cancel_signals_nothing_a_refused_local_record_names(local_run, sleeper,
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_status_names_a_refused_role_record_and_cancel_does_not_take_it(local_run, sleeper, how):
+def test_status_names_a_refused_role_record_and_cancel_does_not_take_it(local_run, sleeper, capsys, how):
     from launch.local import recorded_processes
     from launch.status import status
     RoleRecord(role="trainer", host=socket.gethostname(), pid=sleeper.pid,
@@ -284,12 +284,16 @@ def test_status_names_a_refused_role_record_and_cancel_does_not_take_it(local_ru
     said = [ln for ln in st["unreadable"] if "trainer.json" in ln]
     assert len(said) == 1
     one_line_naming(said[0], "roles/trainer.json", how)
+    capsys.readouterr()
     assert sleeper.pid not in [r.pid for r in recorded_processes(local_run)]
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "trainer.json" in ln]
+    assert len(err) == 1 and "not counted as one of this run's processes" in err[0], err
+    one_line_naming(err[0], "roles/trainer.json", how)
 
 
 # -- versions, epochs and what a replica's nodes load ------------------------------------------------------
 @pytest.mark.parametrize("how", HOWS)
-def test_a_replica_node_never_loads_what_a_refused_start_record_names(run, how):
+def test_a_replica_node_never_loads_what_a_refused_start_record_names(run, capsys, how):
     from rl.inference import server
     from rl.runtime import StopFlag
     ReplicaStart(version=7, fp8=True, restart=0, job=os.environ.get("SLURM_JOB_ID")).write(run, 0)
@@ -300,6 +304,9 @@ def test_a_replica_node_never_loads_what_a_refused_start_record_names(run, how):
     stop = StopFlag(install=False)
     threading.Timer(1.0, stop.set).start()
     assert server._wait_start(run, 0, stop) is None   # waited for a record of its own, never took this one
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "replica_0.start.json" in ln and "refused" in ln]
+    assert len(said) == 1, said   # said once, not at every poll
+    one_line_naming(said[0], "inference/replica_0.start.json", how)
 
 
 @pytest.mark.parametrize("how", HOWS)
