@@ -43,7 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rl.inference import routing  # noqa: E402
+from rl.contract import routing  # noqa: E402
 from rl.orchestrator import client  # noqa: E402
 
 SEED = {"rollouts": 256, "mean_tokens": 65536, "turns": 50, "routers": 1}

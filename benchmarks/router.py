@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rl.inference.proxy import Router  # noqa: E402
-from rl.inference.routing import BACKEND_HEADER, SESSION_HEADER, RouterConfig, parse_metrics  # noqa: E402
+from rl.contract.routing import BACKEND_HEADER, SESSION_HEADER, RouterConfig, parse_metrics  # noqa: E402
 
 MODEL_NAME = "policy"
 

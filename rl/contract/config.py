@@ -118,7 +118,7 @@ class TrainerConfig:
 
 @dataclass
 class RoutingConfig:
-    """The KV-aware router's policy (rl.inference.routing), when inference.router is on."""
+    """The KV-aware router's policy (rl.contract.routing), when inference.router is on."""
     policy: str = "kv"                  # kv | round_robin (the baseline)
     block_tokens: int = 16              # token ids per hashed block
     text_block_chars: int = 64          # characters per hashed block of a text prompt

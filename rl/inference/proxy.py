@@ -8,7 +8,7 @@ counts and from each server's Prometheus `/metrics` (polled): `vllm:num_requests
 `vllm:prefix_cache_hits` (counters, `_total` in the exposition) and `vllm:cache_config_info` (KV
 capacity: num_gpu_blocks x block_size, which bounds the router's prefix index per server).
 
-The decision logic (prefix bookkeeping, scores, prefill/decode) is rl.inference.routing.
+The decision logic (prefix bookkeeping, scores, prefill/decode) is rl.contract.routing.
 
 HTTP API (the router speaks the servers' API, so `InferenceClient(router_url)` works unchanged):
   POST /inference/v1/generate, /v1/completions, /v1/chat/completions   routed (stream passes through)
@@ -65,7 +65,7 @@ import msgspec
 
 from rl.inference.discovery import Refusals, discover
 from rl.inference.auth import bearer, is_open, token_ok
-from rl.inference.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
+from rl.contract.routing import (BACKEND_HEADER, FANOUT_PATHS, PREFILL_HEADER, ROUTED_PATHS,
                                   SESSION_HEADER, Backend, Decision, NoBackend, Policy, PrefixIndex,
                                   RequestKey, RouterConfig, Unreachable, completion_key, decode_answer,
                                   decode_body, parse_metrics, prefill_body, reported_cached_tokens, request_key)

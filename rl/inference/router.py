@@ -24,7 +24,7 @@ from pathlib import Path
 from rl.contract.elastic import given_up
 from rl.inference.discovery import Refusals, discover
 from rl.inference.proxy import Router
-from rl.inference.routing import RouterConfig
+from rl.contract.routing import RouterConfig
 
 
 def parse(argv):

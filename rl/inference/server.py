@@ -380,7 +380,7 @@ def drain(run_dir: Path, index: int, pid: int, url: str, secret: str | None, tim
     nothing new, the orchestrator loads no more weights into it), then wait until the requests it holds
     are answered (vLLM's running + waiting gauges read 0 twice, a router poll apart), at most `timeout`
     (orchestrator.request_timeout_s, what a request may take anyway)."""
-    from rl.inference.routing import parse_metrics
+    from rl.contract.routing import parse_metrics
     withdraw_record(run_dir, index, pid, why="draining")
     deadline, idle = time.monotonic() + timeout, 0
     time.sleep(1.0)   # a request the router dispatched just before it saw the record go

@@ -6,7 +6,7 @@ engines: 0.38-0.51 us of its CPU per context token, 138-217 s per step at the se
 most of it the HTTP proxying itself (an aiohttp request in and one out per turn, a turn's routes as base64
 read and written back: 13 GB per seed step). One process cannot carry that (issue 50 item 6). So with
 rollout workers the routing decision is made in each worker and the request goes straight to the server:
-the same policy (rl.inference.routing.Policy: sessions, the prefix index, loads, the kv and round_robin
+the same policy (rl.contract.routing.Policy: sessions, the prefix index, loads, the kv and round_robin
 policies, the same `inference.routing` settings) over the servers' own /metrics, polled by the worker
 every `poll_interval_s`. The per-context-token work (the prompt's block hashes) is then spread over the
 workers, and nothing is proxied.
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rl.inference.routing import (Backend, NoBackend, Policy, PrefixIndex, RouterConfig, extend_key,
+from rl.contract.routing import (Backend, NoBackend, Policy, PrefixIndex, RouterConfig, extend_key,
                                   parse_metrics, request_key)
 from rl.orchestrator.client import SESSION, InferenceClient, InferenceError
 

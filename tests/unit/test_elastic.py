@@ -18,7 +18,7 @@ from rl.contract.plan import Plan, PlanFormatError
 from rl.contract.records import ServerRecord
 from rl.contract.elastic import server_records as records
 from rl.inference.proxy import Router
-from rl.inference.routing import RouterConfig
+from rl.contract.routing import RouterConfig
 
 
 class DyingServer(FakeServer):

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rl.contract.config import RoutingConfig
-from rl.inference.routing import request_key
+from rl.contract.routing import request_key
 from rl.orchestrator.client import SESSION, Completion
 from rl.orchestrator.local_routing import LocalRouter, wanted
 

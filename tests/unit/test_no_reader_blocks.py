@@ -106,7 +106,7 @@ def _server_view(run):
 def _router_poll(run):
     """The router's discovery and /metrics poll in run-directory mode (its event loop)."""
     from rl.inference.proxy import Router
-    from rl.inference.routing import RouterConfig
+    from rl.contract.routing import RouterConfig
 
     async def case():
         router = Router([], RouterConfig(poll_interval_s=60), run_dir=run, log=lambda m: None)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl.inference import routing
+from rl.contract import routing
 from rl.orchestrator import client
 from rl.orchestrator.client import InferenceError
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.inference.routing import (PREFILL_KV_PARAMS, Backend, Policy, PrefixIndex,
+from rl.contract.routing import (PREFILL_KV_PARAMS, Backend, Policy, PrefixIndex,
                                   RequestKey, RouterConfig, completion_key, decode_body, parse_metrics,
                                   prefill_body, request_key, token_block_hashes)
 
@@ -249,7 +249,7 @@ def test_round_robin_ignores_prefixes():
 
 
 def test_unhealthy_and_excluded_servers_are_skipped():
-    from rl.inference.routing import NoBackend
+    from rl.contract.routing import NoBackend
     p, pool = Policy(CFG), servers(2)
     d = run_turn(p, pool, tok_key(range(40), "a"))
     d.backend.healthy = False

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from rl.inference.proxy import Router
-from rl.inference.routing import PREFILL_KV_PARAMS, SESSION_HEADER, RouterConfig
+from rl.contract.routing import PREFILL_KV_PARAMS, SESSION_HEADER, RouterConfig
 from test_router import METRICS  # a vLLM /metrics page, as the decision tests read it
 
 

@@ -146,7 +146,7 @@ def test_the_router_polls_only_servers_whose_record_passes(run, listener, how):
     """A planted server_<i>.json got the run's secret on the router's first /metrics poll and its share
     of the generation; now it is absent, said once however often the router looks."""
     from rl.inference.proxy import Router
-    from rl.inference.routing import RouterConfig
+    from rl.contract.routing import RouterConfig
     secret = read_secret(run)
     good, bad = listener(), listener()
     _server(run, 0, good.url)

@@ -1,4 +1,6 @@
-"""Routing decisions of the KV-aware router (rl.inference.router): pure logic, no HTTP.
+"""Routing decisions of the KV-aware router (rl.inference.router): pure logic, no HTTP. In rl.contract
+because two roles make them: the router, and the rollout workers that route their own requests
+(rl/orchestrator/local_routing.py).
 
 Where prefixes live is the router's bookkeeping: every prompt is cut into blocks (`block_tokens` token
 ids, `text_block_chars` characters of a text prompt, one message of a chat) and hashed as a chain
