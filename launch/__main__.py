@@ -380,7 +380,8 @@ def main(argv=None) -> int:
     sub.add_parser("cancel", **_texts("cancel")).add_argument("run_dir")
     s = sub.add_parser("logs", **_texts("logs"))
     s.add_argument("run_dir")
-    s.add_argument("role", help="trainer, inference, orchestrator, router, ... (the names in RUN_DIR/logs)")
+    s.add_argument("role", help="trainer, orchestrator, router, inference_0, ... (the names in RUN_DIR/logs: a role "
+                                "name for one process, inference_<i> per replica)")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
     import importlib
     for name in ("export", "report", "doctor", "scale"):
