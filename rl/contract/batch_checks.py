@@ -145,52 +145,46 @@ def _route_head(path, fd: int, size: int | None, row: list) -> tuple[bytes, np.d
 def read_routes(paths: list, wants: list, lengths: list, row: list) -> tuple[np.ndarray, int]:
     """Route files (one sample's routed-expert rows each) read straight into one [tokens, layers, top_k]
     array, in order: no copy after the read. `wants`: per file (sha256, size) from the manifest or None;
-    each file is hashed as read and checked against its sample's length. (rows, bytes read)."""
-    heads = []
-    for path, want, m in zip(paths, wants, lengths):
-        fd = safefs.open_read(path)
-        try:
+    each file is opened once (its head read, then its rows), hashed as read and checked against its
+    sample's length. (rows, bytes read)."""
+    opened = []
+    try:
+        for path, want, m in zip(paths, wants, lengths):
+            fd = safefs.open_read(path)
+            opened.append(fd)
             head, dt, rows = _route_head(path, fd, None if want is None else want[1], row)
-        finally:
-            os.close(fd)
-        if rows != m:
-            raise InvalidBatch(f"{path}: {rows} rows of routed experts, its sample has {int(m)} tokens")
-        heads.append((head, dt))
-    dtype = max((dt for _, dt in heads), key=lambda d: d.itemsize, default=np.dtype(np.uint8))
-    # allocated as read_file allocates (a bytearray): the plan's read rate (launch.dataplane.measure_rates)
-    # is read_file's, so both of a rank's reads run at the rate it predicts with
-    rows_n = int(sum(lengths))
-    out = np.frombuffer(bytearray(rows_n * row[0] * row[1] * dtype.itemsize), dtype).reshape(rows_n, *row)
-    off, n_read = 0, 0
-    for path, want, m, (head, dt) in zip(paths, wants, lengths, heads):
-        fd = safefs.open_read(path)
-        try:
-            again, _, _ = _route_head(path, fd, None if want is None else want[1], row)
-            if again != head:
-                raise ChecksumMismatch(f"{path}: changed while it was read")
-            if dt == dtype:   # straight into its place in the rank's array
-                dst = memoryview(out[off:off + m].reshape(-1).view(np.uint8))
-            else:             # a narrower file beside wider ones: read, then widened into place
-                tmp = np.empty(m * row[0] * row[1], dt)
-                dst = memoryview(tmp.view(np.uint8))
+            if rows != m:
+                raise InvalidBatch(f"{path}: {rows} rows of routed experts, its sample has {int(m)} tokens")
+            opened[-1] = (fd, head, dt)
+        dtype = max((dt for _, _, dt in opened), key=lambda d: d.itemsize, default=np.dtype(np.uint8))
+        # allocated as read_file allocates (a bytearray): the plan's read rate (launch.dataplane.measure_rates)
+        # is read_file's, so both of a rank's reads run at the rate it predicts with
+        rows_n = int(sum(lengths))
+        out = np.frombuffer(bytearray(rows_n * row[0] * row[1] * dtype.itemsize), dtype).reshape(rows_n, *row)
+        off, n_read = 0, 0
+        for path, want, m, (fd, head, dt) in zip(paths, wants, lengths, opened):
+            # straight into its place in the rank's array; a narrower file beside wider ones is widened after
+            tmp = None if dt == dtype else np.empty(m * row[0] * row[1], dt)
+            dst = memoryview((out[off:off + m].reshape(-1) if tmp is None else tmp).view(np.uint8))
             done = 0
             while done < len(dst):
                 got = os.preadv(fd, [dst[done:]], len(head) + done)
                 if got == 0:
                     raise ChecksumMismatch(f"{path}: ended after {len(head) + done} bytes")
                 done += got
-        finally:
-            os.close(fd)
-        if want is not None:
-            h = hashlib.sha256(head)
-            h.update(dst)
-            if h.hexdigest() != want[0]:
-                raise ChecksumMismatch(f"{path}: sha256 does not match the manifest")
-        if dt != dtype:
-            out[off:off + m] = tmp.reshape(m, *row)
-        off += m
-        n_read += len(head) + len(dst)
-    return out, n_read
+            if want is not None:
+                h = hashlib.sha256(head)
+                h.update(dst)
+                if h.hexdigest() != want[0]:
+                    raise ChecksumMismatch(f"{path}: sha256 does not match the manifest")
+            if tmp is not None:
+                out[off:off + m] = tmp.reshape(m, *row)
+            off += m
+            n_read += len(head) + len(dst)
+        return out, n_read
+    finally:
+        for x in opened:
+            os.close(x if isinstance(x, int) else x[0])
 
 
 def read_safetensors(path, data: memoryview) -> dict[str, np.ndarray]:

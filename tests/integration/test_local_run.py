@@ -105,6 +105,19 @@ def test_debug_run_learns_and_leaves_a_consistent_run_dir(debug_run):
     assert json.loads((run_dir / "roles" / "trainer.json").read_text())["extra"]["torch_threads"] == threads
 
 
+def _launch_until(run_dir, overrides, steps: int, rng: random.Random):
+    """Launch and wait until `steps` steps are trained, then a random moment within the next one (up to 2
+    s); the launcher's Popen."""
+    p = _launch(run_dir, *overrides)
+    deadline = time.monotonic() + 600
+    while len(read_metrics(run_dir)) < steps:
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "run too slow to reach the kill step"
+        time.sleep(0.2)
+    time.sleep(rng.uniform(0.0, 2.0))
+    return p
+
+
 def _kill_everything(launcher: subprocess.Popen, run_dir: Path) -> list[int]:
     """SIGKILL the launcher and every role's process group at once (the roles die as on a lost node or
     under the OOM killer); returns the pids of the roles' vLLM servers, which are not killed here: a
@@ -166,13 +179,7 @@ def test_sigkill_everything_then_rerun_trains_every_batch_once(tmp_path):
                  f"eval.tasks_file={_eval_tasks(tmp_path)}", "eval.tasks=4")
     rng = random.Random(os.getpid())
     kill_after = rng.randint(2, 5)  # a random step, and a random moment within it, as the issue asks
-    p = _launch(run_dir, *overrides)
-    deadline = time.monotonic() + 600
-    while len(read_metrics(run_dir)) < kill_after:
-        assert p.poll() is None, p.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "run too slow to reach the kill step"
-        time.sleep(0.2)
-    time.sleep(rng.uniform(0.0, 2.0))
+    p = _launch_until(run_dir, overrides, kill_after, rng)
     servers = _kill_everything(p, run_dir)
     killed_at = len(read_metrics(run_dir))
     assert servers, "no vLLM server recorded before the kill"

@@ -14,7 +14,6 @@ import os
 import random
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -22,27 +21,12 @@ from rl import exchange
 from rl.contract.batch import RolloutBatch
 from rl.contract.config import load
 from rl.metrics import read_metrics
+from _fault_inject import worker_pids  # benchmarks/ (on sys.path): the fault trials' own count of workers
 # the sibling's helpers (tests/integration is on sys.path in pytest's default import mode, as conftest uses)
-from test_local_run import DRAIN_S, _alive, _eval_tasks, _finish, _kill_everything, _launch, _newest_state
+from test_local_run import DRAIN_S, _alive, _eval_tasks, _finish, _kill_everything, _launch, _launch_until, _newest_state
 
 pytestmark = [pytest.mark.slow]
 WORKERS = 2
-
-
-def _workers_of(pid: int) -> list[int]:
-    """The live rollout worker processes (`-m rl.orchestrator.worker`) whose parent is `pid`."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            if int(ppid) == pid and state not in "ZX" and b"rl.orchestrator.worker" in (d / "cmdline").read_bytes():
-                out.append(int(d.name))
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def test_sigkill_everything_with_rollout_workers_then_rerun_trains_every_batch_once(tmp_path):
@@ -58,15 +42,9 @@ def test_sigkill_everything_with_rollout_workers_then_rerun_trains_every_batch_o
                  f"orchestrator.rollout_workers={WORKERS}")
     rng = random.Random(os.getpid())
     kill_after = rng.randint(2, 5)
-    p = _launch(run_dir, *overrides)
-    deadline = time.monotonic() + 600
-    while len(read_metrics(run_dir)) < kill_after:
-        assert p.poll() is None, p.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "run too slow to reach the kill step"
-        time.sleep(0.2)
-    time.sleep(rng.uniform(0.0, 2.0))
+    p = _launch_until(run_dir, overrides, kill_after, rng)
     orch = json.loads((run_dir / "roles" / "orchestrator.json").read_text())["pid"]
-    workers = _workers_of(orch)
+    workers = worker_pids(orch)
     assert len(workers) == WORKERS, f"orchestrator pid {orch} has rollout workers {workers}, not {WORKERS}"
     servers = _kill_everything(p, run_dir)
     killed_at = len(read_metrics(run_dir))
